@@ -1,0 +1,95 @@
+"""`@triton.jit` helpers shared by every attention kernel (prefill, decode, paged, varlen).
+
+Written once so their semantics cannot drift between kernels:
+
+- `mask_scores`: the length mask and the bottom-right causal mask.
+- `online_softmax`: one step of the streaming softmax (FlashAttention-2, base 2).
+- `finalize`: the epilogue that turns (acc, m_i, l_i) into the output and its log-sum-exp.
+- `load_rows`: a [rows, HEAD_DIM_PAD] tile load masked by row count and by head-dim padding.
+
+Notation: m_i is the running row max of the *scaled* scores in base 2 (scores * softmax_scale *
+log2(e)), l_i the running sum of exp2(scaled score - m_i), acc the unnormalised [rows, D] output.
+
+[Note] Fully masked rows. A query row that sees no key keeps m_i = -inf and l_i = 0. `online_softmax`
+with MASKED=True subtracts 0 instead of -inf, so no `-inf - -inf = NaN` appears; `finalize` turns
+l_i = 0 into an output of zeros and an LSE of +inf (flash-attn's convention), so every consumer of
+the LSE (backward: exp(s - lse) = 0; split merges: weight exp(lse_i - lse) = 0) gives zeros too.
+"""
+
+import triton
+import triton.language as tl
+
+LN2 = tl.constexpr(0.6931471805599453)  # ln(2): log(x) == log2(x) * LN2
+
+
+@triton.jit
+def mask_scores(qk, offs_n, n_end, row_limit, IS_CAUSAL: tl.constexpr):
+    """Set scores of keys at or past `n_end` (and, when causal, past each row's limit) to -inf.
+
+    row_limit[r] is the last key index row r may see: for a query at position i of seqlen_q over
+    seqlen_k keys, bottom-right aligned, it is i + seqlen_k - seqlen_q.
+    """
+    mask = offs_n[None, :] < n_end
+    if IS_CAUSAL:
+        mask = mask & (offs_n[None, :] <= row_limit[:, None])
+    return tl.where(mask, qk, float("-inf"))
+
+
+@triton.jit
+def online_softmax(qk, m_i, l_i, acc, qk_scale, MASKED: tl.constexpr):
+    """One FlashAttention-2 step over a block of raw scores qk [rows, BLOCK_N].
+
+    Returns p = exp2(scaled qk - m_new) [rows, BLOCK_N] fp32, the new m_i and l_i, and acc rescaled
+    by exp2(m_old - m_new); the caller adds p @ v to acc. qk_scale = softmax_scale * log2(e) > 0.
+    MASKED=True when qk may hold -inf (whole rows included), see the module's [Note].
+    """
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # [rows]
+    if MASKED:
+        m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new_safe = m_new
+    p = tl.math.exp2(qk * qk_scale - m_new_safe[:, None])  # [rows, BLOCK_N]
+    alpha = tl.math.exp2(m_i - m_new_safe)  # [rows]
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    return p, m_new, l_i, acc
+
+
+@triton.jit
+def finalize(acc, m_i, l_i):
+    """Normalise acc and compute the natural-log LSE; rows that saw no key give 0 and +inf."""
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(l_safe)) * LN2)
+    return out, lse
+
+
+@triton.jit
+def load_rows(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+              CHECK_ROWS: tl.constexpr):
+    """Load a [len(rows), HEAD_DIM_PAD] tile; rows >= n_rows and padded head dims read as 0.
+
+    CHECK_ROWS=False (a block known to be in bounds) and HEAD_DIM == HEAD_DIM_PAD give an
+    unmasked load, which the compiler vectorises best.
+    """
+    if CHECK_ROWS:
+        if HEAD_DIM == HEAD_DIM_PAD:
+            tile = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+        else:
+            tile = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    else:
+        if HEAD_DIM == HEAD_DIM_PAD:
+            tile = tl.load(ptrs)
+        else:
+            tile = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    return tile
+
+
+@triton.jit
+def store_rows(ptrs, tile, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
+    """Store a [len(rows), HEAD_DIM_PAD] tile, skipping rows >= n_rows and padded head dims."""
+    if HEAD_DIM == HEAD_DIM_PAD:
+        tl.store(ptrs, tile, mask=rows[:, None] < n_rows)
+    else:
+        tl.store(ptrs, tile, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM))

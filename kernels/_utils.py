@@ -1,0 +1,171 @@
+"""Environment detection and input validation shared by every public entry point.
+
+Nothing here queries the GPU driver at import time: `triton.runtime.driver.active` fails on a
+machine without a GPU even under the interpreter, so every device query lives inside a function
+and is cached per device.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+from typing import Optional
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MIN_HEAD_DIM, MAX_HEAD_DIM, HEAD_DIM_MULTIPLE = 16, 256, 8
+
+
+# --------------------------------------------------------------------------------------------
+# Environment
+# --------------------------------------------------------------------------------------------
+def is_interpreter() -> bool:
+    """True when Triton kernels run under the CPU interpreter (TRITON_INTERPRET=1).
+
+    The variable must be set before `triton` decorates the kernels, i.e. before `import kernels`.
+    """
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def has_gpu() -> bool:
+    """True when a CUDA device is usable by PyTorch."""
+    return torch.cuda.is_available()
+
+
+def default_device() -> torch.device:
+    """Where tests, notebooks and benchmarks put their tensors: cuda if present, else cpu."""
+    return torch.device("cuda") if has_gpu() else torch.device("cpu")
+
+
+@functools.lru_cache(maxsize=None)
+def device_capability(index: int) -> tuple[int, int]:
+    """Compute capability of CUDA device `index`, cached."""
+    return torch.cuda.get_device_capability(index)
+
+
+@functools.lru_cache(maxsize=None)
+def device_smem_bytes(index: int) -> int:
+    """Largest opt-in shared memory per block of CUDA device `index` (L4: 99 KB, H100/H200: 227 KB)."""
+    props = torch.cuda.get_device_properties(index)
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024)
+
+
+@functools.lru_cache(maxsize=None)
+def device_sm_count(index: int) -> int:
+    """Number of streaming multiprocessors of CUDA device `index`, cached."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def gpu_name() -> str:
+    """Name of the present GPU, or 'cpu-interpreter' / 'cpu' without one."""
+    if has_gpu():
+        return torch.cuda.get_device_name(torch.cuda.current_device())
+    return "cpu-interpreter" if is_interpreter() else "cpu"
+
+
+def env_summary() -> dict:
+    """Versions and hardware, printed by notebooks and stored with every benchmark row."""
+    import triton
+
+    summary = {
+        "gpu": gpu_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "interpreter": is_interpreter(),
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if has_gpu() else None,
+    }
+    if has_gpu():
+        index = torch.cuda.current_device()
+        summary["capability"] = "%d.%d" % device_capability(index)
+        summary["sm_count"] = device_sm_count(index)
+        summary["smem_per_block_kb"] = device_smem_bytes(index) // 1024
+    return summary
+
+
+# --------------------------------------------------------------------------------------------
+# Validation: every public function calls these before allocating or launching anything.
+# --------------------------------------------------------------------------------------------
+def _validate_tensor(name: str, t, ndim: int, layout: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"Expected {name} to be a torch.Tensor, got {type(t).__name__}.")
+    if t.dim() != ndim:
+        raise ValueError(
+            f"Expected {name} to have {ndim} dims {layout}, got {t.dim()} dims with shape {tuple(t.shape)}."
+        )
+    if t.numel() > 0 and t.stride(-1) != 1:
+        raise ValueError(
+            f"Expected {name} to have a contiguous last dim (stride 1), got strides {tuple(t.stride())}; "
+            f"call {name}.contiguous() or pass a view whose head dim is contiguous."
+        )
+
+
+def _validate_dtypes(**tensors: Optional[torch.Tensor]) -> torch.dtype:
+    named = {k: v for k, v in tensors.items() if v is not None}
+    first_name, first = next(iter(named.items()))
+    for name, t in named.items():
+        if t.dtype != first.dtype:
+            raise ValueError(
+                f"Expected all inputs to share one dtype, got {first_name}.dtype={first.dtype} "
+                f"and {name}.dtype={t.dtype}."
+            )
+    if first.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"Expected dtype float16, bfloat16 or float32, got {first.dtype}.")
+    if first.dtype == torch.bfloat16 and is_interpreter():
+        raise NotImplementedError(
+            "bfloat16 is not supported under the Triton interpreter (TRITON_INTERPRET=1): its tl.dot "
+            "gives wrong results for bf16 inputs. Use float16/float32 on the CPU; bf16 runs on a GPU."
+        )
+    return first.dtype
+
+
+def _validate_devices(**tensors: Optional[torch.Tensor]) -> torch.device:
+    named = {k: v for k, v in tensors.items() if v is not None}
+    first_name, first = next(iter(named.items()))
+    for name, t in named.items():
+        if t.device != first.device:
+            raise ValueError(
+                f"Expected all inputs on one device, got {first_name} on {first.device} and {name} on {t.device}."
+            )
+    if first.device.type == "cuda":
+        return first.device
+    if first.device.type == "cpu":
+        if not is_interpreter():
+            raise ValueError(
+                "Got CPU tensors, but Triton kernels need a CUDA device; on a machine without a GPU set "
+                "TRITON_INTERPRET=1 before importing kernels to run them under the Triton interpreter."
+            )
+        return first.device
+    raise ValueError(f"Expected CUDA tensors (or CPU tensors under the interpreter), got device {first.device}.")
+
+
+def _validate_head_dim(head_dim: int) -> None:
+    if head_dim % HEAD_DIM_MULTIPLE != 0 or not (MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM):
+        raise NotImplementedError(
+            f"Expected head_dim to be a multiple of {HEAD_DIM_MULTIPLE} between {MIN_HEAD_DIM} and "
+            f"{MAX_HEAD_DIM}, got {head_dim}."
+        )
+
+
+def _validate_heads(nheads: int, nheads_k: int) -> None:
+    if nheads_k < 1 or nheads % nheads_k != 0:
+        raise ValueError(
+            f"Expected nheads ({nheads}) to be divisible by nheads_k ({nheads_k}); GQA needs whole groups."
+        )
+
+
+def _validate_softmax_scale(softmax_scale: Optional[float], head_dim: int) -> float:
+    if softmax_scale is None:
+        return head_dim**-0.5
+    scale = float(softmax_scale)
+    if not (scale > 0.0 and scale != float("inf")):
+        raise ValueError(f"Expected softmax_scale to be a finite positive number, got {softmax_scale}.")
+    return scale
+
+
+def _validate_dropout(dropout_p: float) -> None:
+    if dropout_p != 0.0:
+        raise NotImplementedError(f"dropout_p={dropout_p} is not supported; only dropout_p=0.0 is implemented.")

@@ -1,0 +1,309 @@
+"""Prefill attention: FlashAttention-2 forward (and backward) for MHA, GQA and MQA in Triton.
+
+Algorithm: FlashAttention-2 (Tri Dao, https://tridao.me/publications/flash2/flash2.pdf) as in the
+Triton fused-attention tutorial (OpenAI kernel team): each program owns BLOCK_M query rows of one
+head, streams the keys and values of that head's KV head in BLOCK_N blocks, and keeps the softmax
+online (running max m_i and sum l_i in base 2), so the [M, N] score matrix never reaches memory.
+The log-sum-exp of each row is saved for the backward pass.
+
+Notation:
+    B batch, H query heads, H_KV key/value heads, G = H // H_KV (group size), M = seqlen_q,
+    N = seqlen_k, D = head dim, D_PAD = next power of two >= D.
+    Query head h reads KV head h // G: MHA is G = 1, MQA is H_KV = 1; K/V are never expanded.
+    m_i running max (base 2) [BLOCK_M], l_i running sum [BLOCK_M], acc [BLOCK_M, D_PAD] fp32.
+
+Supported: fp16/bf16 (fp32 accumulation), fp32 (tf32 matmuls on GPUs, exact under the
+interpreter); head dims that are multiples of 8 in [16, 256] (padded to D_PAD inside the kernel
+with masks); any seqlen_q, seqlen_k (including seqlen_q != seqlen_k and 0); any strides with a
+contiguous last dim; causal masks aligned to the bottom-right corner. Not supported: dropout.
+
+[Note] Masking layout. The KV loop is split in two ranges. Blocks in [0, n_full) are seen whole by
+every row of the query block (in bounds and, when causal, left of the diagonal band): they run
+without any mask. Blocks in [n_full, n_end) are the diagonal band and the ragged tail: their loads
+are bounds-checked and their scores masked. Blocks at or past n_end are never visited, so a causal
+program does about half the work of a non-causal one.
+
+[Note] Causal with M != N. Query i sees key j iff j <= i + N - M (flash-attn >= 2.1). When M > N
+the first M - N rows see nothing: they output zeros and LSE = +inf (see kernels/_common.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Optional, Tuple, Union
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import finalize, load_rows, mask_scores, online_softmax, store_rows
+from ._configs import AttnConfig, prefill_fwd_config
+from ._utils import (
+    _validate_devices,
+    _validate_dropout,
+    _validate_dtypes,
+    _validate_head_dim,
+    _validate_heads,
+    _validate_softmax_scale,
+    _validate_tensor,
+    device_capability,
+    is_interpreter,
+)
+
+LOG2E = math.log2(math.e)
+
+
+# ============================================================================================
+# Forward kernel
+# ============================================================================================
+@triton.jit
+def _fwd_kernel(
+    Q, K, V, Out, Lse,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_ob, stride_om, stride_oh,
+    H, M, N, GROUP, qk_scale,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
+):
+    tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
+    # -- which query block and head ------------------------------------------------------------
+    if IS_CAUSAL:  # heaviest blocks first: the last query blocks see the most keys
+        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    off_b = (pid_bh // H).to(tl.int64)
+    off_h = pid_bh % H
+    off_hk = (off_h // GROUP).to(tl.int64)  # GQA: the KV head this query head reads
+    start_m = pid_m * BLOCK_M
+
+    q_base = Q + off_b * stride_qb + off_h.to(tl.int64) * stride_qh
+    k_base = K + off_b * stride_kb + off_hk * stride_kh
+    v_base = V + off_b * stride_vb + off_hk * stride_vh
+    o_base = Out + off_b * stride_ob + off_h.to(tl.int64) * stride_oh
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    offs_d = tl.arange(0, HEAD_DIM_PAD)  # [D_PAD]
+
+    # -- the KV range this block visits (see [Note] Masking layout) ------------------------------
+    if IS_CAUSAL:
+        diag = N - M  # row i sees keys j <= i + diag
+        row_limit = offs_m + diag  # [BLOCK_M]
+        n_full = tl.minimum(tl.maximum(start_m + diag + 1, 0) // BLOCK_N * BLOCK_N, N // BLOCK_N * BLOCK_N)
+        n_end = tl.minimum(tl.maximum(start_m + BLOCK_M + diag, 0), N)
+    else:
+        row_limit = offs_m  # unused
+        n_full = N // BLOCK_N * BLOCK_N
+        n_end = N
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+
+    if USE_TMA:
+        # Hopper tensor descriptors bounded by this (batch, head)'s [rows, D] slice: out-of-range
+        # rows and padded head dims read as zero and are never written.
+        q_desc = tl.make_tensor_descriptor(q_base, [M, HEAD_DIM], [stride_qm, 1], [BLOCK_M, HEAD_DIM_PAD])
+        k_desc = tl.make_tensor_descriptor(k_base, [N, HEAD_DIM], [stride_kn, 1], [BLOCK_N, HEAD_DIM_PAD])
+        v_desc = tl.make_tensor_descriptor(v_base, [N, HEAD_DIM], [stride_vn, 1], [BLOCK_N, HEAD_DIM_PAD])
+        q = q_desc.load([start_m, 0])  # [BLOCK_M, D_PAD]
+        # stage 1: blocks every row sees whole, no mask
+        for start_n in tl.range(0, n_full, BLOCK_N):
+            k = k_desc.load([start_n, 0])  # [BLOCK_N, D_PAD]
+            qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N]
+            p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, False)
+            v = v_desc.load([start_n, 0])
+            acc = tl.dot(p.to(v.dtype), v, acc)
+        # stage 2: diagonal band and ragged tail, masked
+        for start_n in tl.range(n_full, n_end, BLOCK_N):
+            k = k_desc.load([start_n, 0])
+            qk = tl.dot(q, tl.trans(k))
+            qk = mask_scores(qk, start_n + offs_n, n_end, row_limit, IS_CAUSAL)
+            p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, True)
+            v = v_desc.load([start_n, 0])
+            acc = tl.dot(p.to(v.dtype), v, acc)
+    else:
+        q = load_rows(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], offs_m, M, offs_d,
+                      HEAD_DIM, HEAD_DIM_PAD, True)  # [BLOCK_M, D_PAD]
+        # Offsets inside a tile stay small (int32); the tile's start moves by 64-bit pointer steps.
+        k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :]  # [BLOCK_N, D_PAD]
+        v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :]  # [BLOCK_N, D_PAD]
+        # stage 1: blocks every row sees whole, no mask
+        for start_n in tl.range(0, n_full, BLOCK_N):
+            k = load_rows(k_ptrs, offs_n, BLOCK_N, offs_d, HEAD_DIM, HEAD_DIM_PAD, False)
+            qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N]
+            p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, False)
+            v = load_rows(v_ptrs, offs_n, BLOCK_N, offs_d, HEAD_DIM, HEAD_DIM_PAD, False)
+            acc = tl.dot(p.to(v.dtype), v, acc)
+            k_ptrs += BLOCK_N * stride_kn
+            v_ptrs += BLOCK_N * stride_vn
+        # stage 2: diagonal band and ragged tail, masked
+        for start_n in tl.range(n_full, n_end, BLOCK_N):
+            k = load_rows(k_ptrs, start_n + offs_n, n_end, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+            qk = tl.dot(q, tl.trans(k))
+            qk = mask_scores(qk, start_n + offs_n, n_end, row_limit, IS_CAUSAL)
+            p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, True)
+            v = load_rows(v_ptrs, start_n + offs_n, n_end, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+            acc = tl.dot(p.to(v.dtype), v, acc)
+            k_ptrs += BLOCK_N * stride_kn
+            v_ptrs += BLOCK_N * stride_vn
+
+    # -- epilogue: normalise, store the output and the LSE ---------------------------------------
+    out, lse = finalize(acc, m_i, l_i)
+    tl.store(Lse + pid_bh.to(tl.int64) * M + offs_m, lse, mask=offs_m < M)
+    if USE_TMA:
+        o_desc = tl.make_tensor_descriptor(o_base, [M, HEAD_DIM], [stride_om, 1], [BLOCK_M, HEAD_DIM_PAD])
+        o_desc.store([start_m, 0], out.to(Out.dtype.element_ty))
+    else:
+        store_rows(o_base + offs_m[:, None] * stride_om + offs_d[None, :], out.to(Out.dtype.element_ty),
+                   offs_m, M, offs_d, HEAD_DIM, HEAD_DIM_PAD)
+
+
+# ============================================================================================
+# Launcher: validate, allocate, launch
+# ============================================================================================
+def _tma_allocator(size: int, alignment: int, stream: Optional[int]) -> torch.Tensor:
+    """Scratch for device-side tensor descriptors (a few hundred bytes per program)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_tma_allocator() -> None:
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_tma_allocator)
+
+
+def _tma_ok(*tensors: torch.Tensor) -> bool:
+    """Tensor descriptors need 16-byte aligned bases and 16-byte multiples for every outer stride."""
+    for t in tensors:
+        size = t.element_size()
+        if t.data_ptr() % 16 != 0 or any((s * size) % 16 != 0 for s in t.stride()[:-1]):
+            return False
+    return True
+
+
+def _validate_qkv(q, k, v) -> None:
+    layout = "(batch, seqlen, nheads, headdim)"
+    _validate_tensor("q", q, 4, layout)
+    _validate_tensor("k", k, 4, layout)
+    _validate_tensor("v", v, 4, layout)
+    _validate_dtypes(q=q, k=k, v=v)
+    _validate_devices(q=q, k=k, v=v)
+    if k.shape != v.shape:
+        raise ValueError(f"Expected k and v to have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}.")
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"Expected q and k to share the batch size, got {q.shape[0]} and {k.shape[0]}.")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"Expected q and k to share the head dim, got {q.shape[3]} and {k.shape[3]}.")
+    _validate_head_dim(q.shape[3])
+    _validate_heads(q.shape[2], k.shape[2])
+
+
+def _flash_attn_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    config: Optional[AttnConfig] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward kernel on validated inputs; returns (out, softmax_lse)."""
+    batch, seqlen_q, nheads, head_dim = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    if config is None:
+        config = prefill_fwd_config(head_dim_pad, q.dtype, causal, q.device)
+
+    out = torch.empty((batch, seqlen_q, nheads, head_dim), dtype=q.dtype, device=q.device)
+    lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        lse.fill_(float("inf"))
+        return out, lse
+
+    use_tma = (
+        config.use_tma
+        and q.device.type == "cuda"
+        and not is_interpreter()
+        and device_capability(q.device.index if q.device.index is not None else torch.cuda.current_device())[0] >= 9
+        and _tma_ok(q, k, v, out)
+    )
+    if use_tma:
+        _ensure_tma_allocator()
+    grid = (triton.cdiv(seqlen_q, config.block_m), batch * nheads)
+    with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
+        _fwd_kernel[grid](
+            q, k, v, out, lse,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            out.stride(0), out.stride(1), out.stride(2),
+            nheads, seqlen_q, seqlen_k, nheads // nheads_k, softmax_scale * LOG2E,
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+            IS_CAUSAL=causal, USE_TMA=use_tma,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+    return out, lse
+
+
+# ============================================================================================
+# Public function
+# ============================================================================================
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float = 0.0,
+    *,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    deterministic: bool = False,
+    return_softmax_lse: bool = False,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """Attention softmax(q @ k^T * softmax_scale) @ v with flash-attn's interface.
+
+    Args:
+        q: (batch, seqlen_q, nheads, headdim), float16, bfloat16 or float32.
+        k: (batch, seqlen_k, nheads_k, headdim), same dtype and device as q.
+        v: (batch, seqlen_k, nheads_k, headdim).
+            nheads must be a multiple of nheads_k: query head h uses KV head h // (nheads // nheads_k)
+            (MHA: nheads_k == nheads, GQA: in between, MQA: nheads_k == 1). Any strides work as long
+            as the last dim is contiguous (views of a fused QKV projection, transposed
+            (batch, nheads, seqlen, headdim) tensors); no copies are made.
+            headdim: a multiple of 8 in [16, 256].
+        dropout_p: must be 0.0 (dropout is not implemented).
+        softmax_scale: defaults to headdim ** -0.5.
+        causal: mask aligned to the bottom-right corner: query i sees key j iff
+            j <= i + seqlen_k - seqlen_q. For seqlen_q = 2, seqlen_k = 5 (1 = kept):
+                1 1 1 1 0
+                1 1 1 1 1
+            and for seqlen_q = 5, seqlen_k = 2:
+                0 0
+                0 0
+                0 0
+                1 0
+                1 1
+            A row that sees no key (the first three above) outputs zeros, never NaN.
+        deterministic: accepted for flash-attn compatibility (the forward is always deterministic).
+        return_softmax_lse: also return the log-sum-exp of each row.
+
+    Returns:
+        out: (batch, seqlen_q, nheads, headdim), dtype of q.
+        softmax_lse (if return_softmax_lse): (batch, nheads, seqlen_q) float32, natural log of the
+            sum of exp(scaled scores) of each row; +inf for a row that sees no key, so that
+            exp(score - lse) is 0 there.
+
+    Precision: fp16/bf16 inputs are multiplied on tensor cores with fp32 accumulation. fp32 inputs
+    use tf32 matmuls on GPUs (about 1e-3 relative error) and exact fp32 under the interpreter.
+    """
+    _validate_dropout(dropout_p)
+    _validate_qkv(q, k, v)
+    scale = _validate_softmax_scale(softmax_scale, q.shape[3])
+    out, lse = _flash_attn_forward(q, k, v, scale, bool(causal))
+    return (out, lse) if return_softmax_lse else out
