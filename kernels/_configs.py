@@ -76,3 +76,36 @@ def prefill_fwd_config(head_dim_pad: int, dtype: torch.dtype, causal: bool, devi
     if major >= 9 and device_smem_bytes(index) >= HOPPER_SMEM:
         return _HOPPER_FWD[(head_dim_pad, causal)]
     return _SMALL_SMEM_FWD[head_dim_pad]
+
+
+# Backward: (dK/dV config, dQ config). dK/dV programs own BLOCK_N keys and stream queries in
+# BLOCK_M steps; dQ programs own BLOCK_M queries and stream keys in BLOCK_N steps.
+_HOPPER_BWD = {
+    16: (AttnConfig(64, 128, 4, 3), AttnConfig(128, 64, 4, 3)),
+    32: (AttnConfig(64, 128, 4, 3), AttnConfig(128, 64, 4, 3)),
+    64: (AttnConfig(64, 128, 8, 3), AttnConfig(128, 64, 8, 3)),
+    128: (AttnConfig(64, 128, 8, 2), AttnConfig(128, 64, 8, 2)),
+    256: (AttnConfig(32, 64, 4, 2), AttnConfig(64, 32, 4, 2)),
+}
+_SMALL_SMEM_BWD = {
+    16: (AttnConfig(32, 64, 4, 2), AttnConfig(64, 32, 4, 2)),
+    32: (AttnConfig(32, 64, 4, 2), AttnConfig(64, 32, 4, 2)),
+    64: (AttnConfig(32, 64, 4, 2), AttnConfig(64, 32, 4, 2)),
+    128: (AttnConfig(32, 64, 4, 2), AttnConfig(64, 32, 4, 2)),
+    256: (AttnConfig(16, 32, 4, 1), AttnConfig(32, 16, 4, 1)),
+}
+
+
+def prefill_bwd_config(
+    head_dim_pad: int, dtype: torch.dtype, causal: bool, device: torch.device
+) -> tuple[AttnConfig, AttnConfig]:
+    """(dK/dV config, dQ config) for the prefill backward kernels on `device`."""
+    if is_interpreter() or device.type != "cuda":
+        return INTERPRETER_CONFIG, INTERPRETER_CONFIG
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    major, _ = device_capability(index)
+    big = major >= 9 and device_smem_bytes(index) >= HOPPER_SMEM
+    if dtype == torch.float32:
+        return (AttnConfig(32, 64, 4, 1), AttnConfig(64, 32, 4, 1)) if big else (
+            AttnConfig(16, 32, 4, 1), AttnConfig(32, 16, 4, 1))
+    return (_HOPPER_BWD if big else _SMALL_SMEM_BWD)[head_dim_pad]

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from ._common import finalize, load_rows, mask_scores, online_softmax, store_rows
-from ._configs import AttnConfig, prefill_fwd_config
+from ._configs import AttnConfig, prefill_bwd_config, prefill_fwd_config
 from ._utils import (
     _validate_devices,
     _validate_dropout,
@@ -165,6 +165,221 @@ def _fwd_kernel(
 
 
 # ============================================================================================
+# Backward kernels
+# ============================================================================================
+# dS = P * (dP - delta), delta_i = sum_d O_id * dO_id, dP = dO V^T, P = exp(S - lse):
+#   dV = P^T dO,   dK = scale * dS^T Q,   dQ = scale * dS K.
+# Three launches: a preprocessing step (delta), a dK/dV kernel whose programs own a block of keys
+# of one KV head and stream the queries of every q head in its group (GQA sums in registers: no
+# atomics, no per-q-head copies), and a dQ kernel whose programs own a block of queries. Neither
+# uses atomics, so the backward is deterministic by construction.
+#
+# [Note] Fully masked rows in the backward. Their LSE is +inf, so P = exp2(s - inf) = 0 and dS = 0:
+# they add nothing to dK/dV and get dQ = 0. Rows past M load LSE = +inf too, which is how the
+# dK/dV kernel ignores them without a separate mask.
+
+
+@triton.jit
+def _bwd_preprocess_kernel(
+    Out, DO, Delta,
+    stride_ob, stride_om, stride_oh,
+    stride_dob, stride_dom, stride_doh,
+    H, M,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    off_b = (pid_bh // H).to(tl.int64)
+    off_h = (pid_bh % H).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    o_ptrs = Out + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :]
+    do_ptrs = DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :]
+    o = load_rows(o_ptrs, offs_m, M, offs_d, HEAD_DIM, HEAD_DIM_PAD, True).to(tl.float32)
+    do = load_rows(do_ptrs, offs_m, M, offs_d, HEAD_DIM, HEAD_DIM_PAD, True).to(tl.float32)
+    delta = tl.sum(o * do, 1)  # [BLOCK_M]
+    tl.store(Delta + pid_bh.to(tl.int64) * M + offs_m, delta, mask=offs_m < M)
+
+
+@triton.jit
+def _bwd_dkdv_inner(
+    dk, dv, k, v,
+    q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
+    offs_n, offs_d, M, diag, qk_scale, lo, hi,
+    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+):
+    """Accumulate dK, dV [BLOCK_N, D_PAD] over query rows [lo, hi) of one q head."""
+    offs_mb = tl.arange(0, BLOCK_M)
+    q_rel = offs_mb[:, None] * stride_qm + offs_d[None, :]  # [BLOCK_M, D_PAD], small offsets
+    do_rel = offs_mb[:, None] * stride_dom + offs_d[None, :]
+    for start_m in tl.range(lo, hi, BLOCK_M):
+        offs_m = start_m + offs_mb  # [BLOCK_M]
+        q_ptrs = q_base + tl.cast(start_m, tl.int64) * stride_qm + q_rel
+        do_ptrs = do_base + tl.cast(start_m, tl.int64) * stride_dom + do_rel
+        q = load_rows(q_ptrs, offs_m, M, offs_d, HEAD_DIM, HEAD_DIM_PAD, MASKED)  # [BLOCK_M, D_PAD]
+        if MASKED:
+            lse2 = tl.load(lse_base + offs_m, mask=offs_m < M, other=float("inf")) * 1.4426950408889634
+        else:
+            lse2 = tl.load(lse_base + offs_m) * 1.4426950408889634
+        qkT = tl.dot(k, tl.trans(q))  # [BLOCK_N, BLOCK_M]
+        pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])  # [BLOCK_N, BLOCK_M]
+        if MASKED and IS_CAUSAL:
+            pT = tl.where(offs_n[:, None] <= offs_m[None, :] + diag, pT, 0.0)
+        do = load_rows(do_ptrs, offs_m, M, offs_d, HEAD_DIM, HEAD_DIM_PAD, MASKED)  # [BLOCK_M, D_PAD]
+        dv = tl.dot(pT.to(do.dtype), do, dv)  # [BLOCK_N, D_PAD]
+        if MASKED:
+            delta = tl.load(delta_base + offs_m, mask=offs_m < M, other=0.0)
+        else:
+            delta = tl.load(delta_base + offs_m)
+        dpT = tl.dot(v, tl.trans(do))  # [BLOCK_N, BLOCK_M]
+        dsT = pT * (dpT - delta[None, :])
+        dk = tl.dot(dsT.to(q.dtype), q, dk)  # [BLOCK_N, D_PAD]
+    return dk, dv
+
+
+@triton.jit
+def _bwd_dkdv_kernel(
+    Q, K, V, DO, Lse, Delta, DK, DV,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh,
+    stride_dkb, stride_dkn, stride_dkh,
+    stride_dvb, stride_dvn, stride_dvh,
+    H, M, N, GROUP, qk_scale, sm_scale,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
+):
+    tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
+    pid_n = tl.program_id(0)
+    pid_bhk = tl.program_id(1)
+    H_KV = H // GROUP
+    off_b = (pid_bhk // H_KV).to(tl.int64)
+    off_hk = (pid_bhk % H_KV).to(tl.int64)
+    start_n = pid_n * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+
+    k = load_rows(K + off_b * stride_kb + off_hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :],
+                  offs_n, N, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)  # [BLOCK_N, D_PAD]
+    v = load_rows(V + off_b * stride_vb + off_hk * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :],
+                  offs_n, N, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
+
+    # Query ranges: [m_lo, m_mid) is the diagonal band (causal mask), [m_mid, m_full) is seen
+    # whole and in bounds (no mask), [max(m_mid, m_full), m_ceil) is the ragged row tail.
+    diag = N - M  # query i sees key j iff j <= i + diag
+    if IS_CAUSAL:
+        m_lo = tl.maximum(start_n - diag, 0) // BLOCK_M * BLOCK_M
+        m_mid = (tl.maximum(start_n + BLOCK_N - 1 - diag, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    else:
+        m_lo = 0
+        m_mid = 0
+    m_ceil = tl.cdiv(M, BLOCK_M) * BLOCK_M
+    m_full = M // BLOCK_M * BLOCK_M
+    m_band_end = tl.minimum(m_mid, m_ceil)
+    m_tail = tl.maximum(m_mid, m_full)
+
+    for g in range(0, GROUP):  # every q head of this KV head's group adds into the same dK, dV
+        off_h = off_hk * GROUP + g
+        q_base = Q + off_b * stride_qb + off_h * stride_qh
+        do_base = DO + off_b * stride_dob + off_h * stride_doh
+        row = (off_b * H + off_h) * M
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, Lse + row, Delta + row, stride_qm, stride_dom,
+                                 offs_n, offs_d, M, diag, qk_scale, m_lo, m_band_end,
+                                 BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, IS_CAUSAL, True)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, Lse + row, Delta + row, stride_qm, stride_dom,
+                                 offs_n, offs_d, M, diag, qk_scale, m_mid, m_full,
+                                 BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, IS_CAUSAL, False)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, Lse + row, Delta + row, stride_qm, stride_dom,
+                                 offs_n, offs_d, M, diag, qk_scale, m_tail, m_ceil,
+                                 BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, IS_CAUSAL, True)
+
+    dk = dk * sm_scale
+    store_rows(DK + off_b * stride_dkb + off_hk * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :],
+               dk.to(DK.dtype.element_ty), offs_n, N, offs_d, HEAD_DIM, HEAD_DIM_PAD)
+    store_rows(DV + off_b * stride_dvb + off_hk * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :],
+               dv.to(DV.dtype.element_ty), offs_n, N, offs_d, HEAD_DIM, HEAD_DIM_PAD)
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    Q, K, V, DO, Lse, Delta, DQ,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh,
+    stride_dqb, stride_dqm, stride_dqh,
+    H, M, N, GROUP, qk_scale, sm_scale,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
+):
+    tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
+    if IS_CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    off_b = (pid_bh // H).to(tl.int64)
+    off_h = pid_bh % H
+    off_hk = (off_h // GROUP).to(tl.int64)
+    off_h = off_h.to(tl.int64)
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+
+    q = load_rows(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
+                  offs_m, M, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)  # [BLOCK_M, D_PAD]
+    do = load_rows(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :],
+                   offs_m, M, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+    row = pid_bh.to(tl.int64) * M
+    lse2 = tl.load(Lse + row + offs_m, mask=offs_m < M, other=float("inf")) * 1.4426950408889634
+    delta = tl.load(Delta + row + offs_m, mask=offs_m < M, other=0.0)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+
+    if IS_CAUSAL:
+        diag = N - M
+        row_limit = offs_m + diag
+        n_full = tl.minimum(tl.maximum(start_m + diag + 1, 0) // BLOCK_N * BLOCK_N, N // BLOCK_N * BLOCK_N)
+        n_end = tl.minimum(tl.maximum(start_m + BLOCK_M + diag, 0), N)
+    else:
+        row_limit = offs_m
+        n_full = N // BLOCK_N * BLOCK_N
+        n_end = N
+
+    k_ptrs = K + off_b * stride_kb + off_hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
+    v_ptrs = V + off_b * stride_vb + off_hk * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :]
+    for start_n in tl.range(0, n_full, BLOCK_N):  # blocks every row sees whole
+        k = load_rows(k_ptrs, offs_n, BLOCK_N, offs_d, HEAD_DIM, HEAD_DIM_PAD, False)  # [BLOCK_N, D_PAD]
+        v = load_rows(v_ptrs, offs_n, BLOCK_N, offs_d, HEAD_DIM, HEAD_DIM_PAD, False)
+        qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N]
+        p = tl.math.exp2(qk * qk_scale - lse2[:, None])
+        dp = tl.dot(do, tl.trans(v))  # [BLOCK_M, BLOCK_N]
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq)  # [BLOCK_M, D_PAD]
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+    for start_n in tl.range(n_full, n_end, BLOCK_N):  # diagonal band and ragged tail
+        k = load_rows(k_ptrs, start_n + offs_n, n_end, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+        v = load_rows(v_ptrs, start_n + offs_n, n_end, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+        qk = tl.dot(q, tl.trans(k))
+        qk = mask_scores(qk, start_n + offs_n, n_end, row_limit, IS_CAUSAL)
+        p = tl.math.exp2(qk * qk_scale - lse2[:, None])
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq)
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+
+    dq = dq * sm_scale
+    store_rows(DQ + off_b * stride_dqb + off_h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :],
+               dq.to(DQ.dtype.element_ty), offs_m, M, offs_d, HEAD_DIM, HEAD_DIM_PAD)
+
+
+# ============================================================================================
 # Launcher: validate, allocate, launch
 # ============================================================================================
 def _tma_allocator(size: int, alignment: int, stream: Optional[int]) -> torch.Tensor:
@@ -252,6 +467,92 @@ def _flash_attn_forward(
     return out, lse
 
 
+def _flash_attn_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    configs: Optional[Tuple[AttnConfig, AttnConfig]] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the backward kernels; returns (dq, dk, dv) shaped like (q, k, v)."""
+    batch, seqlen_q, nheads, head_dim = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    cfg_kv, cfg_q = configs if configs is not None else prefill_bwd_config(head_dim_pad, q.dtype, causal, q.device)
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if seqlen_k > 0 and (seqlen_q == 0 or batch == 0):
+        dk.zero_()
+        dv.zero_()
+    if dq.numel() == 0 or dk.numel() == 0:
+        dq.zero_()
+        return dq, dk, dv
+    delta = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+    group = nheads // nheads_k
+    with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
+        _bwd_preprocess_kernel[(triton.cdiv(seqlen_q, 64), batch * nheads)](
+            out, dout, delta,
+            out.stride(0), out.stride(1), out.stride(2),
+            dout.stride(0), dout.stride(1), dout.stride(2),
+            nheads, seqlen_q,
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=64,
+        )
+        _bwd_dkdv_kernel[(triton.cdiv(seqlen_k, cfg_kv.block_n), batch * nheads_k)](
+            q, k, v, dout, lse, delta, dk, dv,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            dout.stride(0), dout.stride(1), dout.stride(2),
+            dk.stride(0), dk.stride(1), dk.stride(2),
+            dv.stride(0), dv.stride(1), dv.stride(2),
+            nheads, seqlen_q, seqlen_k, group, softmax_scale * LOG2E, softmax_scale,
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+            BLOCK_M=cfg_kv.block_m, BLOCK_N=cfg_kv.block_n, IS_CAUSAL=causal,
+            num_warps=cfg_kv.num_warps, num_stages=cfg_kv.num_stages,
+        )
+        _bwd_dq_kernel[(triton.cdiv(seqlen_q, cfg_q.block_m), batch * nheads)](
+            q, k, v, dout, lse, delta, dq,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            dout.stride(0), dout.stride(1), dout.stride(2),
+            dq.stride(0), dq.stride(1), dq.stride(2),
+            nheads, seqlen_q, seqlen_k, group, softmax_scale * LOG2E, softmax_scale,
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+            BLOCK_M=cfg_q.block_m, BLOCK_N=cfg_q.block_n, IS_CAUSAL=causal,
+            num_warps=cfg_q.num_warps, num_stages=cfg_q.num_stages,
+        )
+    return dq, dk, dv
+
+
+# ============================================================================================
+# Autograd
+# ============================================================================================
+class _FlashAttnFunc(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, softmax_scale, causal):
+        out, lse = _flash_attn_forward(q, k, v, softmax_scale, causal)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.softmax_scale = softmax_scale
+        ctx.causal = causal
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _flash_attn_backward(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal)
+        return dq, dk, dv, None, None
+
+
 # ============================================================================================
 # Public function
 # ============================================================================================
@@ -290,7 +591,9 @@ def flash_attn_func(
                 1 0
                 1 1
             A row that sees no key (the first three above) outputs zeros, never NaN.
-        deterministic: accepted for flash-attn compatibility (the forward is always deterministic).
+        deterministic: flash-attn's flag. Both values take the same path: neither the forward nor the
+            backward uses atomics (dK/dV of a KV head are summed over its q-head group in
+            registers, dQ has its own kernel), so gradients are bit-identical run to run.
         return_softmax_lse: also return the log-sum-exp of each row.
 
     Returns:
@@ -305,5 +608,8 @@ def flash_attn_func(
     _validate_dropout(dropout_p)
     _validate_qkv(q, k, v)
     scale = _validate_softmax_scale(softmax_scale, q.shape[3])
-    out, lse = _flash_attn_forward(q, k, v, scale, bool(causal))
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        out, lse = _FlashAttnFunc.apply(q, k, v, scale, bool(causal))
+    else:
+        out, lse = _flash_attn_forward(q, k, v, scale, bool(causal))
     return (out, lse) if return_softmax_lse else out

@@ -1,0 +1,353 @@
+"""Benchmark helpers: FLOP and byte models, GPU timing, result rows and CSV storage.
+
+Measure, store and plot are separate steps: `time_fn` / `time_cuda_graph` time a callable, `make_row`
+stamps the numbers with the GPU, versions, date and git commit, `write_csv` appends them to
+`results/<gpu-slug>/<name>.csv`, and `read_csv` loads them back for plots. The models follow the
+FlashAttention / Triton tutorial conventions: forward FLOPs 4*B*H*M*N*D (two matmuls), half of that
+when causal, 2.5x for the backward; decode is judged by K/V bytes read per second.
+
+Importing this module needs no GPU and queries no device; the timing functions raise a RuntimeError
+without one. `python -m kernels.bench` is the (growing) command-line entry point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import functools
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Union
+
+import torch
+
+from ._utils import env_summary, gpu_name, has_gpu
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+Row = Dict[str, Any]  # one benchmark measurement: its fields plus the environment stamped by make_row
+
+_MODE_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
+
+
+# --------------------------------------------------------------------------------------------
+# FLOP and byte models
+# --------------------------------------------------------------------------------------------
+def causal_pairs(seqlen_q: int, seqlen_k: int) -> int:
+    """Number of visible (i, j) pairs under the bottom-right causal mask j <= i + seqlen_k - seqlen_q."""
+    # Row i sees clamp(i + N - M + 1, 0, N) keys; the last row sees exactly N, so the visible rows
+    # see the min(M, N) consecutive counts ending at N.
+    t = min(seqlen_q, seqlen_k)
+    return t * (2 * seqlen_k - t + 1) // 2
+
+
+def attention_flops(
+    batch: int,
+    nheads: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    head_dim: int,
+    causal: bool,
+    mode: str = "fwd",
+) -> float:
+    """Attention FLOPs: 4*B*H*M*N*D, halved when causal (exact visible pairs if M != N), x2.5 bwd, x3.5 fwd_bwd."""
+    if mode not in _MODE_FACTOR:
+        raise ValueError(f"Expected mode to be one of {sorted(_MODE_FACTOR)}, got {mode!r}.")
+    sizes = {"batch": batch, "nheads": nheads, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k, "head_dim": head_dim}
+    for name, value in sizes.items():
+        if int(value) != value or value < 0:
+            raise ValueError(f"Expected {name} to be a non-negative integer, got {value!r}.")
+    if not causal:
+        pairs = seqlen_q * seqlen_k
+    elif seqlen_q == seqlen_k:
+        pairs = seqlen_q * seqlen_k / 2  # the published convention (FlashAttention, Triton tutorial 06)
+    else:
+        pairs = causal_pairs(seqlen_q, seqlen_k)
+    return 4.0 * batch * nheads * head_dim * pairs * _MODE_FACTOR[mode]
+
+
+def decode_kv_bytes(
+    cache_seqlens_total_tokens: Union[int, Sequence[int], torch.Tensor],
+    nheads_k: int,
+    head_dim: int,
+    dtype: torch.dtype,
+) -> int:
+    """K+V bytes a decode step reads: 2 * tokens * nheads_k * head_dim * itemsize (tokens summed over the batch)."""
+    if isinstance(cache_seqlens_total_tokens, torch.Tensor):
+        tokens = int(cache_seqlens_total_tokens.sum().item())
+    elif isinstance(cache_seqlens_total_tokens, (list, tuple)):
+        tokens = int(sum(cache_seqlens_total_tokens))
+    else:
+        tokens = int(cache_seqlens_total_tokens)
+    if tokens < 0:
+        raise ValueError(f"Expected a non-negative number of cached tokens, got {tokens}.")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * tokens * nheads_k * head_dim * itemsize
+
+
+def tflops(flops: float, ms: float) -> float:
+    """TFLOP/s from a FLOP count and a time in milliseconds."""
+    return flops / (ms * 1e-3) / 1e12
+
+
+def gbps(nbytes: float, ms: float) -> float:
+    """GB/s (1e9 bytes) from a byte count and a time in milliseconds."""
+    return nbytes / (ms * 1e-3) / 1e9
+
+
+# --------------------------------------------------------------------------------------------
+# Timing (CUDA only)
+# --------------------------------------------------------------------------------------------
+def _require_gpu(what: str) -> None:
+    """Raise a RuntimeError naming `what` when no CUDA device is usable."""
+    if not has_gpu():
+        raise RuntimeError(
+            f"{what} needs a CUDA GPU (it times with CUDA events), but torch.cuda.is_available() is False. "
+            "Run benchmarks on a GPU machine; on the CPU only correctness checks and plots of results/ work."
+        )
+
+
+def _quantile(sorted_values: List[float], q: float) -> float:
+    """Linear-interpolated quantile of an ascending list (numpy's default method)."""
+    pos = (len(sorted_values) - 1) * q
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def _summary(times_ms: List[float]) -> Dict[str, float]:
+    """median / p20 / p80 / min of a list of times in ms."""
+    values = sorted(times_ms)
+    return {
+        "median_ms": _quantile(values, 0.5),
+        "p20_ms": _quantile(values, 0.2),
+        "p80_ms": _quantile(values, 0.8),
+        "min_ms": values[0],
+    }
+
+
+def time_fn(
+    fn: Callable[..., Any],
+    *,
+    warmup: int = 10,
+    rep: int = 50,
+    rotate: Optional[Sequence[tuple]] = None,
+) -> Dict[str, float]:
+    """Time fn with CUDA events per call after `warmup` calls; returns median_ms, p20_ms, p80_ms, min_ms.
+
+    rotate: argument tuples cycled through call by call (fn(*args)), so that small shapes do not run
+    from a warm L2; without it fn is called with no arguments.
+    """
+    _require_gpu("time_fn")
+    if rep < 1 or warmup < 0:
+        raise ValueError(f"Expected rep >= 1 and warmup >= 0, got rep={rep}, warmup={warmup}.")
+    arg_sets = [tuple(a) for a in rotate] if rotate is not None else [()]
+    if not arg_sets:
+        raise ValueError("Expected rotate to hold at least one argument tuple, got an empty sequence.")
+    for i in range(warmup):
+        fn(*arg_sets[i % len(arg_sets)])
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
+    for i in range(rep):
+        args = arg_sets[(warmup + i) % len(arg_sets)]
+        starts[i].record()
+        fn(*args)
+        ends[i].record()
+    torch.cuda.synchronize()
+    return _summary([s.elapsed_time(e) for s, e in zip(starts, ends)])
+
+
+def time_cuda_graph(fn: Callable[[], Any], *, rep: int = 100) -> float:
+    """Capture fn() in a CUDA graph and return the median ms per replay (launch overhead excluded)."""
+    _require_gpu("time_cuda_graph")
+    if rep < 1:
+        raise ValueError(f"Expected rep >= 1, got {rep}.")
+    # Warm up on a side stream (compiles Triton kernels, settles allocator pools) before capturing.
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
+    for i in range(rep):
+        starts[i].record()
+        graph.replay()
+        ends[i].record()
+    torch.cuda.synchronize()
+    median = _summary([s.elapsed_time(e) for s, e in zip(starts, ends)])["median_ms"]
+    del graph
+    return median
+
+
+def peak_memory_delta(fn: Callable[[], Any]) -> int:
+    """Bytes allocated at the peak of fn() beyond what was allocated before it (CUDA caching allocator)."""
+    _require_gpu("peak_memory_delta")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return int(torch.cuda.max_memory_allocated() - before)
+
+
+def ceilings(*, matmul_n: int = 8192, copy_gib: float = 2.0) -> Dict[str, float]:
+    """Measured roofs of this GPU: bf16 matmul TFLOP/s (n^3, random data) and device copy GB/s (read+write)."""
+    _require_gpu("ceilings")
+    device = torch.device("cuda")
+    a = torch.randn(matmul_n, matmul_n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(matmul_n, matmul_n, device=device, dtype=torch.bfloat16)
+    c = torch.empty(matmul_n, matmul_n, device=device, dtype=torch.bfloat16)
+    mm = time_fn(lambda: torch.mm(a, b, out=c), warmup=5, rep=30)
+    del a, b, c
+    numel = int(copy_gib * 2**30) // 4
+    src = torch.empty(numel, device=device, dtype=torch.float32).uniform_()
+    dst = torch.empty_like(src)
+    cp = time_fn(lambda: dst.copy_(src), warmup=3, rep=20)
+    nbytes = 2 * src.numel() * src.element_size()
+    del src, dst
+    torch.cuda.empty_cache()
+    return {
+        "matmul_tflops": tflops(2.0 * matmul_n**3, mm["median_ms"]),
+        "copy_gbps": gbps(nbytes, cp["median_ms"]),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Rows and CSV storage
+# --------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def git_commit() -> str:
+    """Short sha of this checkout's HEAD, or 'unknown' when git or the repository is unavailable."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() or "unknown"
+
+
+def make_row(**fields: Any) -> Row:
+    """A result row: the given fields, then gpu, torch, triton, cuda, cudnn, date (UTC ISO) and commit."""
+    env = env_summary()
+    meta = {
+        "gpu": env["gpu"],
+        "torch": env["torch"],
+        "triton": env["triton"],
+        "cuda": env["cuda"],
+        "cudnn": env["cudnn"],
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": git_commit(),
+    }
+    row: Row = dict(fields)
+    for key, value in meta.items():
+        row.setdefault(key, value)  # an explicit field wins (e.g. re-stamping imported results)
+    return row
+
+
+def gpu_slug(name: str) -> str:
+    """Folder name for a GPU: lowercase, runs of non-alphanumerics -> '-' ('NVIDIA H200' -> 'nvidia-h200')."""
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    return slug or "unknown"
+
+
+def _results_root(results_dir: Union[str, Path]) -> Path:
+    """results_dir as a path; a relative one is taken from the repo root, whatever the working directory."""
+    path = Path(results_dir)
+    return path if path.is_absolute() else REPO_ROOT / path
+
+
+def write_csv(rows: Iterable[Mapping[str, Any]], name: str, results_dir: Union[str, Path] = "results") -> Path:
+    """Append rows to results_dir/<gpu-slug>/<name>.csv (created with a header; new columns widen the header)."""
+    rows = [dict(r) for r in rows]
+    if not rows:
+        raise ValueError(f"Expected at least one row to write to {name}.csv, got none.")
+    gpus = {str(r.get("gpu") or gpu_name()) for r in rows}
+    if len(gpus) != 1:
+        raise ValueError(f"Expected rows from one GPU per CSV, got {sorted(gpus)}; write each GPU's rows separately.")
+    path = _results_root(results_dir) / gpu_slug(gpus.pop()) / f"{name}.csv"
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    fieldnames: List[str] = []
+    existing: List[Dict[str, str]] = []
+    if path.exists() and path.stat().st_size > 0:
+        with open(path, newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            fieldnames = list(reader.fieldnames or [])
+            existing = list(reader)
+    old_header = list(fieldnames)
+    for r in rows:
+        fieldnames.extend(k for k in r if k not in fieldnames)
+
+    if existing and fieldnames == old_header:
+        with open(path, "a", newline="", encoding="utf-8") as f:
+            csv.DictWriter(f, fieldnames=fieldnames).writerows(rows)
+    else:  # new file, or new columns: rewrite with the widened header
+        with open(path, "w", newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, fieldnames=fieldnames)
+            writer.writeheader()
+            writer.writerows(existing + rows)
+    return path
+
+
+def read_csv(name: str, gpu: Optional[str] = None, results_dir: Union[str, Path] = "results"):
+    """Load results/<gpu-slug>/<name>.csv as a pandas DataFrame; gpu=None concatenates every GPU's file."""
+    import pandas as pd
+
+    root = _results_root(results_dir)
+    if gpu is not None:
+        paths = [root / gpu_slug(gpu) / f"{name}.csv"]
+        if not paths[0].exists():
+            raise FileNotFoundError(f"No results for {name!r} on GPU {gpu!r}: {paths[0]} does not exist.")
+    else:
+        paths = sorted(root.glob(f"*/{name}.csv"))
+        if not paths:
+            raise FileNotFoundError(f"No results for {name!r}: no {root}/<gpu>/{name}.csv exists.")
+    return pd.concat([pd.read_csv(p) for p in paths], ignore_index=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """`python -m kernels.bench`: on a GPU, print the environment and its measured ceilings."""
+    parser = argparse.ArgumentParser(
+        prog="python -m kernels.bench",
+        description="Benchmarks of the Triton attention kernels (needs a CUDA GPU). For now this prints the "
+        "environment and the GPU's measured ceilings (bf16 matmul TFLOP/s, copy GB/s).",
+    )
+    parser.parse_args(argv)
+    if not has_gpu():
+        print(
+            "python -m kernels.bench needs a CUDA GPU, and torch.cuda.is_available() is False. "
+            "Run it on a GPU machine; on the CPU, tests (TRITON_INTERPRET=1) and the notebooks' plots of "
+            "results/ work.",
+            file=sys.stderr,
+        )
+        return 1
+    for key, value in env_summary().items():
+        print(f"{key:>18}: {value}")
+    for key, value in ceilings().items():
+        print(f"{key:>18}: {value:.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
