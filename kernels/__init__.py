@@ -2,15 +2,20 @@
 
 Public API:
     flash_attn_func: FlashAttention-2 prefill (MHA/GQA/MQA, causal bottom-right, any strides).
+    flash_attn_with_kvcache: decode over a KV cache (fused append, per-request lengths, split-KV).
+    KVCache:         preallocated K/V buffers and lengths for generation (prefill, decode, reset).
     attention_ref:   eager reference used by tests, notebooks and benchmarks.
 """
 
+from ._utils import default_device, env_summary, has_gpu, is_interpreter
+from .decode import KVCache, flash_attn_with_kvcache
 from .prefill import flash_attn_func
 from .reference import attention_ref, causal_mask, rel_err
-from ._utils import env_summary, is_interpreter, has_gpu, default_device
 
 __all__ = [
     "flash_attn_func",
+    "flash_attn_with_kvcache",
+    "KVCache",
     "attention_ref",
     "causal_mask",
     "rel_err",

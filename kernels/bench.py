@@ -202,26 +202,29 @@ def peak_memory_delta(fn: Callable[[], Any]) -> int:
     return int(torch.cuda.max_memory_allocated() - before)
 
 
+def _matmul_tflops(n: int) -> float:
+    """bf16 n x n x n matmul TFLOP/s on random data (median of CUDA-event timings)."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    c = torch.empty(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = time_fn(lambda: torch.mm(a, b, out=c), warmup=5, rep=30)["median_ms"]
+    return tflops(2.0 * n**3, ms)
+
+
+def _copy_gbps(gib: float) -> float:
+    """Device-to-device copy GB/s of a `gib` GiB buffer, counting the read and the write."""
+    src = torch.empty(int(gib * 2**30) // 4, device="cuda", dtype=torch.float32).uniform_()
+    dst = torch.empty_like(src)
+    ms = time_fn(lambda: dst.copy_(src), warmup=3, rep=20)["median_ms"]
+    return gbps(2 * src.numel() * src.element_size(), ms)
+
+
 def ceilings(*, matmul_n: int = 8192, copy_gib: float = 2.0) -> Dict[str, float]:
     """Measured roofs of this GPU: bf16 matmul TFLOP/s (n^3, random data) and device copy GB/s (read+write)."""
     _require_gpu("ceilings")
-    device = torch.device("cuda")
-    a = torch.randn(matmul_n, matmul_n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(matmul_n, matmul_n, device=device, dtype=torch.bfloat16)
-    c = torch.empty(matmul_n, matmul_n, device=device, dtype=torch.bfloat16)
-    mm = time_fn(lambda: torch.mm(a, b, out=c), warmup=5, rep=30)
-    del a, b, c
-    numel = int(copy_gib * 2**30) // 4
-    src = torch.empty(numel, device=device, dtype=torch.float32).uniform_()
-    dst = torch.empty_like(src)
-    cp = time_fn(lambda: dst.copy_(src), warmup=3, rep=20)
-    nbytes = 2 * src.numel() * src.element_size()
-    del src, dst
+    result = {"matmul_tflops": _matmul_tflops(matmul_n), "copy_gbps": _copy_gbps(copy_gib)}
     torch.cuda.empty_cache()
-    return {
-        "matmul_tflops": tflops(2.0 * matmul_n**3, mm["median_ms"]),
-        "copy_gbps": gbps(nbytes, cp["median_ms"]),
-    }
+    return result
 
 
 # --------------------------------------------------------------------------------------------

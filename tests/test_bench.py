@@ -1,0 +1,122 @@
+"""CPU tests of kernels.bench: FLOP and byte models, CSV storage, and the no-GPU errors."""
+
+import pytest
+import torch
+
+from kernels import bench
+from kernels.reference import causal_mask
+
+
+def _brute_pairs(seqlen_q: int, seqlen_k: int) -> int:
+    return int(causal_mask(seqlen_q, seqlen_k).sum().item())
+
+
+def test_flops_noncausal_exact():
+    """Non-causal forward FLOPs are exactly 4*B*H*M*N*D, x2.5 backward, x3.5 fwd+bwd."""
+    b, h, m, n, d = 2, 8, 1024, 1024, 128
+    fwd = 4 * b * h * m * n * d
+    assert bench.attention_flops(b, h, m, n, d, causal=False) == fwd
+    assert bench.attention_flops(b, h, m, n, d, causal=False, mode="bwd") == 2.5 * fwd
+    assert bench.attention_flops(b, h, m, n, d, causal=False, mode="fwd_bwd") == 3.5 * fwd
+    assert bench.attention_flops(b, h, 17, 113, d, causal=False) == 4 * b * h * 17 * 113 * d
+
+
+@pytest.mark.parametrize("seqlen", [1, 17, 128, 1023])
+def test_flops_causal_square_is_half(seqlen):
+    """Causal M == N is half the non-causal count: the brute-force pairs minus the diagonal's half."""
+    b, h, d = 3, 4, 64
+    flops = bench.attention_flops(b, h, seqlen, seqlen, d, causal=True)
+    assert flops == bench.attention_flops(b, h, seqlen, seqlen, d, causal=False) / 2
+    assert flops == 4 * b * h * d * (_brute_pairs(seqlen, seqlen) - seqlen / 2)
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(113, 17), (1023, 1), (300, 299), (17, 113), (1, 1023), (64, 65)])
+def test_flops_causal_rectangular_counts_pairs(seqlen_q, seqlen_k):
+    """Causal M != N counts exactly the (i, j) pairs the bottom-right causal mask lets through."""
+    b, h, d = 2, 3, 32
+    pairs = _brute_pairs(seqlen_q, seqlen_k)
+    assert bench.causal_pairs(seqlen_q, seqlen_k) == pairs
+    assert bench.attention_flops(b, h, seqlen_q, seqlen_k, d, causal=True) == 4 * b * h * d * pairs
+    assert bench.attention_flops(b, h, seqlen_q, seqlen_k, d, causal=True, mode="bwd") == 2.5 * 4 * b * h * d * pairs
+
+
+def test_flops_rejects_bad_input():
+    """An unknown mode or a negative size is a ValueError."""
+    with pytest.raises(ValueError, match="mode"):
+        bench.attention_flops(1, 1, 16, 16, 64, causal=False, mode="backward")
+    with pytest.raises(ValueError, match="seqlen_q"):
+        bench.attention_flops(1, 1, -1, 16, 64, causal=False)
+
+
+def test_decode_kv_bytes():
+    """Decode reads K and V: 2 * tokens * nheads_k * head_dim * itemsize, tokens summed over the batch."""
+    assert bench.decode_kv_bytes(4096, 8, 128, torch.float16) == 2 * 4096 * 8 * 128 * 2
+    assert bench.decode_kv_bytes(1000, 1, 64, torch.float32) == 2 * 1000 * 64 * 4
+    lens = torch.tensor([100, 1, 4000], dtype=torch.int32)
+    assert bench.decode_kv_bytes(lens, 2, 128, torch.bfloat16) == 2 * 4101 * 2 * 128 * 2
+    assert bench.decode_kv_bytes([100, 1, 4000], 2, 128, torch.bfloat16) == 2 * 4101 * 2 * 128 * 2
+
+
+def test_gpu_slug():
+    """GPU names become lowercase folder names with '-' for runs of other characters."""
+    assert bench.gpu_slug("NVIDIA H200") == "nvidia-h200"
+    assert bench.gpu_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+    assert bench.gpu_slug("cpu-interpreter") == "cpu-interpreter"
+
+
+def test_csv_round_trip(tmp_path):
+    """Rows written to results/<gpu-slug>/<name>.csv read back; appends keep rows, new columns widen the header."""
+    rows = [bench.make_row(gpu="NVIDIA H200", kernel="fa2", seqlen=n, median_ms=0.5 * n) for n in (128, 256)]
+    for key in ("torch", "triton", "cudnn", "date", "commit"):
+        assert key in rows[0]
+    path = bench.write_csv(rows, "prefill", results_dir=tmp_path)
+    assert path == tmp_path / "nvidia-h200" / "prefill.csv"
+
+    df = bench.read_csv("prefill", gpu="NVIDIA H200", results_dir=tmp_path)
+    assert list(df["seqlen"]) == [128, 256]
+    assert list(df["median_ms"]) == [64.0, 128.0]
+    assert set(df["gpu"]) == {"NVIDIA H200"}
+
+    bench.write_csv(
+        [bench.make_row(gpu="NVIDIA H200", kernel="sdpa", seqlen=512, median_ms=9.0, tflops=1.5)],
+        "prefill",
+        results_dir=tmp_path,
+    )
+    df = bench.read_csv("prefill", gpu="nvidia-h200", results_dir=tmp_path)
+    assert list(df["kernel"]) == ["fa2", "fa2", "sdpa"]
+    assert df["tflops"].isna().sum() == 2 and df["tflops"].iloc[2] == 1.5
+
+    bench.write_csv(
+        [bench.make_row(gpu="NVIDIA L4", kernel="fa2", seqlen=128, median_ms=2.0)], "prefill", results_dir=tmp_path
+    )
+    assert len(bench.read_csv("prefill", results_dir=tmp_path)) == 4
+    with pytest.raises(FileNotFoundError):
+        bench.read_csv("missing", results_dir=tmp_path)
+
+
+def test_make_row_stamps_environment():
+    """make_row adds gpu, versions, a UTC ISO date and a git commit (or 'unknown') to the given fields."""
+    row = bench.make_row(kernel="fa2", seqlen=1)
+    assert row["kernel"] == "fa2" and row["torch"] == torch.__version__
+    assert row["date"].endswith("+00:00")
+    assert isinstance(row["commit"], str) and row["commit"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without a GPU")
+def test_timing_raises_without_gpu():
+    """Timing without a CUDA GPU raises a RuntimeError that says a GPU is needed."""
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        bench.time_fn(lambda: None)
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        bench.time_cuda_graph(lambda: None)
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        bench.peak_memory_delta(lambda: None)
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        bench.ceilings()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CLI's exit without a GPU")
+def test_cli_exits_nonzero_without_gpu(capsys):
+    """`python -m kernels.bench` without a GPU prints why and exits 1."""
+    assert bench.main([]) == 1
+    assert "needs a CUDA GPU" in capsys.readouterr().err
