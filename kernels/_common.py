@@ -6,6 +6,7 @@ Written once so their semantics cannot drift between kernels:
 - `online_softmax`: one step of the streaming softmax (FlashAttention-2, base 2).
 - `finalize`: the epilogue that turns (acc, m_i, l_i) into the output and its log-sum-exp.
 - `load_rows`: a [rows, HEAD_DIM_PAD] tile load masked by row count and by head-dim padding.
+- `merge_partials`: merge partial results (split-KV decode) by their log-sum-exp.
 
 Notation: m_i is the running row max of the *scaled* scores in base 2 (scores * softmax_scale *
 log2(e)), l_i the running sum of exp2(scaled score - m_i), acc the unnormalised [rows, D] output.
@@ -93,3 +94,41 @@ def store_rows(ptrs, tile, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, HEAD_DI
         tl.store(ptrs, tile, mask=rows[:, None] < n_rows)
     else:
         tl.store(ptrs, tile, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def merge_partials(o_parts, lse_parts):
+    """Merge the partial results of one query row by log-sum-exp (flash-decoding's combine step).
+
+    o_parts [SPLITS, D] fp32: each partial's normalised output (over its own keys); lse_parts
+    [SPLITS] fp32: each partial's natural-log LSE. Returns out [D] = sum_i w_i * o_i with
+    w_i = exp(lse_i - lse), and lse = log(sum_i exp(lse_i)).
+
+    [Note] Empty partials. A partial that saw no key (an empty KV split, a padding slot) carries
+    lse = -inf (weight exp(-inf) = 0) or finalize's +inf; both get weight exactly 0 and their o_i
+    is ignored even if it holds garbage. When every partial is empty the row outputs zeros and
+    lse = +inf, the same as a row of a single kernel that saw no key.
+    """
+    valid = (lse_parts != float("inf")) & (lse_parts != float("-inf"))  # [SPLITS]
+    lse_valid = tl.where(valid, lse_parts, float("-inf"))
+    lse_max = tl.max(lse_valid, 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # all empty: avoid -inf - -inf
+    w = tl.where(valid, tl.exp(lse_valid - lse_max), 0.0)  # [SPLITS]
+    w_sum = tl.sum(w, 0)
+    empty = w_sum == 0.0
+    w_sum = tl.where(empty, 1.0, w_sum)
+    o_parts = tl.where(valid[:, None], o_parts, 0.0)
+    out = tl.sum(o_parts * (w / w_sum)[:, None], 0)  # [D]
+    lse = tl.where(empty, float("inf"), lse_max + tl.log(w_sum))
+    return out, lse
+
+
+@triton.jit
+def tile_ptrs(base, start, stride, BLOCK: tl.constexpr, offs_d):
+    """Pointers to rows [start, start + BLOCK) of a [rows, D] slice whose rows are `stride` apart.
+
+    The block's start is multiplied in 64 bits (start * stride passes 2^31 on long sequences with
+    wide strides); offsets inside the block stay 32-bit.
+    """
+    offs = tl.arange(0, BLOCK)
+    return base + tl.cast(start, tl.int64) * stride + offs[:, None] * stride + offs_d[None, :]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._utils import device_capability, device_smem_bytes, is_interpreter
+from ._utils import device_capability, device_sm_count, device_smem_bytes, is_interpreter
 
 HOPPER_SMEM = 200 * 1024  # a device with at least this much smem per block gets the big-tile table
 
@@ -40,19 +40,17 @@ class AttnConfig:
 
 INTERPRETER_CONFIG = AttnConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
 
-# Hopper (H100/H200, 227 KB smem): measured on an H200, see results/.
-# key: (head_dim_pad, causal) -> config for 2-byte dtypes
+# Hopper (H100/H200, 227 KB smem), 2-byte dtypes, tensor-descriptor loads. key: head_dim_pad.
+# D=128 was swept on an H200 (scripts/tune_prefill.py, results/nvidia-h200/tune_fwd.csv):
+# (128, 64, 4 warps, 2 stages) won causal and not; the pointer path without descriptors reached
+# only ~100 TFLOP/s there. Other head dims follow the same shape, with 8 warps at D=256 so the
+# [128, 256] fp32 accumulator fits in registers.
 _HOPPER_FWD = {
-    (16, False): AttnConfig(128, 128, 4, 3, True),
-    (32, False): AttnConfig(128, 128, 4, 3, True),
-    (64, False): AttnConfig(128, 128, 4, 3, True),
-    (128, False): AttnConfig(128, 128, 8, 3, True),
-    (256, False): AttnConfig(128, 64, 8, 2, True),
-    (16, True): AttnConfig(128, 128, 4, 3, True),
-    (32, True): AttnConfig(128, 128, 4, 3, True),
-    (64, True): AttnConfig(128, 128, 4, 3, True),
-    (128, True): AttnConfig(128, 128, 8, 3, True),
-    (256, True): AttnConfig(128, 64, 8, 2, True),
+    16: AttnConfig(128, 64, 4, 3, True),
+    32: AttnConfig(128, 64, 4, 3, True),
+    64: AttnConfig(128, 64, 4, 3, True),
+    128: AttnConfig(128, 64, 4, 2, True),
+    256: AttnConfig(128, 64, 8, 2, True),
 }
 
 # Ampere/Ada and other GPUs with ~100 KB smem per block (Colab's L4): tiles that fit.
@@ -74,18 +72,18 @@ def prefill_fwd_config(head_dim_pad: int, dtype: torch.dtype, causal: bool, devi
         return AttnConfig(64, 32, 4, 2)
     major, _ = device_capability(index)
     if major >= 9 and device_smem_bytes(index) >= HOPPER_SMEM:
-        return _HOPPER_FWD[(head_dim_pad, causal)]
+        return _HOPPER_FWD[head_dim_pad]
     return _SMALL_SMEM_FWD[head_dim_pad]
 
 
 # Backward: (dK/dV config, dQ config). dK/dV programs own BLOCK_N keys and stream queries in
 # BLOCK_M steps; dQ programs own BLOCK_M queries and stream keys in BLOCK_N steps.
 _HOPPER_BWD = {
-    16: (AttnConfig(64, 128, 4, 3), AttnConfig(128, 64, 4, 3)),
-    32: (AttnConfig(64, 128, 4, 3), AttnConfig(128, 64, 4, 3)),
-    64: (AttnConfig(64, 128, 8, 3), AttnConfig(128, 64, 8, 3)),
-    128: (AttnConfig(64, 128, 8, 2), AttnConfig(128, 64, 8, 2)),
-    256: (AttnConfig(32, 64, 4, 2), AttnConfig(64, 32, 4, 2)),
+    16: (AttnConfig(64, 128, 4, 3, True), AttnConfig(128, 64, 4, 3, True)),
+    32: (AttnConfig(64, 128, 4, 3, True), AttnConfig(128, 64, 4, 3, True)),
+    64: (AttnConfig(64, 128, 8, 3, True), AttnConfig(128, 64, 8, 3, True)),
+    128: (AttnConfig(64, 128, 8, 2, True), AttnConfig(128, 64, 8, 3, True)),
+    256: (AttnConfig(32, 64, 4, 2, True), AttnConfig(64, 32, 4, 2, True)),
 }
 _SMALL_SMEM_BWD = {
     16: (AttnConfig(32, 64, 4, 2), AttnConfig(64, 32, 4, 2)),
@@ -109,3 +107,86 @@ def prefill_bwd_config(
         return (AttnConfig(32, 64, 4, 1), AttnConfig(64, 32, 4, 1)) if big else (
             AttnConfig(16, 32, 4, 1), AttnConfig(32, 16, 4, 1))
     return (_HOPPER_BWD if big else _SMALL_SMEM_BWD)[head_dim_pad]
+
+
+# --------------------------------------------------------------------------------------------
+# Decode (kernels/decode.py): one program streams one split of one (request, KV head)'s cache for
+# a block of up to `max_rows` query rows (the q heads of the group x seqlen_q). Decode is bound by
+# memory bandwidth, so the configs aim at deep load pipelines rather than big tiles.
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch parameters of the split-KV decode kernel."""
+
+    block_n: int  # keys per step of the KV loop (a split is a whole number of these)
+    num_warps: int
+    num_stages: int
+    max_rows: int = 64  # query rows per program; more rows -> another row block in the grid
+
+
+INTERPRETER_DECODE_CONFIG = DecodeConfig(block_n=32, num_warps=4, num_stages=1)
+INTERPRETER_SM_COUNT = 4  # what the split heuristic assumes when there is no GPU to ask
+DECODE_MIN_BLOCKS_PER_SPLIT = 4  # a split streams at least this many BLOCK_N blocks
+DECODE_MAX_SPLITS = 64
+DECODE_FULL_GRID = 0.8  # this many programs per SM or more: no split (flash-attn's rule)
+DECODE_WAVE_EFFICIENCY = 0.85  # take the fewest splits whose last wave is about this full
+
+# Hopper (227 KB smem): K and V tiles of 2-byte dtypes, num_stages deep. key: head_dim_pad.
+# Not swept yet. First H200 reading (bf16, 32 q / 8 KV heads, D=128, BLOCK_N 64, 4 stages): 4.2-4.4
+# TB/s for caches >= 2 GB (0.96-0.99x SDPA/cuDNN). A coarse sweep (BLOCK_N 32-128, 2-8 warps, 2-4
+# stages), read only to the nearest TB/s, showed no config clearly better; sweep it properly.
+_HOPPER_DECODE = {
+    16: DecodeConfig(128, 4, 4),
+    32: DecodeConfig(128, 4, 4),
+    64: DecodeConfig(128, 4, 4),
+    128: DecodeConfig(64, 4, 4),
+    256: DecodeConfig(64, 4, 3),
+}
+# ~100 KB smem per block (Ampere/Ada, Colab's L4): stages x 2 x BLOCK_N x D x 2 bytes stays < 99 KB.
+_SMALL_SMEM_DECODE = {
+    16: DecodeConfig(64, 4, 3),
+    32: DecodeConfig(64, 4, 3),
+    64: DecodeConfig(64, 4, 3),
+    128: DecodeConfig(64, 4, 2),
+    256: DecodeConfig(32, 4, 2),
+}
+
+
+def decode_config(head_dim_pad: int, dtype: torch.dtype, device: torch.device) -> DecodeConfig:
+    """Tile config for the decode kernel on `device` (one small config under the interpreter)."""
+    if is_interpreter() or device.type != "cuda":
+        return INTERPRETER_DECODE_CONFIG
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    major, _ = device_capability(index)
+    big = major >= 9 and device_smem_bytes(index) >= HOPPER_SMEM
+    config = (_HOPPER_DECODE if big else _SMALL_SMEM_DECODE)[head_dim_pad]
+    if dtype == torch.float32:  # 4-byte tiles: halve the keys per stage
+        config = DecodeConfig(max(16, config.block_n // 2), config.num_warps, config.num_stages)
+    return config
+
+
+def decode_num_splits(programs: int, seqlen_cache: int, block_n: int, device: torch.device) -> int:
+    """num_splits=0 heuristic: how many chunks to split each request's cache into.
+
+    Depends only on `programs` (batch x nheads_k x row blocks), the *allocated* seqlen_cache and the
+    SM count, never on current lengths, so the grid and the compiled kernel stay fixed while a
+    generation loop runs. flash-attn's rule: no split once the programs fill the SMs; otherwise the
+    fewest splits whose wave efficiency (programs / (SMs x whole waves)) is within
+    DECODE_WAVE_EFFICIENCY of the best, with every split at least DECODE_MIN_BLOCKS_PER_SPLIT blocks
+    of BLOCK_N keys and at most DECODE_MAX_SPLITS splits. A partly filled last wave is what costs:
+    2.4 waves run as long as 3.
+    """
+    if is_interpreter() or device.type != "cuda":
+        sm_count = INTERPRETER_SM_COUNT
+    else:
+        sm_count = device_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    programs = max(programs, 1)
+    if programs >= DECODE_FULL_GRID * sm_count:
+        return 1
+    max_splits = min(DECODE_MAX_SPLITS, sm_count, max(1, seqlen_cache // (block_n * DECODE_MIN_BLOCKS_PER_SPLIT)))
+    efficiency = []
+    for splits in range(1, max_splits + 1):
+        waves = programs * splits / sm_count
+        efficiency.append(waves / -(-waves // 1))  # waves / ceil(waves)
+    best = max(efficiency)
+    return next(s for s, eff in enumerate(efficiency, 1) if eff >= DECODE_WAVE_EFFICIENCY * best)

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import finalize, load_rows, mask_scores, online_softmax, store_rows
+from ._common import finalize, load_rows, mask_scores, online_softmax, store_rows, tile_ptrs
 from ._configs import AttnConfig, prefill_bwd_config, prefill_fwd_config
 from ._utils import (
     _validate_devices,
@@ -128,7 +128,7 @@ def _fwd_kernel(
             v = v_desc.load([start_n, 0])
             acc = tl.dot(p.to(v.dtype), v, acc)
     else:
-        q = load_rows(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], offs_m, M, offs_d,
+        q = load_rows(tile_ptrs(q_base, start_m, stride_qm, BLOCK_M, offs_d), offs_m, M, offs_d,
                       HEAD_DIM, HEAD_DIM_PAD, True)  # [BLOCK_M, D_PAD]
         # Offsets inside a tile stay small (int32); the tile's start moves by 64-bit pointer steps.
         k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :]  # [BLOCK_N, D_PAD]
@@ -160,7 +160,7 @@ def _fwd_kernel(
         o_desc = tl.make_tensor_descriptor(o_base, [M, HEAD_DIM], [stride_om, 1], [BLOCK_M, HEAD_DIM_PAD])
         o_desc.store([start_m, 0], out.to(Out.dtype.element_ty))
     else:
-        store_rows(o_base + offs_m[:, None] * stride_om + offs_d[None, :], out.to(Out.dtype.element_ty),
+        store_rows(tile_ptrs(o_base, start_m, stride_om, BLOCK_M, offs_d), out.to(Out.dtype.element_ty),
                    offs_m, M, offs_d, HEAD_DIM, HEAD_DIM_PAD)
 
 
@@ -193,8 +193,8 @@ def _bwd_preprocess_kernel(
     off_h = (pid_bh % H).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    o_ptrs = Out + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :]
-    do_ptrs = DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :]
+    o_ptrs = tile_ptrs(Out + off_b * stride_ob + off_h * stride_oh, pid_m * BLOCK_M, stride_om, BLOCK_M, offs_d)
+    do_ptrs = tile_ptrs(DO + off_b * stride_dob + off_h * stride_doh, pid_m * BLOCK_M, stride_dom, BLOCK_M, offs_d)
     o = load_rows(o_ptrs, offs_m, M, offs_d, HEAD_DIM, HEAD_DIM_PAD, True).to(tl.float32)
     do = load_rows(do_ptrs, offs_m, M, offs_d, HEAD_DIM, HEAD_DIM_PAD, True).to(tl.float32)
     delta = tl.sum(o * do, 1)  # [BLOCK_M]
@@ -204,20 +204,25 @@ def _bwd_preprocess_kernel(
 @triton.jit
 def _bwd_dkdv_inner(
     dk, dv, k, v,
-    q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
+    q_src, do_src, lse_base, delta_base, stride_qm, stride_dom,
     offs_n, offs_d, M, diag, qk_scale, lo, hi,
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    """Accumulate dK, dV [BLOCK_N, D_PAD] over query rows [lo, hi) of one q head."""
+    """Accumulate dK, dV [BLOCK_N, D_PAD] over query rows [lo, hi) of one q head.
+
+    q_src/do_src are tensor descriptors (USE_TMA) or base pointers of that head's (M, D) slice.
+    """
     offs_mb = tl.arange(0, BLOCK_M)
     q_rel = offs_mb[:, None] * stride_qm + offs_d[None, :]  # [BLOCK_M, D_PAD], small offsets
     do_rel = offs_mb[:, None] * stride_dom + offs_d[None, :]
     for start_m in tl.range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_mb  # [BLOCK_M]
-        q_ptrs = q_base + tl.cast(start_m, tl.int64) * stride_qm + q_rel
-        do_ptrs = do_base + tl.cast(start_m, tl.int64) * stride_dom + do_rel
-        q = load_rows(q_ptrs, offs_m, M, offs_d, HEAD_DIM, HEAD_DIM_PAD, MASKED)  # [BLOCK_M, D_PAD]
+        if USE_TMA:
+            q = q_src.load([start_m, 0])  # [BLOCK_M, D_PAD], rows past M read as 0
+        else:
+            q = load_rows(q_src + tl.cast(start_m, tl.int64) * stride_qm + q_rel, offs_m, M, offs_d,
+                          HEAD_DIM, HEAD_DIM_PAD, MASKED)
         if MASKED:
             lse2 = tl.load(lse_base + offs_m, mask=offs_m < M, other=float("inf")) * 1.4426950408889634
         else:
@@ -226,7 +231,11 @@ def _bwd_dkdv_inner(
         pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])  # [BLOCK_N, BLOCK_M]
         if MASKED and IS_CAUSAL:
             pT = tl.where(offs_n[:, None] <= offs_m[None, :] + diag, pT, 0.0)
-        do = load_rows(do_ptrs, offs_m, M, offs_d, HEAD_DIM, HEAD_DIM_PAD, MASKED)  # [BLOCK_M, D_PAD]
+        if USE_TMA:
+            do = do_src.load([start_m, 0])
+        else:
+            do = load_rows(do_src + tl.cast(start_m, tl.int64) * stride_dom + do_rel, offs_m, M, offs_d,
+                           HEAD_DIM, HEAD_DIM_PAD, MASKED)  # [BLOCK_M, D_PAD]
         dv = tl.dot(pT.to(do.dtype), do, dv)  # [BLOCK_N, D_PAD]
         if MASKED:
             delta = tl.load(delta_base + offs_m, mask=offs_m < M, other=0.0)
@@ -249,7 +258,7 @@ def _bwd_dkdv_kernel(
     stride_dvb, stride_dvn, stride_dvh,
     H, M, N, GROUP, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
     pid_n = tl.program_id(0)
@@ -261,10 +270,16 @@ def _bwd_dkdv_kernel(
     offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     offs_d = tl.arange(0, HEAD_DIM_PAD)
 
-    k = load_rows(K + off_b * stride_kb + off_hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :],
-                  offs_n, N, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)  # [BLOCK_N, D_PAD]
-    v = load_rows(V + off_b * stride_vb + off_hk * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :],
-                  offs_n, N, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+    k_base = K + off_b * stride_kb + off_hk * stride_kh
+    v_base = V + off_b * stride_vb + off_hk * stride_vh
+    if USE_TMA:
+        k = tl.make_tensor_descriptor(k_base, [N, HEAD_DIM], [stride_kn, 1], [BLOCK_N, HEAD_DIM_PAD]).load([start_n, 0])
+        v = tl.make_tensor_descriptor(v_base, [N, HEAD_DIM], [stride_vn, 1], [BLOCK_N, HEAD_DIM_PAD]).load([start_n, 0])
+    else:
+        k = load_rows(tile_ptrs(k_base, start_n, stride_kn, BLOCK_N, offs_d), offs_n, N, offs_d,
+                      HEAD_DIM, HEAD_DIM_PAD, True)  # [BLOCK_N, D_PAD]
+        v = load_rows(tile_ptrs(v_base, start_n, stride_vn, BLOCK_N, offs_d), offs_n, N, offs_d,
+                      HEAD_DIM, HEAD_DIM_PAD, True)
     dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
 
@@ -284,23 +299,27 @@ def _bwd_dkdv_kernel(
 
     for g in range(0, GROUP):  # every q head of this KV head's group adds into the same dK, dV
         off_h = off_hk * GROUP + g
-        q_base = Q + off_b * stride_qb + off_h * stride_qh
-        do_base = DO + off_b * stride_dob + off_h * stride_doh
-        row = (off_b * H + off_h) * M
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, Lse + row, Delta + row, stride_qm, stride_dom,
+        q_src = Q + off_b * stride_qb + off_h * stride_qh
+        do_src = DO + off_b * stride_dob + off_h * stride_doh
+        if USE_TMA:
+            q_src = tl.make_tensor_descriptor(q_src, [M, HEAD_DIM], [stride_qm, 1], [BLOCK_M, HEAD_DIM_PAD])
+            do_src = tl.make_tensor_descriptor(do_src, [M, HEAD_DIM], [stride_dom, 1], [BLOCK_M, HEAD_DIM_PAD])
+        lse_base = Lse + (off_b * H + off_h) * M
+        delta_base = Delta + (off_b * H + off_h) * M
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qm, stride_dom,
                                  offs_n, offs_d, M, diag, qk_scale, m_lo, m_band_end,
-                                 BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, IS_CAUSAL, True)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, Lse + row, Delta + row, stride_qm, stride_dom,
+                                 BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, IS_CAUSAL, True, USE_TMA)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qm, stride_dom,
                                  offs_n, offs_d, M, diag, qk_scale, m_mid, m_full,
-                                 BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, IS_CAUSAL, False)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, Lse + row, Delta + row, stride_qm, stride_dom,
+                                 BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, IS_CAUSAL, False, USE_TMA)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qm, stride_dom,
                                  offs_n, offs_d, M, diag, qk_scale, m_tail, m_ceil,
-                                 BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, IS_CAUSAL, True)
+                                 BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, IS_CAUSAL, True, USE_TMA)
 
     dk = dk * sm_scale
-    store_rows(DK + off_b * stride_dkb + off_hk * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :],
+    store_rows(tile_ptrs(DK + off_b * stride_dkb + off_hk * stride_dkh, start_n, stride_dkn, BLOCK_N, offs_d),
                dk.to(DK.dtype.element_ty), offs_n, N, offs_d, HEAD_DIM, HEAD_DIM_PAD)
-    store_rows(DV + off_b * stride_dvb + off_hk * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :],
+    store_rows(tile_ptrs(DV + off_b * stride_dvb + off_hk * stride_dvh, start_n, stride_dvn, BLOCK_N, offs_d),
                dv.to(DV.dtype.element_ty), offs_n, N, offs_d, HEAD_DIM, HEAD_DIM_PAD)
 
 
@@ -314,7 +333,7 @@ def _bwd_dq_kernel(
     stride_dqb, stride_dqm, stride_dqh,
     H, M, N, GROUP, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
     if IS_CAUSAL:
@@ -331,10 +350,21 @@ def _bwd_dq_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
 
-    q = load_rows(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
-                  offs_m, M, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)  # [BLOCK_M, D_PAD]
-    do = load_rows(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :],
-                   offs_m, M, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+    q_base = Q + off_b * stride_qb + off_h * stride_qh
+    do_base = DO + off_b * stride_dob + off_h * stride_doh
+    k_base = K + off_b * stride_kb + off_hk * stride_kh
+    v_base = V + off_b * stride_vb + off_hk * stride_vh
+    if USE_TMA:
+        q = tl.make_tensor_descriptor(q_base, [M, HEAD_DIM], [stride_qm, 1], [BLOCK_M, HEAD_DIM_PAD]).load([start_m, 0])
+        do = tl.make_tensor_descriptor(do_base, [M, HEAD_DIM], [stride_dom, 1], [BLOCK_M, HEAD_DIM_PAD]).load(
+            [start_m, 0])
+        k_desc = tl.make_tensor_descriptor(k_base, [N, HEAD_DIM], [stride_kn, 1], [BLOCK_N, HEAD_DIM_PAD])
+        v_desc = tl.make_tensor_descriptor(v_base, [N, HEAD_DIM], [stride_vn, 1], [BLOCK_N, HEAD_DIM_PAD])
+    else:
+        q = load_rows(tile_ptrs(q_base, start_m, stride_qm, BLOCK_M, offs_d), offs_m, M, offs_d,
+                      HEAD_DIM, HEAD_DIM_PAD, True)  # [BLOCK_M, D_PAD]
+        do = load_rows(tile_ptrs(do_base, start_m, stride_dom, BLOCK_M, offs_d), offs_m, M, offs_d,
+                       HEAD_DIM, HEAD_DIM_PAD, True)
     row = pid_bh.to(tl.int64) * M
     lse2 = tl.load(Lse + row + offs_m, mask=offs_m < M, other=float("inf")) * 1.4426950408889634
     delta = tl.load(Delta + row + offs_m, mask=offs_m < M, other=0.0)
@@ -350,11 +380,15 @@ def _bwd_dq_kernel(
         n_full = N // BLOCK_N * BLOCK_N
         n_end = N
 
-    k_ptrs = K + off_b * stride_kb + off_hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
-    v_ptrs = V + off_b * stride_vb + off_hk * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :]
+    k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :]  # [BLOCK_N, D_PAD]
+    v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :]
     for start_n in tl.range(0, n_full, BLOCK_N):  # blocks every row sees whole
-        k = load_rows(k_ptrs, offs_n, BLOCK_N, offs_d, HEAD_DIM, HEAD_DIM_PAD, False)  # [BLOCK_N, D_PAD]
-        v = load_rows(v_ptrs, offs_n, BLOCK_N, offs_d, HEAD_DIM, HEAD_DIM_PAD, False)
+        if USE_TMA:
+            k = k_desc.load([start_n, 0])
+            v = v_desc.load([start_n, 0])
+        else:
+            k = load_rows(k_ptrs, offs_n, BLOCK_N, offs_d, HEAD_DIM, HEAD_DIM_PAD, False)  # [BLOCK_N, D_PAD]
+            v = load_rows(v_ptrs, offs_n, BLOCK_N, offs_d, HEAD_DIM, HEAD_DIM_PAD, False)
         qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N]
         p = tl.math.exp2(qk * qk_scale - lse2[:, None])
         dp = tl.dot(do, tl.trans(v))  # [BLOCK_M, BLOCK_N]
@@ -363,8 +397,12 @@ def _bwd_dq_kernel(
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
     for start_n in tl.range(n_full, n_end, BLOCK_N):  # diagonal band and ragged tail
-        k = load_rows(k_ptrs, start_n + offs_n, n_end, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
-        v = load_rows(v_ptrs, start_n + offs_n, n_end, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+        if USE_TMA:
+            k = k_desc.load([start_n, 0])
+            v = v_desc.load([start_n, 0])
+        else:
+            k = load_rows(k_ptrs, start_n + offs_n, n_end, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+            v = load_rows(v_ptrs, start_n + offs_n, n_end, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
         qk = tl.dot(q, tl.trans(k))
         qk = mask_scores(qk, start_n + offs_n, n_end, row_limit, IS_CAUSAL)
         p = tl.math.exp2(qk * qk_scale - lse2[:, None])
@@ -375,7 +413,7 @@ def _bwd_dq_kernel(
         v_ptrs += BLOCK_N * stride_vn
 
     dq = dq * sm_scale
-    store_rows(DQ + off_b * stride_dqb + off_h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :],
+    store_rows(tile_ptrs(DQ + off_b * stride_dqb + off_h * stride_dqh, start_m, stride_dqm, BLOCK_M, offs_d),
                dq.to(DQ.dtype.element_ty), offs_m, M, offs_d, HEAD_DIM, HEAD_DIM_PAD)
 
 
@@ -401,6 +439,15 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
         if t.data_ptr() % 16 != 0 or any((s * size) % 16 != 0 for s in t.stride()[:-1]):
             return False
     return True
+
+
+def _use_tma(requested: bool, *tensors: torch.Tensor) -> bool:
+    """Tensor-descriptor loads: requested by the config, on a Hopper-or-newer GPU, 2-byte dtypes, aligned."""
+    q = tensors[0]
+    if not requested or q.device.type != "cuda" or is_interpreter() or q.element_size() != 2:
+        return False
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    return device_capability(index)[0] >= 9 and _tma_ok(*tensors)
 
 
 def _validate_qkv(q, k, v) -> None:
@@ -441,13 +488,7 @@ def _flash_attn_forward(
         lse.fill_(float("inf"))
         return out, lse
 
-    use_tma = (
-        config.use_tma
-        and q.device.type == "cuda"
-        and not is_interpreter()
-        and device_capability(q.device.index if q.device.index is not None else torch.cuda.current_device())[0] >= 9
-        and _tma_ok(q, k, v, out)
-    )
+    use_tma = _use_tma(config.use_tma, q, k, v, out)
     if use_tma:
         _ensure_tma_allocator()
     grid = (triton.cdiv(seqlen_q, config.block_m), batch * nheads)
@@ -497,6 +538,9 @@ def _flash_attn_backward(
         return dq, dk, dv
     delta = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
     group = nheads // nheads_k
+    use_tma = _use_tma(cfg_kv.use_tma, q, k, v, dout)
+    if use_tma:
+        _ensure_tma_allocator()
     with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
         _bwd_preprocess_kernel[(triton.cdiv(seqlen_q, 64), batch * nheads)](
             out, dout, delta,
@@ -515,7 +559,7 @@ def _flash_attn_backward(
             dv.stride(0), dv.stride(1), dv.stride(2),
             nheads, seqlen_q, seqlen_k, group, softmax_scale * LOG2E, softmax_scale,
             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-            BLOCK_M=cfg_kv.block_m, BLOCK_N=cfg_kv.block_n, IS_CAUSAL=causal,
+            BLOCK_M=cfg_kv.block_m, BLOCK_N=cfg_kv.block_n, IS_CAUSAL=causal, USE_TMA=use_tma,
             num_warps=cfg_kv.num_warps, num_stages=cfg_kv.num_stages,
         )
         _bwd_dq_kernel[(triton.cdiv(seqlen_q, cfg_q.block_m), batch * nheads)](
@@ -527,7 +571,7 @@ def _flash_attn_backward(
             dq.stride(0), dq.stride(1), dq.stride(2),
             nheads, seqlen_q, seqlen_k, group, softmax_scale * LOG2E, softmax_scale,
             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-            BLOCK_M=cfg_q.block_m, BLOCK_N=cfg_q.block_n, IS_CAUSAL=causal,
+            BLOCK_M=cfg_q.block_m, BLOCK_N=cfg_q.block_n, IS_CAUSAL=causal, USE_TMA=use_tma,
             num_warps=cfg_q.num_warps, num_stages=cfg_q.num_stages,
         )
     return dq, dk, dv

@@ -40,6 +40,7 @@ def main():
     ap.add_argument("--head-dims", default="128")
     ap.add_argument("--skip-bwd", action="store_true")
     ap.add_argument("--skip-fwd", action="store_true")
+    ap.add_argument("--fwd-cands", default="all", help="'all' or 'small' (a few strong candidates)")
     args = ap.parse_args()
     gpu = torch.cuda.get_device_name()
     out_dir = args.out or os.path.join("results", gpu.lower().replace(" ", "-"))
@@ -56,6 +57,9 @@ def main():
     ):
         fwd_cands.append(AttnConfig(bm, bn, w, s, tma))
 
+    if args.fwd_cands == "small":
+        fwd_cands = [AttnConfig(128, 64, 4, 2, True), AttnConfig(128, 64, 4, 3, True), AttnConfig(128, 64, 8, 2, True),
+                     AttnConfig(128, 128, 8, 2, True), AttnConfig(64, 64, 4, 3, True), AttnConfig(128, 32, 4, 3, True)]
     rows = []
     if not args.skip_fwd:
         for D, causal, (B, S) in itertools.product(head_dims, [False, True], shapes):
@@ -64,8 +68,6 @@ def main():
             v = torch.randn(B, S, H, D, device="cuda", dtype=dtype)
             ref, _ = attention_ref(q[:1, :1024], k[:1, :1024], v[:1, :1024], causal=causal)
             for cfg in fwd_cands:
-                if D >= 256 and cfg.block_n * cfg.num_stages > 256:
-                    continue
                 t0 = time.time()
                 try:
                     o, _ = _flash_attn_forward(q[:1, :1024], k[:1, :1024], v[:1, :1024], D**-0.5, causal, cfg)
@@ -96,10 +98,12 @@ def main():
 
     if args.skip_bwd:
         return
-    kv_cands = [AttnConfig(64, 128, 8, 2), AttnConfig(64, 128, 8, 3), AttnConfig(64, 128, 4, 2),
-                AttnConfig(32, 128, 4, 3), AttnConfig(64, 64, 4, 3), AttnConfig(128, 128, 8, 2)]
-    q_cands = [AttnConfig(128, 64, 8, 2), AttnConfig(128, 64, 8, 3), AttnConfig(64, 64, 4, 3),
-               AttnConfig(128, 128, 8, 2), AttnConfig(64, 128, 4, 2)]
+    kv_cands = [AttnConfig(64, 128, 8, 2, True), AttnConfig(64, 128, 8, 3, True), AttnConfig(64, 128, 4, 2, True),
+                AttnConfig(32, 128, 4, 3, True), AttnConfig(64, 64, 4, 3, True), AttnConfig(128, 128, 8, 2, True),
+                AttnConfig(128, 64, 8, 2, True), AttnConfig(32, 64, 4, 3, True)]
+    q_cands = [AttnConfig(128, 64, 8, 3, True), AttnConfig(128, 64, 8, 2, True), AttnConfig(64, 64, 4, 3, True),
+               AttnConfig(128, 128, 8, 2, True), AttnConfig(128, 64, 4, 2, True), AttnConfig(64, 128, 4, 2, True),
+               AttnConfig(128, 32, 4, 3, True)]
     brows = []
     for D, causal in itertools.product(head_dims, [False, True]):
         B, S = shapes[0]

@@ -1,0 +1,206 @@
+"""Shared test helpers: where tests run, input builders in every layout, and the error rule.
+
+Imported by the test modules as `from helpers import ...` (tests/conftest.py puts tests/ on
+sys.path). conftest.py has already set TRITON_INTERPRET=1 on machines without a GPU by the time
+this module is imported, so DEVICE / ON_GPU / INTERPRET below describe the run correctly.
+
+The error rule is flash-attn's: a kernel in fp16/bf16 is judged by its error against an fp32
+reference *relative to* the error PyTorch's own eager code makes in the same dtype, so the bound
+follows the precision of the inputs instead of being a magic constant.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from kernels import attention_ref, rel_err
+from kernels._utils import is_interpreter
+
+INTERPRET: bool = is_interpreter()
+ON_GPU: bool = torch.cuda.is_available() and not INTERPRET  # compiled kernels on a real GPU
+DEVICE: torch.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+LAYOUTS = ("bshd", "bhsd", "qkv_packed", "strided")
+
+# Absolute floor added to factor * (eager same-dtype error): covers cases where PyTorch's own error
+# is ~0 (a single key, tiny rows) while the kernel still rounds its output once.
+ATOL_FLOOR = {torch.float16: 1e-3, torch.bfloat16: 4e-3}
+# fp32 has no "same dtype" yardstick (the reference *is* fp32): plain bounds instead.
+FP32_RTOL_GPU = 5e-3  # tf32 tensor-core matmuls (10-bit mantissa) on the GPU
+FP32_RTOL_INTERPRET = 1e-5  # the interpreter's tl.dot is an exact fp32 numpy matmul
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs
+# --------------------------------------------------------------------------------------------
+def make_qkv(
+    batch: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    nheads: int,
+    nheads_k: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device=DEVICE,
+    layout: str = "bshd",
+    seed: Optional[int] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fresh standard-normal q (b, m, h, d), k and v (b, n, h_kv, d) in one of LAYOUTS.
+
+    - "bshd": three contiguous tensors.
+    - "bhsd": (b, h, s, d) contiguous buffers seen through .transpose(1, 2) (the layout of
+      PyTorch's SDPA / a head-major projection).
+    - "qkv_packed": one (b, s, h + 2*h_kv, d) buffer, as from a fused QKV projection; q, k, v are
+      non-contiguous slices of it along the head dim. Needs seqlen_q == seqlen_k.
+    - "strided": (b, s, h, d + 8) buffers sliced to [..., :d], so the row and head strides are not
+      dense. The 8 padding columns hold NaN: a kernel reading past head_dim poisons its output.
+    The values are never all zeros; with `seed` they are reproducible on a given device.
+    """
+    gen = None
+    if seed is not None:
+        gen = torch.Generator(device=device)
+        gen.manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
+
+    if layout == "bshd":
+        q = randn(batch, seqlen_q, nheads, head_dim)
+        k = randn(batch, seqlen_k, nheads_k, head_dim)
+        v = randn(batch, seqlen_k, nheads_k, head_dim)
+    elif layout == "bhsd":
+        q = randn(batch, nheads, seqlen_q, head_dim).transpose(1, 2)
+        k = randn(batch, nheads_k, seqlen_k, head_dim).transpose(1, 2)
+        v = randn(batch, nheads_k, seqlen_k, head_dim).transpose(1, 2)
+    elif layout == "qkv_packed":
+        if seqlen_q != seqlen_k:
+            raise ValueError(f"qkv_packed needs seqlen_q == seqlen_k, got {seqlen_q} and {seqlen_k}")
+        buf = randn(batch, seqlen_q, nheads + 2 * nheads_k, head_dim)
+        q = buf[:, :, :nheads]
+        k = buf[:, :, nheads : nheads + nheads_k]
+        v = buf[:, :, nheads + nheads_k :]
+    elif layout == "strided":
+        pad = 8
+
+        def padded(s, h):
+            buf = randn(batch, s, h, head_dim + pad)
+            buf[..., head_dim:] = float("nan")  # poison: must never be read
+            return buf[..., :head_dim]
+
+        q, k, v = padded(seqlen_q, nheads), padded(seqlen_k, nheads_k), padded(seqlen_k, nheads_k)
+    else:
+        raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
+    return q, k, v
+
+
+# --------------------------------------------------------------------------------------------
+# References
+# --------------------------------------------------------------------------------------------
+def references(q, k, v, *, causal: bool, softmax_scale: Optional[float] = None):
+    """(out_fp32, lse_fp32, out_same_dtype): the fp32 ground truth (output kept in fp32, not
+    rounded back) and PyTorch's eager result computed in the inputs' own dtype."""
+    out_fp32, lse = attention_ref(q.float(), k.float(), v.float(), causal=causal, softmax_scale=softmax_scale)
+    if q.dtype == torch.float32:
+        out_same = out_fp32
+    else:
+        out_same, _ = attention_ref(q, k, v, causal=causal, softmax_scale=softmax_scale, upcast=False)
+    return out_fp32, lse, out_same
+
+
+def _sdpa_call(q, k, v, *, is_causal: bool, scale: Optional[float]):
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        try:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=True)
+        except TypeError:  # torch < 2.5 has no enable_gqa: expand the KV heads instead
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
+
+
+def sdpa_references(q, k, v, *, causal: bool, softmax_scale: Optional[float] = None):
+    """(out_fp32, out_same_dtype) from torch's scaled_dot_product_attention, in our (b, s, h, d)
+    layout. Only valid where its conventions match ours: causal only with seqlen_q == seqlen_k
+    (SDPA's is_causal is aligned top-left)."""
+    assert not causal or q.shape[1] == k.shape[1], "SDPA's causal mask is top-left aligned"
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    out_fp32 = _sdpa_call(qt.float(), kt.float(), vt.float(), is_causal=causal, scale=softmax_scale)
+    if q.dtype == torch.float32:
+        out_same = out_fp32
+    else:
+        out_same = _sdpa_call(qt, kt, vt, is_causal=causal, scale=softmax_scale)
+    return out_fp32.transpose(1, 2), out_same.transpose(1, 2)
+
+
+# --------------------------------------------------------------------------------------------
+# Error rules
+# --------------------------------------------------------------------------------------------
+def assert_close_to_ref(
+    out: torch.Tensor,
+    ref_fp32: torch.Tensor,
+    ref_same_dtype: torch.Tensor,
+    *,
+    factor: float = 2.0,
+    atol_floor: Optional[float] = None,
+    msg: str = "",
+) -> None:
+    """flash-attn's rule: rel_err(out, ref_fp32) <= factor * rel_err(ref_same_dtype, ref_fp32) + floor.
+
+    fp32 inputs get a plain bound instead (5e-3 on a GPU for tf32 matmuls, 1e-5 under the
+    interpreter, whose fp32 dot is exact). NaN or inf in `out` never passes.
+    """
+    assert out.shape == ref_fp32.shape, f"shape {tuple(out.shape)} != reference {tuple(ref_fp32.shape)} {msg}"
+    assert torch.isfinite(out).all(), (
+        f"non-finite output: {(~torch.isfinite(out)).sum().item()} of {out.numel()} elements {msg}"
+    )
+    err = rel_err(out, ref_fp32)
+    if out.dtype == torch.float32:
+        bound = FP32_RTOL_INTERPRET if INTERPRET else FP32_RTOL_GPU
+        assert err <= bound, f"fp32 rel err {err:.3e} > {bound:.1e} {msg}"
+        return
+    floor = ATOL_FLOOR[out.dtype] if atol_floor is None else atol_floor
+    ref_err = rel_err(ref_same_dtype, ref_fp32)
+    bound = factor * ref_err + floor
+    assert err <= bound, (
+        f"kernel rel err {err:.3e} > {factor} * eager {out.dtype} rel err {ref_err:.3e} + {floor:.0e} "
+        f"(= {bound:.3e}) {msg}"
+    )
+
+
+# Natural-log LSE: the kernel and the reference both compute the scores with fp32 accumulation
+# (exact products of fp16/bf16 inputs), so they agree to fp32 rounding of the sum (~1e-6 measured
+# under the interpreter). fp32 inputs on a GPU go through tf32, whose hardware conversion truncates
+# the mantissa to 10 bits: score errors are biased and grow with |score|, so the LSE (dominated by
+# the largest scores) gets a relative term too (5.4e-3 measured at |lse| ~ 7 on an H200).
+LSE_ATOL = {torch.float16: 1e-3, torch.bfloat16: 1e-3, torch.float32: 1e-4}
+LSE_ATOL_FP32_GPU, LSE_RTOL_FP32_GPU = 5e-3, 2e-3
+
+
+def assert_lse_close(lse: torch.Tensor, ref_lse: torch.Tensor, dtype: torch.dtype, msg: str = "") -> None:
+    """lse is float32 (B, H, M), +inf exactly where the reference is +inf, finite elsewhere and
+    within a dtype-dependent tolerance; NaN never passes."""
+    assert lse.dtype == torch.float32, f"lse dtype {lse.dtype} {msg}"
+    assert lse.shape == ref_lse.shape, f"lse shape {tuple(lse.shape)} != {tuple(ref_lse.shape)} {msg}"
+    assert not torch.isnan(lse).any(), f"NaN in lse {msg}"
+    ref_inf = torch.isposinf(ref_lse)
+    assert torch.equal(torch.isposinf(lse), ref_inf), (
+        f"+inf mismatch: kernel {torch.isposinf(lse).sum().item()} rows, reference {ref_inf.sum().item()} {msg}"
+    )
+    assert not torch.isneginf(lse).any(), f"-inf in lse {msg}"
+    if (~ref_inf).any():
+        got, want = lse[~ref_inf], ref_lse[~ref_inf]
+        diff = (got - want).abs()
+        if dtype == torch.float32 and not INTERPRET:
+            tol = LSE_ATOL_FP32_GPU + LSE_RTOL_FP32_GPU * want.abs()
+            worst = (diff - tol).argmax()
+            assert (diff <= tol).all(), (
+                f"lse abs diff {diff[worst].item():.3e} > {tol[worst].item():.3e} "
+                f"at |lse| {want[worst].abs().item():.2f} "
+                f"(tf32 bound {LSE_ATOL_FP32_GPU:.0e} + {LSE_RTOL_FP32_GPU:.0e} * |lse|) {msg}"
+            )
+        else:
+            tol = LSE_ATOL[dtype]
+            assert diff.max().item() <= tol, f"lse max abs diff {diff.max().item():.3e} > {tol:.0e} {msg}"

@@ -1,0 +1,555 @@
+"""Decode attention (kernels/decode.py): flash_attn_with_kvcache and KVCache.
+
+Ground truth is kernels.reference.attention_ref in fp32, per request over the keys it should see
+(cache rows [0, L_b) plus the new tokens); fp16/bf16 outputs are judged against PyTorch's own
+same-dtype error (helpers.assert_close_to_ref). Small shapes under the interpreter, bigger ones
+and bf16 on a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import DEVICE, INTERPRET, ON_GPU, assert_close_to_ref, assert_lse_close, make_qkv, references
+from kernels import KVCache, attention_ref, flash_attn_func, flash_attn_with_kvcache, rel_err
+from kernels.decode import _flash_attn_with_kvcache_launch
+
+DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if ON_GPU else [])
+HALF_DTYPES = [torch.float16] + ([torch.bfloat16] if ON_GPU else [])
+# Interpreter: small heads, head dims and lengths; GPU: the full grid.
+NHEADS = 8 if ON_GPU else 4
+HEAD_DIM = 128 if ON_GPU else 32
+AR_LENGTHS = [1, 31, 33, 63, 65, 127, 257] if ON_GPU else [1, 31, 33, 65, 127]
+GROUPS = [1, 2, 4, 8] if ON_GPU else [1, 2, 4]  # nheads // nheads_k; the largest is MQA
+# Two split-vs-unsplit runs of the same data may differ by rounding of the output dtype.
+AGREE_TOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 1e-5 if INTERPRET else 5e-3}
+
+
+def randn(*shape, dtype, device=DEVICE):
+    return torch.randn(*shape, dtype=torch.float32, device=device).to(dtype)
+
+
+def make_decode_inputs(batch, seqlen_cache, seqlen_q, nheads, nheads_k, head_dim, dtype, append=True):
+    """Random q, caches (random everywhere, also past the lengths) and new k/v (or None)."""
+    q = randn(batch, seqlen_q, nheads, head_dim, dtype=dtype)
+    k_cache = randn(batch, seqlen_cache, nheads_k, head_dim, dtype=dtype)
+    v_cache = randn(batch, seqlen_cache, nheads_k, head_dim, dtype=dtype)
+    if not append:
+        return q, k_cache, v_cache, None, None
+    k = randn(batch, seqlen_q, nheads_k, head_dim, dtype=dtype)
+    v = randn(batch, seqlen_q, nheads_k, head_dim, dtype=dtype)
+    return q, k_cache, v_cache, k, v
+
+
+def decode_references(q, k_cache, v_cache, k, v, lengths, *, causal, softmax_scale=None):
+    """(out_fp32, lse, out_same_dtype) per request over cache[:L_b] (+ the new k/v), concatenated."""
+    outs32, lses, outs_same = [], [], []
+    for b, length in enumerate(lengths):
+        kk, vv = k_cache[b : b + 1, :length], v_cache[b : b + 1, :length]
+        if k is not None:
+            kk, vv = torch.cat([kk, k[b : b + 1]], 1), torch.cat([vv, v[b : b + 1]], 1)
+        out32, lse = attention_ref(q[b : b + 1].float(), kk.float(), vv.float(), causal=causal,
+                                   softmax_scale=softmax_scale)
+        if q.dtype == torch.float32:
+            out_same = out32
+        else:
+            out_same, _ = attention_ref(q[b : b + 1], kk, vv, causal=causal, softmax_scale=softmax_scale,
+                                        upcast=False)
+        outs32.append(out32)
+        lses.append(lse)
+        outs_same.append(out_same)
+    return torch.cat(outs32), torch.cat(lses), torch.cat(outs_same)
+
+
+def expected_caches(k_cache, v_cache, k, v, lengths):
+    """The caches as they must be after appending k/v at each request's length."""
+    k_exp, v_exp = k_cache.clone(), v_cache.clone()
+    if k is not None:
+        for b, length in enumerate(lengths):
+            k_exp[b, length : length + k.shape[1]] = k[b]
+            v_exp[b, length : length + v.shape[1]] = v[b]
+    return k_exp, v_exp
+
+
+# --------------------------------------------------------------------------------------------
+# The seed's test: prefill == token-by-token decode
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", HALF_DTYPES + ([] if ON_GPU else [torch.float32]))
+@pytest.mark.parametrize("group", GROUPS)
+@pytest.mark.parametrize("seqlen", AR_LENGTHS)
+def test_autoregressive_equivalence(seqlen, group, dtype):
+    """Causal prefill over a sequence equals decoding it token by token, appending each token first."""
+    if INTERPRET and dtype == torch.float32 and (group != 2 or seqlen > 33):
+        pytest.skip("fp32 under the interpreter: one GQA ratio, short lengths")
+    if INTERPRET and seqlen > 65 and group != GROUPS[-1]:
+        pytest.skip("long sequences under the interpreter: MQA only")
+    batch, nheads, head_dim = 2, NHEADS, HEAD_DIM
+    nheads_k = nheads // group
+    q, k, v = make_qkv(batch, seqlen, seqlen, nheads, nheads_k, head_dim, dtype)
+    out_prefill = flash_attn_func(q, k, v, causal=True)
+
+    seqlen_cache = seqlen + 7  # not a multiple of any block size
+    k_cache = randn(batch, seqlen_cache, nheads_k, head_dim, dtype=dtype)
+    v_cache = randn(batch, seqlen_cache, nheads_k, head_dim, dtype=dtype)
+    outs = [
+        flash_attn_with_kvcache(q[:, t : t + 1], k_cache, v_cache, k[:, t : t + 1], v[:, t : t + 1],
+                                cache_seqlens=t, causal=True)
+        for t in range(seqlen)
+    ]
+    out_decode = torch.cat(outs, 1)
+
+    ref32, _, ref_same = references(q, k, v, causal=True)
+    msg = f"(seqlen={seqlen}, nheads={nheads}, nheads_k={nheads_k}, {dtype})"
+    assert_close_to_ref(out_decode, ref32, ref_same, msg="decode " + msg)
+    assert_close_to_ref(out_prefill, ref32, ref_same, msg="prefill " + msg)
+    diff = rel_err(out_decode, out_prefill)
+    print(f"decode vs prefill rel err {diff:.2e} {msg}")
+    assert diff <= 2 * AGREE_TOL[dtype], f"decode vs prefill rel err {diff:.2e} {msg}"
+    assert torch.equal(k_cache[:, :seqlen], k) and torch.equal(v_cache[:, :seqlen], v)
+
+
+# --------------------------------------------------------------------------------------------
+# Ragged batches, splits, seqlen_q > 1
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("append", [True, False])
+@pytest.mark.parametrize("num_splits", [1, 3, 0])
+def test_ragged_batch_against_reference(num_splits, append, dtype):
+    """Requests of lengths 0, 1, 17, ... each match the reference over their own keys."""
+    lengths = [0, 1, 17, 100, 140] if INTERPRET else [0, 1, 17, 1000, 3000, 4095]
+    seqlen_cache = 160 if INTERPRET else 4096
+    batch, nheads, nheads_k, head_dim = len(lengths), NHEADS, 2, HEAD_DIM
+    q, k_cache, v_cache, k, v = make_decode_inputs(batch, seqlen_cache, 1, nheads, nheads_k, head_dim, dtype, append)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    k_exp, v_exp = expected_caches(k_cache, v_cache, k, v, lengths)
+    ref32, ref_lse, ref_same = decode_references(q, k_cache, v_cache, k, v, lengths, causal=False)
+
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, num_splits=num_splits,
+                                       return_softmax_lse=True)
+    msg = f"(lengths={lengths}, num_splits={num_splits}, append={append}, {dtype})"
+    assert_close_to_ref(out, ref32, ref_same, msg=msg)
+    assert_lse_close(lse, ref_lse, dtype, msg=msg)
+    assert torch.equal(k_cache, k_exp) and torch.equal(v_cache, v_exp)
+
+    # the same with attention_ref's key padding over the (appended) cache
+    n_keys = torch.tensor(lengths, device=DEVICE) + (1 if append else 0)
+    pad32, _ = attention_ref(q.float(), k_exp.float(), v_exp.float(), key_padding_lengths=n_keys)
+    assert rel_err(ref32, pad32) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seqlen_q", [1, 4])
+def test_split_and_unsplit_agree(seqlen_q, dtype):
+    """num_splits 1, 3 and 0 (heuristic) give the same output and LSE up to rounding."""
+    lengths = [0, 5, 90, 255] if INTERPRET else [0, 5, 900, 8191]
+    seqlen_cache = 256 if INTERPRET else 8192
+    batch, nheads, nheads_k, head_dim = len(lengths), NHEADS, 2, HEAD_DIM
+    q, k_cache, v_cache, _, _ = make_decode_inputs(batch, seqlen_cache, seqlen_q, nheads, nheads_k, head_dim, dtype,
+                                                   append=False)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    results = {
+        ns: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True, num_splits=ns,
+                                    return_softmax_lse=True)
+        for ns in (1, 3, 0)
+    }
+    out1, lse1 = results[1]
+    for ns in (3, 0):
+        out, lse = results[ns]
+        diff = rel_err(out, out1)
+        print(f"num_splits={ns} vs 1: out rel err {diff:.2e}")
+        assert diff <= AGREE_TOL[dtype], f"num_splits={ns} vs 1: rel err {diff:.2e}"
+        assert torch.equal(torch.isinf(lse), torch.isinf(lse1))
+        finite = torch.isfinite(lse1)
+        assert (lse[finite] - lse1[finite]).abs().max().item() < 1e-3
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+@pytest.mark.parametrize("append", [True, False])
+@pytest.mark.parametrize("group", GROUPS)
+@pytest.mark.parametrize("seqlen_q", [4, 8])
+def test_seqlen_q_causal_bottom_right(seqlen_q, group, append, dtype):
+    """seqlen_q > 1 (speculative verification) with the bottom-right causal mask matches the reference."""
+    lengths = [0, 3, 40, 100] if INTERPRET else [0, 3, 400, 2040]
+    seqlen_cache = 110 if INTERPRET else 2048
+    batch, nheads, head_dim = len(lengths), NHEADS, HEAD_DIM
+    nheads_k = nheads // group
+    q, k_cache, v_cache, k, v = make_decode_inputs(batch, seqlen_cache, seqlen_q, nheads, nheads_k, head_dim, dtype,
+                                                   append)
+    ref32, ref_lse, ref_same = decode_references(q, k_cache, v_cache, k, v, lengths, causal=True)
+    for num_splits in (1, 3):
+        k_run, v_run = k_cache.clone(), v_cache.clone()
+        out, lse = flash_attn_with_kvcache(q, k_run, v_run, k, v, cache_seqlens=torch.tensor(lengths, dtype=torch.int32,
+                                           device=DEVICE), causal=True, num_splits=num_splits, return_softmax_lse=True)
+        msg = f"(seqlen_q={seqlen_q}, group={group}, append={append}, num_splits={num_splits}, {dtype})"
+        assert_close_to_ref(out, ref32, ref_same, msg=msg)
+        assert_lse_close(lse, ref_lse, dtype, msg=msg)
+
+
+def test_many_row_blocks():
+    """More query rows per KV head than one program holds (MQA x seqlen_q = 96 rows) still match."""
+    lengths = [0, 7, 50]
+    dtype, nheads, head_dim, seqlen_q = torch.float16, 8, 32, 12
+    q, k_cache, v_cache, k, v = make_decode_inputs(3, 64, seqlen_q, nheads, 1, head_dim, dtype)
+    k_exp, v_exp = expected_caches(k_cache, v_cache, k, v, lengths)
+    ref32, ref_lse, ref_same = decode_references(q, k_cache, v_cache, k, v, lengths, causal=True)
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=torch.tensor(lengths, dtype=torch.int32,
+                                       device=DEVICE), causal=True, num_splits=2, return_softmax_lse=True)
+    assert_close_to_ref(out, ref32, ref_same)
+    assert_lse_close(lse, ref_lse, dtype)
+    assert torch.equal(k_cache, k_exp) and torch.equal(v_cache, v_exp)
+
+
+# --------------------------------------------------------------------------------------------
+# The append, layouts, lengths
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("seqlen_q", [1, 5])
+def test_append_writes_exactly_the_new_slots(seqlen_q):
+    """The call writes rows [L_b, L_b + seqlen_q) of both caches and no other byte (NaN-poisoned padding)."""
+    dtype, nheads, nheads_k, head_dim = torch.float16, 4, 2, 40  # head_dim 40: padded to 64 in the kernel
+    lengths = [0, 1, 33, 100 - seqlen_q]
+    batch, seqlen_cache = len(lengths), 100
+    # caches are views of wider buffers whose extra columns hold NaN: never read, never written
+    k_buf = randn(batch, seqlen_cache, nheads_k, head_dim + 8, dtype=dtype)
+    v_buf = randn(batch, seqlen_cache, nheads_k, head_dim + 8, dtype=dtype)
+    k_buf[..., head_dim:] = float("nan")
+    v_buf[..., head_dim:] = float("nan")
+    k_cache, v_cache = k_buf[..., :head_dim], v_buf[..., :head_dim]
+    q = randn(batch, seqlen_q, nheads, head_dim, dtype=dtype)
+    k = randn(batch, seqlen_q, nheads_k, head_dim, dtype=dtype)
+    v = randn(batch, seqlen_q, nheads_k, head_dim, dtype=dtype)
+    k_buf_before, v_buf_before = k_buf.clone(), v_buf.clone()
+    ref32, _, ref_same = decode_references(q, k_cache.clone(), v_cache.clone(), k, v, lengths, causal=True)
+
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=torch.tensor(lengths, dtype=torch.int32),
+                                  causal=True, num_splits=3)
+    assert_close_to_ref(out, ref32, ref_same)
+    changed = torch.zeros(batch, seqlen_cache, dtype=torch.bool, device=DEVICE)
+    for b, length in enumerate(lengths):
+        changed[b, length : length + seqlen_q] = True
+        assert torch.equal(k_buf[b, length : length + seqlen_q, :, :head_dim], k[b])
+        assert torch.equal(v_buf[b, length : length + seqlen_q, :, :head_dim], v[b])
+    same = lambda a, b: torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+    assert same(k_buf[~changed], k_buf_before[~changed]) and same(v_buf[~changed], v_buf_before[~changed])
+    assert same(k_buf[..., head_dim:], k_buf_before[..., head_dim:])
+    assert same(v_buf[..., head_dim:], v_buf_before[..., head_dim:])
+
+
+def test_transposed_cache_views():
+    """Caches that are (B, H_KV, S, D) buffers seen through .transpose(1, 2), and a transposed q, work."""
+    dtype, nheads, nheads_k, head_dim = torch.float16, NHEADS, 2, HEAD_DIM
+    lengths = [3, 0, 77]
+    batch, seqlen_cache, seqlen_q = len(lengths), 96, 2
+    k_cache = randn(batch, nheads_k, seqlen_cache, head_dim, dtype=dtype).transpose(1, 2)
+    v_cache = randn(batch, nheads_k, seqlen_cache, head_dim, dtype=dtype).transpose(1, 2)
+    q = randn(batch, nheads, seqlen_q, head_dim, dtype=dtype).transpose(1, 2)
+    k = randn(batch, nheads_k, seqlen_q, head_dim, dtype=dtype).transpose(1, 2)
+    v = randn(batch, seqlen_q, nheads_k, head_dim, dtype=dtype)
+    k_exp, v_exp = expected_caches(k_cache, v_cache, k, v, lengths)
+    ref32, _, ref_same = decode_references(q, k_cache, v_cache, k, v, lengths, causal=True)
+    for num_splits in (1, 2):
+        k_run, v_run = k_cache.clone().transpose(1, 2).contiguous().transpose(1, 2), v_cache.clone()
+        assert k_run.stride() == k_cache.stride()
+        out = flash_attn_with_kvcache(q, k_run, v_run, k, v, cache_seqlens=torch.tensor(lengths, dtype=torch.int32),
+                                      causal=True, num_splits=num_splits)
+        assert_close_to_ref(out, ref32, ref_same, msg=f"num_splits={num_splits}")
+        assert torch.equal(k_run, k_exp) and torch.equal(v_run, v_exp)
+
+
+def test_cache_seqlens_not_modified_and_int_equals_tensor():
+    """cache_seqlens is left unchanged, and an int gives the same result as the equivalent tensor."""
+    dtype = torch.float16
+    q, k_cache, v_cache, k, v = make_decode_inputs(2, 64, 1, NHEADS, 2, HEAD_DIM, dtype)
+    seqlens = torch.tensor([21, 21], dtype=torch.int32, device=DEVICE)
+    kc1, vc1 = k_cache.clone(), v_cache.clone()
+    out_tensor = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens)
+    out_int = flash_attn_with_kvcache(q, kc1, vc1, k, v, cache_seqlens=21)
+    assert seqlens.tolist() == [21, 21] and seqlens.dtype == torch.int32
+    assert torch.equal(out_tensor, out_int)
+    assert torch.equal(k_cache, kc1) and torch.equal(v_cache, vc1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_softmax_lse_matches_reference(dtype):
+    """return_softmax_lse gives the reference LSE, +inf for rows that see no key."""
+    lengths = [0, 2, 60]  # request 0 sees nothing; with seqlen_q 3 causal and no append, rows of request 1 too
+    q, k_cache, v_cache, _, _ = make_decode_inputs(3, 64, 3, NHEADS, 1, HEAD_DIM, dtype, append=False)
+    ref32, ref_lse, ref_same = decode_references(q, k_cache, v_cache, None, None, lengths, causal=True)
+    assert torch.isposinf(ref_lse).sum() > 0
+    for num_splits in (1, 2):
+        out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor(lengths, dtype=torch.int32),
+                                           causal=True, num_splits=num_splits, return_softmax_lse=True)
+        assert_close_to_ref(out, ref32, ref_same)
+        assert_lse_close(lse, ref_lse, dtype, msg=f"num_splits={num_splits}")
+        assert torch.equal(out[0], torch.zeros_like(out[0]))
+
+
+def test_num_splits_larger_than_blocks():
+    """num_splits far beyond the number of key blocks in the cache works (clamped; empty splits merge to 0)."""
+    dtype, lengths = torch.float16, [0, 1, 40]
+    q, k_cache, v_cache, k, v = make_decode_inputs(3, 48, 1, NHEADS, 2, HEAD_DIM, dtype)
+    ref32, _, ref_same = decode_references(q, k_cache, v_cache, k, v, lengths, causal=False)
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=torch.tensor(lengths, dtype=torch.int32),
+                                  num_splits=1000)
+    assert_close_to_ref(out, ref32, ref_same)
+
+
+def test_empty_cache_without_append_gives_zeros():
+    """A request with length 0 and no append outputs zeros and LSE +inf, never NaN (split or not)."""
+    q, k_cache, v_cache, _, _ = make_decode_inputs(2, 64, 1, NHEADS, 2, HEAD_DIM, torch.float16, append=False)
+    for num_splits in (1, 2):
+        out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=0, num_splits=num_splits,
+                                           return_softmax_lse=True)
+        assert torch.equal(out, torch.zeros_like(out)) and torch.isposinf(lse).all()
+
+
+def test_device_lengths_never_leave_the_buffers():
+    """Unchecked lengths (negative, past the cache, an append past the end) never read or write outside it."""
+    dtype, nheads_k, head_dim, seqlen_cache, guard = torch.float16, 2, HEAD_DIM, 50, 16
+    batch, seqlen_q = 4, 4
+    k_buf = randn(batch, seqlen_cache + guard, nheads_k, head_dim, dtype=dtype)
+    v_buf = randn(batch, seqlen_cache + guard, nheads_k, head_dim, dtype=dtype)
+    k_buf[:, seqlen_cache:] = float("nan")  # guard rows: reading them would poison the output
+    v_buf[:, seqlen_cache:] = float("nan")
+    k_cache, v_cache = k_buf[:, :seqlen_cache], v_buf[:, :seqlen_cache]
+    q = randn(batch, seqlen_q, NHEADS, head_dim, dtype=dtype)
+    k = randn(batch, seqlen_q, nheads_k, head_dim, dtype=dtype)
+    v = randn(batch, seqlen_q, nheads_k, head_dim, dtype=dtype)
+    seqlens = torch.tensor([-3, seqlen_cache - 1, seqlen_cache, seqlen_cache + 1000], dtype=torch.int32, device=DEVICE)
+    for num_splits in (1, 3):
+        out, lse = _flash_attn_with_kvcache_launch(q, k_cache, v_cache, k, v, seqlens, head_dim**-0.5, True,
+                                                   num_splits, True)
+        assert torch.isfinite(out).all() and not torch.isnan(lse).any()
+        assert torch.isnan(k_buf[:, seqlen_cache:]).all() and torch.isnan(v_buf[:, seqlen_cache:]).all()
+    # clamped semantics: a negative length reads as 0, a length past the cache as seqlen_cache
+    assert torch.equal(k_cache[1, seqlen_cache - 1], k[1, 0]) and torch.equal(k_cache[0, :seqlen_q], k[0])
+
+
+# --------------------------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------------------------
+def test_overflow_raises_for_host_known_lengths():
+    """An append past seqlen_cache raises ValueError for an int, a CPU tensor and KVCache, before writing."""
+    dtype = torch.float16
+    q, k_cache, v_cache, k, v = make_decode_inputs(3, 32, 2, NHEADS, 2, HEAD_DIM, dtype)
+    before = k_cache.clone()
+    with pytest.raises(ValueError, match="overflow for every request"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=31)
+    with pytest.raises(ValueError, match="overflow for request 2"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=torch.tensor([0, 30, 31], dtype=torch.int32))
+    with pytest.raises(ValueError, match=">= 0"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=torch.tensor([0, -1, 3], dtype=torch.int32))
+    with pytest.raises(ValueError, match="overflow"):  # no append, but lengths past the cache
+        flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=33)
+    assert torch.equal(k_cache, before)
+    flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=30)  # exactly fills the cache
+
+    cache = KVCache(2, 8, 2, HEAD_DIM, dtype=dtype, device=DEVICE)
+    qp, kp, vp = make_qkv(2, 6, 6, NHEADS, 2, HEAD_DIM, dtype)
+    with pytest.raises(ValueError, match="overflow"):
+        cache.prefill(*make_qkv(2, 9, 9, NHEADS, 2, HEAD_DIM, dtype))
+    cache.prefill(qp, kp, vp)
+    q1, _, _, k1, v1 = make_decode_inputs(2, 1, 2, NHEADS, 2, HEAD_DIM, dtype)
+    cache.decode(q1, k1, v1)  # 6 + 2 = 8: fits
+    assert cache.seqlens == [8, 8]
+    k_before = cache.k_cache.clone()
+    with pytest.raises(ValueError, match="overflow for request 0"):
+        cache.decode(q1[:, :1], k1[:, :1], v1[:, :1])
+    assert cache.seqlens == [8, 8] and cache.seqlens_device.tolist() == [8, 8]
+    assert torch.equal(cache.k_cache, k_before)
+
+
+def _bad_inputs():
+    d, t = HEAD_DIM, lambda *s, dt=torch.float16: randn(*s, dtype=dt)
+    q, kc, vc, k, v = t(2, 1, 4, d), t(2, 16, 2, d), t(2, 16, 2, d), t(2, 1, 2, d), t(2, 1, 2, d)
+    i32 = lambda *x: torch.tensor(x, dtype=torch.int32)
+    return [
+        ("q not a tensor", dict(q=q.tolist()), TypeError, "torch.Tensor"),
+        ("q rank", dict(q=q[0]), ValueError, "4 dims"),
+        ("dtype mismatch", dict(k_cache=kc.float()), ValueError, "one dtype"),
+        ("k without v", dict(v=None), ValueError, "both"),
+        ("k shape", dict(k=t(2, 2, 2, d), v=t(2, 2, 2, d)), ValueError, "seqlen_q"),
+        ("cache shapes differ", dict(v_cache=t(2, 15, 2, d)), ValueError, "same shape"),
+        ("cache batch", dict(k_cache=t(3, 16, 2, d), v_cache=t(3, 16, 2, d)), ValueError, "batch"),
+        ("head dims differ", dict(k_cache=t(2, 16, 2, 16), v_cache=t(2, 16, 2, 16)), ValueError, "head dim"),
+        ("heads not divisible", dict(k_cache=t(2, 16, 3, d), v_cache=t(2, 16, 3, d)), ValueError, "divisible"),
+        ("seqlen_q 0", dict(q=t(2, 0, 4, d), k=t(2, 0, 2, d), v=t(2, 0, 2, d)), ValueError, "seqlen_q >= 1"),
+        ("int64 lengths", dict(cache_seqlens=torch.tensor([1, 2])), TypeError, "int32"),
+        ("float lengths", dict(cache_seqlens=1.0), TypeError, "int"),
+        ("lengths shape", dict(cache_seqlens=i32(1, 2, 3)), ValueError, r"shape \(2,\)"),
+        ("num_splits < 0", dict(num_splits=-1), ValueError, "num_splits"),
+        ("non-contiguous head dim", dict(k_cache=t(2, 16, 2, 2 * d)[..., ::2]), ValueError, "contiguous last dim"),
+    ], dict(q=q, k_cache=kc, v_cache=vc, k=k, v=v, cache_seqlens=3)
+
+
+@pytest.mark.parametrize("case", range(len(_bad_inputs()[0])), ids=[c[0] for c in _bad_inputs()[0]])
+def test_validation_errors(case):
+    """Bad types, shapes, dtypes and lengths raise the documented exception with a clear message."""
+    cases, base = _bad_inputs()
+    _, overrides, exc, match = cases[case]
+    kwargs = {**base, **overrides}
+    with pytest.raises(exc, match=match):
+        flash_attn_with_kvcache(kwargs.pop("q"), kwargs.pop("k_cache"), kwargs.pop("v_cache"), kwargs.pop("k"),
+                                kwargs.pop("v"), **kwargs)
+
+
+def test_fast_launch_reuses_kernel_only_for_the_same_key():
+    """The launch cache dispatches through Triton once per key and then reuses the compiled kernel."""
+    from kernels.decode import _LaunchCache
+
+    launches = []
+
+    class FakeCompiled:  # what JITFunction.run returns on a GPU
+        function, packed_metadata = object(), object()
+
+        def __getitem__(self, grid):
+            return lambda *args: launches.append(("fast", grid, args))
+
+    class FakeJit:
+        def __getitem__(self, grid):
+            def run(*args, **options):
+                launches.append(("dispatch", grid, args))
+                return FakeCompiled()
+            return run
+
+    cache = _LaunchCache(FakeJit())
+    cache.enabled = True
+    cache("a", (4, 2, 1), (1, 2), num_warps=4)
+    cache("a", (4, 2, 1), (3, 4), num_warps=4)
+    cache("b", (8, 1, 1), (5,), num_warps=4)
+    assert [entry[0] for entry in launches] == ["dispatch", "fast", "dispatch"]
+    assert launches[1] == ("fast", (4, 2, 1), (3, 4))
+    cache.enabled = False
+    cache("c", (1, 1, 1), (), num_warps=4)
+    cache("c", (1, 1, 1), (), num_warps=4)
+    assert [entry[0] for entry in launches[3:]] == ["dispatch", "dispatch"]
+
+
+# --------------------------------------------------------------------------------------------
+# KVCache
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_kvcache_prefill_decode_round_trip(dtype):
+    """KVCache: prompts prefilled, then decode steps (seqlen_q 1 and 3), each match the reference."""
+    batch, nheads, nheads_k, head_dim = 2, NHEADS, 2, HEAD_DIM
+    prompt, steps = (20, [1, 1, 3, 1]) if INTERPRET else (300, [1, 1, 3, 1, 8])
+    total = prompt + sum(steps)
+    q_all, k_all, v_all = make_qkv(batch, total, total, nheads, nheads_k, head_dim, dtype)
+    cache = KVCache(batch, total + 5, nheads_k, head_dim, dtype=dtype, device=DEVICE)
+
+    outs = [cache.prefill(q_all[:, :prompt], k_all[:, :prompt], v_all[:, :prompt])]
+    assert cache.seqlens == [prompt] * batch
+    pos = prompt
+    for n in steps:
+        outs.append(cache.decode(q_all[:, pos : pos + n], k_all[:, pos : pos + n], v_all[:, pos : pos + n]))
+        pos += n
+        assert cache.seqlens == [pos] * batch and cache.seqlens_device.tolist() == [pos] * batch
+    out = torch.cat(outs, 1)
+    ref32, _, ref_same = references(q_all, k_all, v_all, causal=True)  # bottom-right == causal per step
+    assert_close_to_ref(out, ref32, ref_same)
+    assert torch.equal(cache.k_cache[:, :total], k_all) and torch.equal(cache.v_cache[:, :total], v_all)
+
+    # reset one request, prefill it again with a new prompt, and decode both together
+    cache.reset(batch_idx=1)
+    assert cache.seqlens == [total, 0]
+    with pytest.raises(ValueError, match="empty"):
+        cache.prefill(q_all[:1, :4], k_all[:1, :4], v_all[:1, :4], batch_idx=0)
+    q2, k2, v2 = make_qkv(1, 4, 4, nheads, nheads_k, head_dim, dtype)
+    cache.prefill(q2, k2, v2, batch_idx=[1])
+    assert cache.seqlens == [total, 4]
+    qs, _, _, ks, vs = make_decode_inputs(batch, 1, 1, nheads, nheads_k, head_dim, dtype)
+    out = cache.decode(qs, ks, vs)
+    ref32, _, ref_same = decode_references(
+        qs, torch.stack([k_all[0, :total], torch.cat([k2[0], k_all[1, 4:total]])]),
+        torch.stack([v_all[0, :total], torch.cat([v2[0], v_all[1, 4:total]])]), ks, vs, [total, 4], causal=True)
+    assert_close_to_ref(out, ref32, ref_same)
+    cache.reset()
+    assert cache.seqlens == [0, 0] and cache.seqlens_device.tolist() == [0, 0]
+
+
+# --------------------------------------------------------------------------------------------
+# GPU only
+# --------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_cuda_graph_replay_equals_eager(num_splits):
+    """Append + decode captured once in a CUDA graph (lengths advanced in-graph) replays like eager calls."""
+    dtype, batch, nheads, nheads_k, head_dim, seqlen_cache, steps = torch.bfloat16, 4, 32, 8, 128, 4096, 6
+    q_s = randn(batch, 1, nheads, head_dim, dtype=dtype)
+    k_s = randn(batch, 1, nheads_k, head_dim, dtype=dtype)
+    v_s = randn(batch, 1, nheads_k, head_dim, dtype=dtype)
+    k_cache = randn(batch, seqlen_cache, nheads_k, head_dim, dtype=dtype)
+    v_cache = randn(batch, seqlen_cache, nheads_k, head_dim, dtype=dtype)
+    start = torch.tensor([0, 1, 1000, 3000], dtype=torch.int32, device=DEVICE)
+    k_eager, v_eager, lens_eager = k_cache.clone(), v_cache.clone(), start.clone()
+    lens = start.clone()
+
+    # warm up (compiles) on a side stream, then restore the state and capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        flash_attn_with_kvcache(q_s, k_cache.clone(), v_cache.clone(), k_s, v_s, cache_seqlens=lens.clone(),
+                                num_splits=num_splits)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_s = flash_attn_with_kvcache(q_s, k_cache, v_cache, k_s, v_s, cache_seqlens=lens, num_splits=num_splits)
+        lens.add_(1)
+    lens.copy_(start)  # capture ran nothing: reset anyway
+
+    for step in range(steps):
+        q, k, v = (randn(*t.shape, dtype=dtype) for t in (q_s, k_s, v_s))
+        q_s.copy_(q)
+        k_s.copy_(k)
+        v_s.copy_(v)
+        graph.replay()
+        out_eager = flash_attn_with_kvcache(q, k_eager, v_eager, k, v, cache_seqlens=lens_eager, num_splits=num_splits)
+        lens_eager += 1
+        torch.cuda.synchronize()
+        assert torch.equal(out_s, out_eager), f"step {step}: graph and eager outputs differ"
+        assert torch.equal(lens, lens_eager)
+    assert torch.equal(k_cache, k_eager) and torch.equal(v_cache, v_eager)
+    ref32, _, ref_same = decode_references(q, k_cache, v_cache, None, None, lens_eager.tolist(), causal=False)
+    assert_close_to_ref(out_eager, ref32, ref_same)
+
+
+@pytest.mark.gpu
+def test_kvcache_cuda_graph():
+    """KVCache.decode captured in a CUDA graph advances the device lengths on every replay."""
+    dtype, batch, nheads, nheads_k, head_dim = torch.float16, 2, 8, 2, 64
+    cache = KVCache(batch, 256, nheads_k, head_dim, dtype=dtype, device=DEVICE)
+    cache.prefill(*make_qkv(batch, 10, 10, nheads, nheads_k, head_dim, dtype))
+    q_s, _, _, k_s, v_s = make_decode_inputs(batch, 1, 1, nheads, nheads_k, head_dim, dtype)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile outside the capture (writes row 10, rewritten below)
+        flash_attn_with_kvcache(q_s, cache.k_cache, cache.v_cache, k_s, v_s, cache_seqlens=cache.seqlens_device)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_s = cache.decode(q_s, k_s, v_s)
+    for _ in range(5):
+        graph.replay()
+    assert cache.seqlens == [11, 11]  # the host mirror advanced once, at capture
+    assert cache.refresh_host_seqlens() == [15, 15]  # the device lengths: 10 + 5 replays
+    k_ref, v_ref = cache.k_cache[:, :15].clone(), cache.v_cache[:, :15].clone()
+    assert torch.equal(k_ref[:, 10:15], k_s.expand(batch, 5, nheads_k, head_dim))
+    ref32, _, ref_same = decode_references(q_s, k_ref, v_ref, None, None, [15, 15], causal=False)
+    assert_close_to_ref(out_s, ref32, ref_same)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_large_cache_int64_offsets():
+    """Caches of more than 2^31 elements: rows at the end of the buffer are read and written correctly."""
+    dtype, batch, seqlen_cache, nheads_k, head_dim = torch.float16, 2, 2**21, 8, 128
+    assert batch * seqlen_cache * nheads_k * head_dim > 2**31
+    q, k_cache, v_cache, k, v = make_decode_inputs(batch, seqlen_cache, 1, nheads_k, nheads_k, head_dim, dtype)
+    lengths = [100, seqlen_cache - 1]
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=torch.tensor(
+        lengths, dtype=torch.int32, device=DEVICE), return_softmax_lse=True)
+    assert torch.equal(k_cache[1, -1], k[1, 0]) and torch.equal(v_cache[1, -1], v[1, 0])
+    assert torch.equal(k_cache[0, 100], k[0, 0])
+    ref32, ref_lse, ref_same = decode_references(q, k_cache, v_cache, None, None, [101, seqlen_cache], causal=False)
+    assert_close_to_ref(out, ref32, ref_same)
+    assert_lse_close(lse, ref_lse, dtype)
