@@ -8,8 +8,8 @@ import random
 
 import pytest
 import torch
-from helpers import DEVICE, INTERPRET, ON_GPU, make_qkv
 
+from helpers import DEVICE, INTERPRET, ON_GPU, make_qkv
 from kernels import attention_ref, flash_attn_func, rel_err
 
 GRAD_FACTOR = 3.0

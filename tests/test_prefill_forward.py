@@ -91,6 +91,13 @@ def forward_cases():
     ]
     full = [c for c in full if _valid(c)]
     if ON_GPU:
+        # Every (ratio, lengths, head dim, dtype, causal) point once, its layout taken in turn, so
+        # all layouts meet every ratio and length without multiplying the grid by four.
+        points = itertools.product(BATCH, HEAD_RATIOS, SEQLENS, HEAD_DIMS, DTYPES, (False, True))
+        full, rng = [], random.Random(0)
+        for b, (h, hk), (m, n), d, dtype, causal in points:
+            layout = rng.choice(LAYOUTS)
+            full.append((b, m, n, h, hk, d, dtype, causal, layout if m == n or layout != "qkv_packed" else "bshd"))
         # the occasional head dims on one GQA ratio and two layouts
         extra = [
             (2, m, n, 16, 4, d, dtype, causal, layout)
