@@ -82,7 +82,7 @@ _HOPPER_BWD = {
     16: (AttnConfig(64, 128, 4, 3, True), AttnConfig(128, 64, 4, 3, True)),
     32: (AttnConfig(64, 128, 4, 3, True), AttnConfig(128, 64, 4, 3, True)),
     64: (AttnConfig(64, 128, 8, 3, True), AttnConfig(128, 64, 8, 3, True)),
-    128: (AttnConfig(64, 128, 8, 2, True), AttnConfig(128, 64, 8, 3, True)),
+    128: (AttnConfig(64, 128, 8, 3, True), AttnConfig(128, 64, 8, 3, True)),  # swept on an H200
     256: (AttnConfig(32, 64, 4, 2, True), AttnConfig(64, 32, 4, 2, True)),
 }
 _SMALL_SMEM_BWD = {

@@ -247,7 +247,7 @@ def _bwd_dkdv_inner(
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # M == 1 as a constant folds the query loops away (see below)
 def _bwd_dkdv_kernel(
     Q, K, V, DO, Lse, Delta, DK, DV,
     stride_qb, stride_qm, stride_qh,
@@ -297,7 +297,10 @@ def _bwd_dkdv_kernel(
     m_band_end = tl.minimum(m_mid, m_ceil)
     m_tail = tl.maximum(m_mid, m_full)
 
-    for g in range(0, GROUP):  # every q head of this KV head's group adds into the same dK, dV
+    # Every q head of this KV head's group adds into the same dK, dV. num_stages=1: this outer loop
+    # creates tensor descriptors, which the software pipeliner cannot predicate, so it must never
+    # be pipelined (it would be, were the inner query loops folded away).
+    for g in tl.range(0, GROUP, num_stages=1):
         off_h = off_hk * GROUP + g
         q_src = Q + off_b * stride_qb + off_h * stride_qh
         do_src = DO + off_b * stride_dob + off_h * stride_doh

@@ -72,3 +72,99 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     if denom == 0.0:
         return diff
     return diff / denom
+
+
+def attention_padded_keys_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_n: int,
+    *,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """What a kernel WITHOUT the key-length mask would compute: a teaching foil, never a reference.
+
+    A FlashAttention kernel streams keys in tiles of `block_n`. When seqlen_k is not a multiple of
+    block_n, the last tile's loads are bounds-checked (out-of-range rows read as zero) but, if its
+    scores were not masked, those zero keys would get score q . 0 = 0 and enter the softmax: each
+    adds exp(0 - max) to the denominator (and zero to the numerator, as their values are zero too),
+    so every row is shrunk. This emulates that bug in float32 by padding K and V with zero rows up
+    to a multiple of block_n. The causal mask, when asked for, is the correct one of the real
+    lengths (query i sees key j iff j <= i + seqlen_k - seqlen_q), which hides the padded keys by
+    itself: the unmasked tail hurts non-causal attention (and any kernel whose causal test is
+    skipped on the tail). Returns (out in q's dtype, lse float32 (batch, heads, seqlen_q)).
+    """
+    if block_n < 1:
+        raise ValueError(f"Expected block_n >= 1, got {block_n}.")
+    dtype = q.dtype
+    q, k, v = q.float(), k.float(), v.float()
+    batch, seqlen_q, nheads, head_dim = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    padded_k = -(-seqlen_k // block_n) * block_n
+    zeros = k.new_zeros(batch, padded_k - seqlen_k, nheads_k, head_dim)
+    k, v = torch.cat([k, zeros], dim=1), torch.cat([v, zeros], dim=1)
+    scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
+    group = nheads // nheads_k
+    k = k.repeat_interleave(group, dim=2)
+    v = v.repeat_interleave(group, dim=2)
+    scores = torch.einsum("bmhd,bnhd->bhmn", q * scale, k)  # (b, h, m, padded_k)
+    visible = torch.ones(seqlen_q, padded_k, dtype=torch.bool, device=q.device)
+    if causal:
+        visible[:, :seqlen_k] = causal_mask(seqlen_q, seqlen_k, q.device)
+        visible[:, seqlen_k:] = False  # j >= seqlen_k > i + seqlen_k - seqlen_q for every row i
+    scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    empty = ~visible.any(dim=-1)  # (m,)
+    probs = torch.softmax(scores, dim=-1).masked_fill(empty[:, None], 0.0)
+    out = torch.einsum("bhmn,bnhd->bmhd", probs, v)
+    lse = lse.masked_fill(empty, float("inf"))
+    return out.to(dtype), lse
+
+
+_SDPA_GQA: dict = {}
+
+
+def sdpa_supports_enable_gqa() -> bool:
+    """True when this torch's scaled_dot_product_attention takes enable_gqa=True (torch >= 2.5); cached."""
+    if "ok" not in _SDPA_GQA:
+        q, kv = torch.zeros(1, 2, 1, 8), torch.zeros(1, 1, 1, 8)
+        try:
+            torch.nn.functional.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
+            _SDPA_GQA["ok"] = True
+        except (TypeError, RuntimeError):
+            _SDPA_GQA["ok"] = False
+    return _SDPA_GQA["ok"]
+
+
+def attention_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+) -> torch.Tensor:
+    """torch's scaled_dot_product_attention on our (batch, seqlen, heads, headdim) tensors.
+
+    Computes in the inputs' dtype (pass float32 tensors for an fp32 result) and returns (b, s, h, d).
+    GQA/MQA go through enable_gqa=True where this torch has it, else K/V are expanded with
+    repeat_interleave. SDPA's is_causal is aligned to the top-left corner, ours to the bottom-right:
+    the two agree only when seqlen_q == seqlen_k, so causal with seqlen_q != seqlen_k raises ValueError.
+    """
+    seqlen_q, nheads = q.shape[1], q.shape[2]
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    if causal and seqlen_q != seqlen_k:
+        raise ValueError(
+            f"SDPA's causal mask is aligned top-left and ours bottom-right; they agree only when seqlen_q == "
+            f"seqlen_k, got seqlen_q={seqlen_q}, seqlen_k={seqlen_k}. Use attention_ref instead."
+        )
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    if nheads != nheads_k:
+        if sdpa_supports_enable_gqa():
+            out = sdpa(qt, kt, vt, is_causal=causal, scale=softmax_scale, enable_gqa=True)
+            return out.transpose(1, 2)
+        group = nheads // nheads_k
+        kt, vt = kt.repeat_interleave(group, dim=1), vt.repeat_interleave(group, dim=1)
+    return sdpa(qt, kt, vt, is_causal=causal, scale=softmax_scale).transpose(1, 2)
