@@ -17,6 +17,7 @@ import csv
 import datetime
 import functools
 import math
+import os
 import re
 import subprocess
 import sys
@@ -232,7 +233,10 @@ def ceilings(*, matmul_n: int = 8192, copy_gib: float = 2.0) -> Dict[str, float]
 # --------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def git_commit() -> str:
-    """Short sha of this checkout's HEAD, or 'unknown' when git or the repository is unavailable."""
+    """Short sha of this checkout's HEAD; $KERNELS_COMMIT where the tree travels without .git
+    (a remote GPU box); 'unknown' when neither is available."""
+    if os.environ.get("KERNELS_COMMIT"):
+        return os.environ["KERNELS_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
