@@ -763,8 +763,10 @@ def plot_lines(
     saved = []
     for (gpu, mode), sub in df.groupby(["gpu", "mode"], sort=True):
         causal_values = sorted(sub["causal"].unique())
-        fig, axes = plt.subplots(2, len(causal_values), figsize=(6.0 * len(causal_values), 7.5), squeeze=False,
-                                 sharex="col")
+        has_mem = bool(sub["peak_mem_mib"].notna().any())  # scripts/bench_prefill.py rows carry no memory
+        nrows = 2 if has_mem else 1
+        fig, axes = plt.subplots(nrows, len(causal_values), figsize=(6.0 * len(causal_values), 3.75 * nrows + 0.5),
+                                 squeeze=False, sharex="col")
         for col, causal in enumerate(causal_values):
             part = sub[sub["causal"] == causal]
             for impl, line in part.groupby("impl", sort=False):
@@ -772,16 +774,15 @@ def plot_lines(
                 label = LABELS.get(impl, impl)
                 style = {"linewidth": 2.5} if impl == "ours" else {"linewidth": 1.5}
                 axes[0, col].plot(line[x], line["median_ms"], marker="o", label=label, **style)
-                if line["peak_mem_mib"].notna().any():
+                if has_mem and line["peak_mem_mib"].notna().any():
                     axes[1, col].plot(line[x], line["peak_mem_mib"], marker="o", label=label, **style)
             axes[0, col].set_title("causal" if causal else "non-causal")
             axes[0, col].set_ylabel("median latency (ms)")
-            axes[1, col].set_ylabel("peak memory beyond inputs (MiB)")
-            if not part["peak_mem_mib"].notna().any():
-                axes[1, col].text(0.5, 0.5, "peak memory not measured in these results", ha="center", va="center",
-                                  transform=axes[1, col].transAxes)
-            axes[1, col].set_xlabel(x_label or x)
-            for row in range(2):
+            if has_mem:
+                axes[1, col].set_ylabel("peak memory beyond inputs (MiB)")
+                axes[1, col].set_ylim(bottom=0)
+            axes[nrows - 1, col].set_xlabel(x_label or x)
+            for row in range(nrows):
                 ax = axes[row, col]
                 if logx:
                     ax.set_xscale("log", base=2)
@@ -792,12 +793,12 @@ def plot_lines(
             axes[0, col].yaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
             axes[0, col].yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}"))
             axes[0, col].yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-            axes[1, col].set_ylim(bottom=0)
             axes[0, col].legend(fontsize=8)
         versions = ", ".join(f"{c} {sub[c].iloc[0]}" for c in ("torch", "triton") if c in sub.columns)
         dates = sorted({str(d)[:10] for d in sub["date"].unique()}) if "date" in sub.columns else []
         when = f", measured {dates[0]}" + (f"..{dates[-1]}" if len(dates) > 1 else "") if dates else ""
-        fig.suptitle(f"{title} [{mode}] on {gpu}\n({versions}{when})", fontsize=11)
+        fig.suptitle(f"{title} [{mode}] on {gpu}\n({versions}{when}"
+                     f"{'' if has_mem else '; peak memory not measured in these results'})", fontsize=11)
         fig.tight_layout()
         path = root / bench.gpu_slug(str(gpu)) / f"{name}_{mode}.png"
         path.parent.mkdir(parents=True, exist_ok=True)

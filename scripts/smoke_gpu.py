@@ -29,8 +29,9 @@ for (B, M, N, H, HK, D, causal, dt) in [
     gr = torch.autograd.grad(ro, (qr, kr, vr), do.float())
     errs = [rel_err(o, ro)] + [rel_err(a, b) for a, b in zip(g, gr)]
     # both load paths of the forward
-    o_ptr, _ = _flash_attn_forward(q.detach(), k.detach(), v.detach(), D**-0.5, causal, AttnConfig(128, 64, 4, 2, False))
-    o_tma, _ = _flash_attn_forward(q.detach(), k.detach(), v.detach(), D**-0.5, causal, AttnConfig(128, 64, 4, 2, True))
+    qd, kd, vd = q.detach(), k.detach(), v.detach()
+    o_ptr, _ = _flash_attn_forward(qd, kd, vd, D**-0.5, causal, AttnConfig(128, 64, 4, 2, False))
+    o_tma, _ = _flash_attn_forward(qd, kd, vd, D**-0.5, causal, AttnConfig(128, 64, 4, 2, True))
     errs += [rel_err(o_ptr, ro), rel_err(o_tma, ro)]
     ok = all(e < 2e-2 for e in errs) and all(torch.isfinite(x).all() for x in (o, *g))
     bad += not ok

@@ -1,0 +1,745 @@
+"""Generate the notebooks in notebooks/ from the cell sources below (reproducible and reviewable).
+
+    python scripts/make_notebooks.py            # write notebooks/00_hardening.ipynb, notebooks/01_gqa.ipynb
+    python scripts/make_notebooks.py --check    # exit 1 if a notebook on disk differs from what this writes
+
+The notebooks are written with no outputs and fixed cell ids, so regenerating them changes nothing
+unless a cell does. Every notebook opens with an "Open in Colab" badge and the same setup cell
+(SETUP below): it finds (or in Colab clones) the repo, sets TRITON_INTERPRET=1 before importing
+`kernels` when there is no GPU, and checks that `kernels` is this repo's. Cells hold no IPython
+magics: scripts/run_notebooks.py executes them with plain `exec`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import textwrap
+from pathlib import Path
+from typing import List, Tuple
+
+import nbformat
+
+# Fill in once the repository is public: the badges and Colab's `git clone` use it.
+GITHUB_REPO = "OWNER/REPO"
+BRANCH = "main"
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = REPO_ROOT / "notebooks"
+
+Cell = Tuple[str, str]  # ("markdown" | "code", source)
+
+
+def md(text: str) -> Cell:
+    return ("markdown", textwrap.dedent(text).strip("\n"))
+
+
+def code(text: str) -> Cell:
+    return ("code", textwrap.dedent(text).strip("\n"))
+
+
+def badge(name: str) -> str:
+    url = f"https://colab.research.google.com/github/{GITHUB_REPO}/blob/{BRANCH}/notebooks/{name}.ipynb"
+    return f"[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]({url})"
+
+
+# --------------------------------------------------------------------------------------------
+# The setup cell, identical in every notebook
+# --------------------------------------------------------------------------------------------
+SETUP = code(
+    '''
+    # Setup (the same cell in every notebook): find or fetch this repo, pick the device, import `kernels`.
+    # Works in Colab (clones the repo, installs requirements.txt), locally, and headless (nbmake,
+    # scripts/run_notebooks.py). Without a GPU the Triton kernels run on the CPU under the interpreter.
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    REPO_URL = "https://github.com/__GITHUB_REPO__.git"
+    COLAB_CLONE = Path("/content") / "__REPO_NAME__"
+
+
+    def find_repo_root(start):
+        """The nearest folder at or above `start` that holds kernels/__init__.py and pyproject.toml."""
+        for folder in (start, *start.parents):
+            if (folder / "kernels" / "__init__.py").is_file() and (folder / "pyproject.toml").is_file():
+                return folder
+        return None
+
+
+    IN_COLAB = "google.colab" in sys.modules or "COLAB_RELEASE_TAG" in os.environ
+    REPO_ROOT = find_repo_root(Path.cwd().resolve())
+    if REPO_ROOT is None and IN_COLAB:
+        if find_repo_root(COLAB_CLONE) is None:
+            subprocess.run(["git", "clone", "--depth", "1", REPO_URL, str(COLAB_CLONE)], check=True)
+            requirements = str(COLAB_CLONE / "requirements.txt")  # never replaces Colab's torch/triton
+            subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-r", requirements], check=True)
+        REPO_ROOT = find_repo_root(COLAB_CLONE)
+    if REPO_ROOT is None:
+        raise RuntimeError(
+            f"Could not find the repo root (a folder holding kernels/__init__.py and pyproject.toml) at or above "
+            f"{Path.cwd()}. Open this notebook from a clone of {REPO_URL}, or in Colab."
+        )
+    if str(REPO_ROOT) in sys.path:
+        sys.path.remove(str(REPO_ROOT))
+    sys.path.insert(0, str(REPO_ROOT))
+
+    import torch  # only to ask for a GPU: triton and kernels are imported after the switch below
+
+    ON_GPU = torch.cuda.is_available()
+    DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+    if not ON_GPU:
+        os.environ["TRITON_INTERPRET"] = "1"  # before the first `import kernels`: Triton reads it at decoration
+
+    # An unrelated PyPI package is also named `kernels`. Forget one imported earlier, then check which we get.
+    _earlier = sys.modules.get("kernels")
+    if _earlier is not None and REPO_ROOT not in Path(getattr(_earlier, "__file__", None) or "/").resolve().parents:
+        for _name in [m for m in sys.modules if m == "kernels" or m.startswith("kernels.")]:
+            del sys.modules[_name]
+    import kernels
+
+    KERNELS_FILE = getattr(kernels, "__file__", None)
+    if KERNELS_FILE is None or not Path(KERNELS_FILE).resolve().is_relative_to(REPO_ROOT):
+        raise ImportError(
+            f"`import kernels` found {KERNELS_FILE or kernels}, not this repo's package ({REPO_ROOT / 'kernels'}). "
+            "An unrelated PyPI package is also named `kernels`: run `pip uninstall -y kernels`, restart the "
+            "runtime, and run this cell again."
+        )
+    print(f"repo root: {REPO_ROOT}")
+    print(f"kernels:   {KERNELS_FILE}")
+    MODE = "compiled Triton kernels" if ON_GPU else "Triton interpreter on the CPU, small shapes"
+    print(f"device:    {DEVICE} ({MODE})")
+    for _key, _value in kernels.env_summary().items():
+        print(f"{_key:>18}: {_value}")
+    '''
+)
+
+IMPORTS = code(
+    """
+    from kernels import attention_ref, causal_mask, flash_attn_func, rel_err
+    from kernels import notebook_utils as nbu
+
+    torch.manual_seed(0)
+    # The fp32 references must be true fp32 on a GPU: no tf32 in the ground truth.
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    S = nbu.sizes(ON_GPU)  # small shapes under the interpreter, full shapes on a GPU
+    print(S)
+    """
+)
+
+
+# --------------------------------------------------------------------------------------------
+# 00_hardening
+# --------------------------------------------------------------------------------------------
+def hardening() -> List[Cell]:
+    name = "00_hardening"
+    return [
+        md(
+            f"""
+            {badge(name)}
+
+            # 00 · Hardening: FlashAttention-2 that is right on every shape a model produces
+
+            `kernels.flash_attn_func` is a Triton FlashAttention-2 forward and backward with flash-attn's
+            interface. A fast kernel that is right only for lengths that are multiples of its tile, for
+            contiguous inputs and for head dims that are powers of two is not usable in a real model. This
+            notebook shows each hardening point and checks it inline (every `assert` fails loudly, with the
+            numbers):
+
+            1. arbitrary lengths: padded keys never enter the softmax (and the error a kernel without that
+               mask would make);
+            2. explicit strides: views of a fused QKV projection and of (b, h, s, d) tensors, no copies;
+            3. head-dim padding: 48, 80, 96 work, masked inside the kernel;
+            4. clear errors for bad input;
+            5. causal masks aligned bottom-right, fully masked rows give zeros (LSE +inf);
+            6. error tables against the fp32 eager reference and torch SDPA;
+            7. backward: masked loads at odd lengths, strided `dout`, gradient error tables;
+            8. latency and peak memory against SDPA (measured on a GPU; on a CPU the committed results).
+
+            **Where it runs.** On a GPU (Colab: *Runtime → Change runtime type → L4*) with full shapes. On a
+            CPU the kernels run under Triton's interpreter (`TRITON_INTERPRET=1`) with small shapes, float16
+            and float32 (bfloat16 is refused there by design); CI executes it that way. All logic lives in
+            `kernels/`: these cells only narrate, call, check and plot.
+            """
+        ),
+        SETUP,
+        IMPORTS,
+        md(
+            """
+            ## 1 · Arbitrary lengths: padded keys never enter the softmax
+
+            The kernel streams keys and values in tiles of `BLOCK_N` rows. When `seqlen_k` is not a multiple
+            of `BLOCK_N`, the last tile hangs past the end of K and V: its loads are bounds-checked (rows past
+            the end read as zero) **and** its scores are set to `-inf` before the softmax. Without the second
+            step a zero key gets the score `q · 0 = 0`, its `exp(0 - max)` lands in the softmax denominator,
+            and every output row of the sequence is shrunk.
+
+            `kernels.reference.attention_padded_keys_ref` emulates such an unmasked kernel (zero-padding K/V
+            up to a multiple of `BLOCK_N`). Below: its error and ours against the fp32 reference, at lengths
+            that are not multiples of the tile.
+            """
+        ),
+        code(
+            """
+            block_n = nbu.kernel_block_n(S.head_dim, S.dtype, DEVICE)
+            print(f"BLOCK_N of the forward kernel here (head dim {S.head_dim}, {S.dtype}): {block_n}")
+            cases = [nbu.Case(S.batch, n, n, S.nheads, S.nheads_k, S.head_dim, S.dtype, causal=False)
+                     for n in S.lengths]
+            lengths_table = nbu.padded_keys_table(cases, DEVICE, block_n)
+            nbu.show(lengths_table[["seqlen_k", "block_n", "padded_keys", "err_kernel", "err_unmasked", "eager_err",
+                                    "bound"]])
+            """
+        ),
+        code(
+            """
+            for row in lengths_table.itertuples():
+                assert row.ok, f"seqlen {row.seqlen_k}: kernel rel err {row.err_kernel:.2e} > bound {row.bound:.2e}"
+                assert row.err_unmasked > 1e-2 and row.err_unmasked > 10 * row.err_kernel, (
+                    f"seqlen {row.seqlen_k}: the unmasked emulation's error {row.err_unmasked:.2e} should dwarf "
+                    f"ours ({row.err_kernel:.2e}); {row.padded_keys} zero keys entered its softmax"
+                )
+            print("ours stays at PyTorch's own rounding level; without the mask the error is "
+                  f"{lengths_table.err_unmasked.min():.0%} to {lengths_table.err_unmasked.max():.0%}")
+            """
+        ),
+        md(
+            """
+            ## 2 · Explicit strides: views in, no copies
+
+            Real models hand attention **views**: q, k and v sliced out of one fused QKV projection
+            `(b, s, h + 2·h_kv, d)`, or `(b, h, s, d)` tensors transposed to `(b, s, h, d)`. The kernel takes
+            every stride as an argument, so these run as they are; the only requirement is a contiguous head
+            dim. Check: the inputs are not contiguous, nothing was copied (their storage is untouched and, on
+            a GPU, no copy op runs), and the result equals the one on contiguous copies.
+            """
+        ),
+        code(
+            """
+            b, s, h, hk, d = S.batch, S.seqlen, S.nheads, S.nheads_k, S.head_dim
+
+            # (a) a fused QKV projection's output: q, k, v are slices along the head axis
+            qkv = torch.randn(b, s, h + 2 * hk, d, device=DEVICE, dtype=S.dtype)
+            q, k, v = qkv.split([h, hk, hk], dim=2)
+            # (b) head-major (b, h, s, d) buffers seen as (b, s, h, d)
+            qt, kt, vt = (torch.randn(b, n, s, d, device=DEVICE, dtype=S.dtype).transpose(1, 2) for n in (h, hk, hk))
+
+            for label, views in (("fused QKV slices", (q, k, v)), ("transposed (b, h, s, d)", (qt, kt, vt))):
+                print(f"{label}: q strides {tuple(views[0].stride())}, "
+                      f"contiguous: {[t.is_contiguous() for t in views]}")
+                assert not any(t.is_contiguous() for t in views), f"{label}: expected non-contiguous views"
+                ptrs = [t.data_ptr() for t in views]
+                out_view = flash_attn_func(*views, causal=True)
+                out_copy = flash_attn_func(*(t.contiguous() for t in views), causal=True)
+                assert [t.data_ptr() for t in views] == ptrs, f"{label}: the inputs were moved"
+                err = rel_err(out_view, out_copy)
+                print(f"    views vs copies: bitwise equal {torch.equal(out_view, out_copy)}, rel err {err:.1e}")
+                assert err <= 1e-6, f"{label}: views give another result than contiguous copies (rel err {err:.2e})"
+                if ON_GPU:
+                    copies = nbu.copies_during(lambda: flash_attn_func(*views, causal=True))
+                    print(f"    copy ops inside flash_attn_func: {copies}")
+                    assert copies == [], f"{label}: flash_attn_func copied its inputs: {copies}"
+            if not ON_GPU:
+                print("(the no-copy-op check runs on a GPU: the interpreter itself copies every argument's storage)")
+            """
+        ),
+        md(
+            """
+            ## 3 · Head-dim padding inside the kernel
+
+            Tiles need power-of-two widths, but models use head dims such as 80 (Phi), 96 or 48. The kernel
+            works in a `D_PAD = next_power_of_2(D)` wide tile and masks the extra columns in every load and
+            store; callers never pad. To prove the padding is never *read*, the inputs here are views of
+            buffers 8 columns wider than `D` whose extra columns hold **NaN**: a single stray read would
+            poison the output.
+            """
+        ),
+        code(
+            """
+            cases = [nbu.Case(S.batch, S.odd_seqlen, S.odd_seqlen, S.nheads, S.nheads_k, dim, S.dtype, causal=c)
+                     for dim in S.head_dims for c in (False, True)]
+            head_dim_table = nbu.forward_error_table(cases, DEVICE, layout="nan_padded")
+            head_dim_table.insert(6, "D_PAD", [max(16, 1 << (d - 1).bit_length()) for d in head_dim_table.head_dim])
+            nbu.show(head_dim_table[["head_dim", "D_PAD", "causal", "layout", "err_fp32", "eager_err", "ratio", "bound",
+                                     "ok"]])
+            nbu.assert_table_ok(head_dim_table, "head dims with NaN-poisoned padding")
+            """
+        ),
+        md(
+            """
+            ## 4 · Clear errors for bad input
+
+            Inputs are validated before anything is allocated or launched: `TypeError` for non-tensors and
+            unsupported dtypes, `ValueError` for misuse, `NotImplementedError` for valid but unsupported
+            requests. Each message says what was expected, what came and how to fix it.
+            """
+        ),
+        code(
+            """
+            q, k, v = nbu.make_inputs(nbu.Case(1, 8, 8, 4, 4, 32, S.dtype, False), DEVICE)
+            q12, k5, v5 = nbu.make_inputs(nbu.Case(1, 8, 8, 12, 5, 32, S.dtype, False), DEVICE)
+            wide = torch.randn(1, 8, 4, 64, device=DEVICE, dtype=S.dtype)[..., ::2]  # head dim 32 with stride 2
+
+            bad_calls = [
+                ("dropout_p=0.1", lambda: flash_attn_func(q, k, v, dropout_p=0.1), NotImplementedError),
+                ("head dim 20 (not a multiple of 8)", lambda: flash_attn_func(q[..., :20], k[..., :20], v[..., :20]),
+                 NotImplementedError),
+                ("12 q heads over 5 KV heads", lambda: flash_attn_func(q12, k5, v5), ValueError),
+                ("q and k of different dtypes", lambda: flash_attn_func(q, k.float(), v), ValueError),
+                ("int32 tensors", lambda: flash_attn_func(q.int(), k.int(), v.int()), TypeError),
+                ("a list instead of a tensor", lambda: flash_attn_func(q.tolist(), k, v), TypeError),
+                ("3-D q (batch dim missing)", lambda: flash_attn_func(q[0], k, v), ValueError),
+                ("head dim not contiguous", lambda: flash_attn_func(wide, wide, wide), ValueError),
+                ("k and v of different lengths", lambda: flash_attn_func(q, k, v[:, :5]), ValueError),
+                ("q and k of different head dims", lambda: flash_attn_func(q, k[..., :16], v[..., :16]), ValueError),
+                ("softmax_scale=-1.0", lambda: flash_attn_func(q, k, v, softmax_scale=-1.0), ValueError),
+                ("softmax_scale passed by position (options are keyword-only)",
+                 lambda: flash_attn_func(q, k, v, 0.0, 0.5), TypeError),
+            ]
+            if ON_GPU:
+                bad_calls += [
+                    ("q on the GPU, k and v on the CPU", lambda: flash_attn_func(q, k.cpu(), v.cpu()), ValueError),
+                    ("CPU tensors without TRITON_INTERPRET", lambda: flash_attn_func(q.cpu(), k.cpu(), v.cpu()),
+                     ValueError),
+                ]
+            else:
+                bad_calls += [
+                    ("bfloat16 under the interpreter",
+                     lambda: flash_attn_func(q.bfloat16(), k.bfloat16(), v.bfloat16()), NotImplementedError),
+                ]
+            errors_table = nbu.check_errors(bad_calls)
+            print(f"all {len(errors_table)} bad calls raised the documented exception type")
+            """
+        ),
+        md(
+            """
+            ## 5 · Causal masks are aligned to the bottom-right corner
+
+            With `causal=True`, query `i` sees key `j` iff `j <= i + seqlen_k - seqlen_q` (flash-attn >= 2.1):
+            the **last** query sees every key, as in decoding with a KV cache. When `seqlen_q > seqlen_k` the
+            first rows see no key at all: they output zeros (never NaN) and an LSE of `+inf`, so
+            `exp(score - lse)` is 0 for every consumer (backward, split-KV merges). `1` = visible:
+            """
+        ),
+        code(
+            """
+            for m, n in ((3, 5), (5, 3)):
+                print(f"causal_mask({m}, {n}): query i (row) sees key j (column) iff j <= i + N - M = i {n - m:+d}")
+                print(causal_mask(m, n).int(), end="\\n\\n")
+
+            for m, n in ((3, 5), (5, 3)):
+                case = nbu.Case(1, m, n, S.nheads, S.nheads_k, S.head_dim, S.dtype, causal=True)
+                q, k, v = nbu.make_inputs(case, DEVICE)
+                out, lse = flash_attn_func(q, k, v, causal=True, return_softmax_lse=True)
+                ref, lse_ref = attention_ref(q.float(), k.float(), v.float(), causal=True)
+                empty = ~causal_mask(m, n, DEVICE).any(dim=1)  # rows that see no key
+                print(f"M={m}, N={n}: rows seeing no key {empty.nonzero().flatten().tolist()}, "
+                      f"lse of head 0 = {lse[0, 0].tolist()}")
+                assert torch.isfinite(out).all(), f"M={m}, N={n}: non-finite output"
+                assert (out[:, empty] == 0).all(), f"M={m}, N={n}: rows that see no key must be zeros"
+                assert torch.isposinf(lse[..., empty]).all(), f"M={m}, N={n}: their LSE must be +inf"
+                assert torch.isfinite(lse[..., ~empty]).all(), f"M={m}, N={n}: other rows need a finite LSE"
+                err = rel_err(out, ref)
+                assert err < 1e-2, f"M={m}, N={n}: rel err {err:.2e} vs the reference"
+            print("bottom-right alignment matches the reference; empty rows give zeros and LSE +inf")
+            """
+        ),
+        md(
+            """
+            ## 6 · Error tables against both references
+
+            The rule (flash-attn's tests): in float16/bfloat16 our error against the **fp32 eager reference**
+            (`err_fp32`) must be at most 2x the error PyTorch's own eager attention makes in the same dtype
+            (`eager_err`, the yardstick), plus a small floor; `ratio` is the quotient. `err_sdpa` compares
+            with torch's `scaled_dot_product_attention` in fp32 where its conventions agree with ours
+            (non-causal, or causal with `M == N`: SDPA aligns causal masks top-left), and `sdpa_err` shows
+            SDPA's own same-dtype error for scale. float32 inputs get a plain bound (exact fp32 under the
+            interpreter, tf32 on a GPU). `lse_diff` checks the log-sum-exp the backward pass relies on.
+            """
+        ),
+        code(
+            """
+            cases = nbu.grid(batch=1, seqlens=S.table_seqlens, heads=S.table_heads, head_dims=S.table_head_dims,
+                             dtypes=S.dtypes)
+            fwd_table = nbu.forward_error_table(cases, DEVICE)
+            nbu.show(fwd_table.groupby(["dtype", "causal", "nheads_k"])[["err_fp32", "eager_err", "ratio", "err_sdpa",
+                                                                        "sdpa_err", "lse_diff"]].max())
+            nbu.assert_table_ok(fwd_table, "forward error table")
+            """
+        ),
+        code(
+            """
+            nbu.show(fwd_table)  # every case
+            """
+        ),
+        md(
+            """
+            ## 7 · Backward
+
+            The backward pass runs three kernels: a preprocessing step `delta = rowsum(dO * O)`, a dK/dV
+            kernel (each program owns a block of keys and sums the contributions of every q head of its
+            group, so GQA never materialises per-q-head dK/dV), and a dQ kernel. Each of them loads tiles
+            that hang past the end of the sequence, so every load and store is masked, as in the forward.
+
+            ### 7a · Masked backward loads at lengths that are not multiples of the tile
+            Gradients against autograd through the fp32 reference (the rule allows 3x PyTorch's same-dtype
+            error in the backward).
+            """
+        ),
+        code(
+            """
+            assert all(n % 16 for n in S.grad_lengths), "tiles are powers of two >= 16: pick lengths that are not"
+            print(f"lengths {S.grad_lengths}: every one ends in a partial tile in all three backward kernels")
+            cases = [nbu.Case(S.batch, n, n, S.nheads, S.nheads_k, S.head_dim, S.dtype, causal=c)
+                     for n in S.grad_lengths for c in (False, True)]
+            masked_grads = nbu.grad_error_table(cases, DEVICE)
+            nbu.show(masked_grads[["seqlen_q", "causal", "grad", "err_fp32", "eager_err", "ratio", "bound", "ok"]])
+            nbu.assert_table_ok(masked_grads, "gradients at lengths that are not multiples of BLOCK_N")
+            """
+        ),
+        md(
+            """
+            ### 7b · Fully masked rows get zero gradients
+            Causal with `seqlen_q > seqlen_k`: the rows that see no key have LSE `+inf`, so the backward's
+            `exp(score - lse)` is 0 there and their dQ is exactly zero, never NaN.
+            """
+        ),
+        code(
+            """
+            case = nbu.Case(1, 5, 3, S.nheads, S.nheads_k, S.head_dim, S.dtype, causal=True)
+            q, k, v = (t.requires_grad_() for t in nbu.make_inputs(case, DEVICE))
+            dq, dk, dv = torch.autograd.grad(flash_attn_func(q, k, v, causal=True), (q, k, v), torch.ones_like(q))
+            empty = ~causal_mask(5, 3, DEVICE).any(dim=1)
+            assert all(torch.isfinite(g).all() for g in (dq, dk, dv)), "NaN/inf in the gradients"
+            assert (dq[:, empty] == 0).all(), "dQ of rows that see no key must be zero"
+            print(f"dQ of empty rows {empty.nonzero().flatten().tolist()}: all zero; no NaN anywhere")
+            """
+        ),
+        md(
+            """
+            ### 7c · Explicit strides in the preprocessing step
+            The upstream gradient `dout` is whatever autograd hands over: a transposed view when the next
+            layer works head-major, or a zero-stride broadcast when the loss is `out.sum()`. The
+            preprocessing kernel takes dout's strides as arguments (a broadcast, whose head dim is not
+            contiguous, is the one case that is made contiguous first); the gradients must equal those for a
+            contiguous `dout`.
+            """
+        ),
+        code(
+            """
+            case = nbu.Case(S.batch, S.seqlen, S.seqlen, S.nheads, S.nheads_k, S.head_dim, S.dtype, causal=True)
+            q, k, v = (t.requires_grad_() for t in nbu.make_inputs(case, DEVICE))
+            out = flash_attn_func(q, k, v, causal=True)
+            b, s, h, d = out.shape
+            douts = {
+                "transposed (b, h, s, d) view": torch.randn(b, h, s, d, device=DEVICE, dtype=out.dtype).transpose(1, 2),
+                "broadcast ones (loss = out.sum())": torch.ones((), device=DEVICE, dtype=out.dtype).expand(b, s, h, d),
+            }
+            for label, dout in douts.items():
+                grads = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+                grads_ref = torch.autograd.grad(out, (q, k, v), dout.contiguous(), retain_graph=True)
+                print(f"dout {label}: strides {tuple(dout.stride())}, contiguous {dout.is_contiguous()}")
+                for name, g, r in zip(("dq", "dk", "dv"), grads, grads_ref):
+                    err = rel_err(g, r)
+                    assert torch.isfinite(g).all() and err <= 1e-6, (
+                        f"{label}: {name} differs from the one for a contiguous dout (rel err {err:.2e})")
+                print(f"    dq, dk, dv equal to those of a contiguous dout (bitwise: "
+                      f"{all(torch.equal(g, r) for g, r in zip(grads, grads_ref))})")
+            """
+        ),
+        md(
+            """
+            ### 7d · Gradient error tables against both references
+            Same columns as the forward table, one row per gradient; `err_sdpa` is against autograd through
+            torch SDPA in fp32 (where its causal convention agrees). dK/dV of GQA and MQA are compared with
+            autograd through `repeat_interleave`, which sums each KV head's gradient over its q-head group.
+            """
+        ),
+        code(
+            """
+            cases = nbu.grid(batch=1, seqlens=S.grad_seqlens, heads=S.grad_heads, head_dims=(S.head_dim,),
+                             dtypes=S.dtypes)
+            grad_table = nbu.grad_error_table(cases, DEVICE)
+            nbu.show(grad_table.groupby(["dtype", "causal", "grad"])[["err_fp32", "eager_err", "ratio", "err_sdpa",
+                                                                     "sdpa_err"]].max())
+            nbu.assert_table_ok(grad_table, "gradient error table")
+            """
+        ),
+        md(
+            """
+            ## 8 · Latency and peak memory against SDPA
+
+            On a GPU this measures, live: bfloat16, head dim 128, 32 heads, `batch × seqlen = 16384` tokens,
+            seqlen 1024 to 8192, causal and not, forward (`fwd`) and forward + backward (`fwd_bwd`), against
+            SDPA's own choice and its flash (FlashAttention-2) and cuDNN backends where this torch can pick
+            them. Timing: CUDA events, median after warm-up (`kernels.bench.time_fn`); memory: the peak
+            allocated beyond the inputs (`kernels.bench.peak_memory_delta`). Rows go to
+            `results/<gpu>/prefill_fwd.csv` and `prefill_fwd_bwd.csv`, plots to `figures/<gpu>/`.
+
+            On a CPU it plots the committed results instead, titled with the GPU they were measured on.
+            """
+        ),
+        code(
+            """
+            if ON_GPU:
+                shapes = [dict(batch=S.bench_tokens // n, seqlen=n, nheads=S.bench_nheads, nheads_k=S.bench_nheads,
+                               head_dim=S.bench_head_dim) for n in S.bench_seqlens]
+                rows = nbu.measure(nbu.prefill_providers(), shapes, dtype=S.bench_dtype)
+                results = nbu.save_results(rows, "prefill")  # results/<gpu>/prefill_fwd.csv, prefill_fwd_bwd.csv
+            else:
+                results = nbu.load_results("prefill_fwd", "prefill_fwd_bwd")
+            """
+        ),
+        code(
+            """
+            if results is None:
+                print("no committed GPU results yet: nothing to plot (run this notebook on a GPU to make them)")
+            else:
+                where = {"dtype": "bf16", "head_dim": 128, "nheads": 32, "nheads_k": 32}
+                saved = nbu.plot_lines(results, x="seqlen", name="prefill_vs_sdpa",
+                                       x_label="seqlen (batch x seqlen = 16384)",
+                                       title="FlashAttention-2 in Triton vs SDPA: bf16, 32 heads, D=128", where=where)
+                if saved:  # TFLOP/s per implementation, and ours / each competitor
+                    baselines = ("sdpa", "sdpa_flash", "sdpa_cudnn", "flex")
+                    nbu.show(nbu.summary_table(results, x="seqlen", baselines=baselines, where=where), "{:.2f}")
+            """
+        ),
+    ]
+
+
+# --------------------------------------------------------------------------------------------
+# 01_gqa
+# --------------------------------------------------------------------------------------------
+def gqa() -> List[Cell]:
+    name = "01_gqa"
+    return [
+        md(
+            f"""
+            {badge(name)}
+
+            # 01 · GQA and MQA: many query heads, few key/value heads, no copies
+
+            Grouped-query attention (Llama 2/3, Mistral, Qwen) lets `H` query heads share `H_KV` key/value
+            heads: query head `h` reads KV head `h // G`, with group size `G = H // H_KV`. Multi-query
+            attention is the extreme `H_KV = 1`. The KV cache and K/V projections shrink by `G`.
+
+            The old way to run GQA through an MHA kernel is to **expand** K and V with `repeat_interleave`,
+            materialising `G` copies of every KV head (and, in training, per-q-head dK/dV that are then
+            summed). `kernels.flash_attn_func` maps heads inside the kernel instead: the forward reads KV
+            head `h // G` directly, and the backward sums each KV head's dK/dV over its group in registers.
+
+            This notebook sweeps group ratios 1, 2, 4, 8, 16 at 16 query heads (16 = MQA), causal and not,
+            checks the forward and backward inline, and compares latency and memory with SDPA
+            (`enable_gqa=True`) and with expanding K/V. On a CPU it runs under the Triton interpreter with
+            small sequence lengths and head dims, and plots committed GPU results.
+            """
+        ),
+        SETUP,
+        IMPORTS,
+        md(
+            """
+            ## 1 · The head mapping
+            Query head `h` uses KV head `h // G`: consecutive query heads share a KV head, as
+            `repeat_interleave` would lay them out.
+            """
+        ),
+        code(
+            """
+            for hk in S.gqa_nheads_k:
+                group = S.gqa_nheads // hk
+                kind = "MHA" if group == 1 else ("MQA" if hk == 1 else "GQA")
+                kv_head_of = [h // group for h in range(S.gqa_nheads)]
+                print(f"{kind} {S.gqa_nheads}:{hk} (G={group:2d}) q head -> KV head: {kv_head_of}")
+            """
+        ),
+        md(
+            """
+            ## 2 · Forward over the sweep
+            Every ratio, causal and not, `seqlen_q == seqlen_k` and `seqlen_q != seqlen_k`, against the fp32
+            reference (which expands K/V with `repeat_interleave`) and SDPA with `enable_gqa=True` where the
+            conventions agree. Same rule and columns as in notebook 00.
+            """
+        ),
+        code(
+            """
+            heads = [(S.gqa_nheads, hk) for hk in S.gqa_nheads_k]
+            fwd_cases = nbu.grid(batch=S.gqa_batch, seqlens=S.gqa_seqlens, heads=heads, head_dims=(S.gqa_head_dim,),
+                                 dtypes=S.dtypes)
+            gqa_fwd = nbu.forward_error_table(fwd_cases, DEVICE)
+            gqa_fwd.insert(5, "group", gqa_fwd.nheads // gqa_fwd.nheads_k)
+            nbu.show(gqa_fwd.pivot_table(index=["dtype", "group"], columns="causal", values=["err_fp32", "ratio"],
+                                         aggfunc="max"))
+            nbu.assert_table_ok(gqa_fwd, "GQA/MQA forward")
+            """
+        ),
+        md(
+            """
+            ## 3 · Backward over the sweep
+            dQ, dK, dV against autograd through the fp32 reference. Autograd through `repeat_interleave` sums
+            the gradient of each expanded copy back into its KV head, which is exactly what the kernel's
+            dK/dV must equal.
+            """
+        ),
+        code(
+            """
+            grad_cases = nbu.grid(batch=S.gqa_batch, seqlens=S.gqa_grad_seqlens, heads=heads,
+                                  head_dims=(S.gqa_head_dim,), dtypes=(S.dtype,))
+            gqa_grads = nbu.grad_error_table(grad_cases, DEVICE)
+            gqa_grads.insert(5, "group", gqa_grads.nheads // gqa_grads.nheads_k)
+            nbu.show(gqa_grads.pivot_table(index=["group", "grad"], columns="causal", values=["err_fp32", "ratio"],
+                                           aggfunc="max"))
+            nbu.assert_table_ok(gqa_grads, "GQA/MQA gradients")
+            """
+        ),
+        md(
+            """
+            ## 4 · dK/dV are summed over each group
+            The same kernel run as plain MHA on K/V expanded to 16 heads gives one dK/dV per query head.
+            Summing those over each group of `G` query heads must give the GQA kernel's dK/dV, and the
+            outputs and dQ must agree. (Shown in float32 on the CPU, where they agree to rounding; on a GPU in
+            bfloat16, where the expanded path rounds each head's gradient before the sum and the GQA kernel
+            once after it, hence a 1e-2 bound.)
+            """
+        ),
+        code(
+            """
+            grouped = [hk for hk in S.gqa_nheads_k if hk < S.gqa_nheads]  # GQA and MQA
+            sum_cases = [nbu.Case(S.gqa_batch, *S.gqa_seqlens[0], S.gqa_nheads, hk, S.gqa_head_dim, dt, causal=c)
+                         for hk in grouped for dt in S.gqa_sum_dtypes for c in (False, True)]
+            group_sums = nbu.gqa_group_sum_table(sum_cases, DEVICE)
+            nbu.show(group_sums[["nheads", "nheads_k", "group", "dtype", "causal", "err_out", "err_dq", "err_dk",
+                                 "err_dv", "bound", "ok"]])
+            nbu.assert_table_ok(group_sums, "GQA dK/dV == expanded MHA dK/dV summed over each group")
+            """
+        ),
+        md(
+            """
+            ## 5 · Ratios that are not powers of two, and ratios that do not divide
+            Any whole group size works (12 query heads over 4 KV heads, `G = 3`); a head count that does not
+            divide is refused with a message that says why.
+            """
+        ),
+        code(
+            """
+            odd_cases = [nbu.Case(S.gqa_batch, *S.gqa_seqlens[0], 12, 4, S.gqa_head_dim, S.dtype, causal=c)
+                         for c in (False, True)]
+            odd_fwd = nbu.forward_error_table(odd_cases, DEVICE)
+            odd_grads = nbu.grad_error_table(odd_cases, DEVICE)
+            nbu.show(odd_grads[["nheads", "nheads_k", "causal", "grad", "err_fp32", "eager_err", "ratio", "ok"]])
+            nbu.assert_table_ok(odd_fwd, "12:4 forward")
+            nbu.assert_table_ok(odd_grads, "12:4 gradients")
+
+            q, k, v = nbu.make_inputs(nbu.Case(1, 8, 8, 12, 5, 32, S.dtype, False), DEVICE)
+            _ = nbu.check_errors([
+                ("12 q heads over 5 KV heads", lambda: flash_attn_func(q, k, v), ValueError),
+                ("0 KV heads", lambda: flash_attn_func(q, k[:, :, :0], v[:, :, :0]), ValueError),
+            ])
+            """
+        ),
+        md(
+            """
+            ## 6 · What expanding K/V costs in memory
+            Expanding holds `H` heads of K and V instead of `H_KV`: for the benchmark shape below (bfloat16,
+            `batch × seqlen = 16384` tokens, 16 query heads, head dim 128) the copies alone are:
+            """
+        ),
+        code(
+            """
+            n = S.gqa_bench_seqlen
+            nbu.show(nbu.kv_bytes_table(S.bench_tokens // n, n, S.gqa_bench_nheads, S.gqa_nheads_k, S.bench_head_dim,
+                                        S.bench_dtype), "{:.1f}")
+            """
+        ),
+        md(
+            """
+            ## 7 · Latency and peak memory: ours vs SDPA `enable_gqa=True` vs expanded K/V + SDPA
+
+            On a GPU this measures, live: bfloat16, head dim 128, 16 query heads, seqlen 4096 with
+            `batch × seqlen = 16384` tokens, each group ratio, causal and not, forward and forward + backward.
+            Attention FLOPs do not depend on the ratio, so an ideal GQA kernel's latency is flat across it;
+            the expanded path pays for the copies in time and memory (peak memory beyond the inputs shows them).
+            Rows go to `results/<gpu>/gqa_fwd.csv` and `gqa_fwd_bwd.csv`, plots to `figures/<gpu>/`. On a
+            CPU the committed results are plotted, titled with the GPU they came from.
+            """
+        ),
+        code(
+            """
+            if ON_GPU:
+                n = S.gqa_bench_seqlen
+                shapes = [dict(batch=S.bench_tokens // n, seqlen=n, nheads=S.gqa_bench_nheads, nheads_k=hk,
+                               head_dim=S.bench_head_dim) for hk in S.gqa_nheads_k]
+                rows = nbu.measure(nbu.gqa_providers(), shapes, dtype=S.bench_dtype)
+                results = nbu.save_results(rows, "gqa")  # results/<gpu>/gqa_fwd.csv, gqa_fwd_bwd.csv
+            else:
+                results = nbu.load_results("gqa_fwd", "gqa_fwd_bwd")
+            """
+        ),
+        code(
+            """
+            if results is None:
+                print("no committed GPU results yet: nothing to plot (run this notebook on a GPU to make them)")
+            else:
+                where = {"dtype": "bf16", "head_dim": 128, "nheads": S.gqa_bench_nheads, "seqlen": S.gqa_bench_seqlen}
+                title = "GQA/MQA: Triton vs SDPA enable_gqa vs expanded K/V, bf16, 16 q heads, D=128"
+                saved = nbu.plot_lines(results, x="group", name="gqa_vs_sdpa", title=title, where=where,
+                                       x_label="group size G = H / H_KV (16 = MQA)")
+                if saved:  # TFLOP/s per implementation, and ours / each competitor
+                    baselines = ("sdpa_gqa", "sdpa_expand_kv")
+                    nbu.show(nbu.summary_table(results, x="group", baselines=baselines, where=where), "{:.2f}")
+            """
+        ),
+    ]
+
+
+# --------------------------------------------------------------------------------------------
+# Writing
+# --------------------------------------------------------------------------------------------
+def build(name: str, cells: List[Cell]) -> nbformat.NotebookNode:
+    """A notebook with no outputs, fixed cell ids, and Colab metadata asking for a GPU runtime."""
+    nb = nbformat.v4.new_notebook()
+    nb.metadata = {
+        "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
+        "language_info": {"name": "python"},
+        "accelerator": "GPU",
+        "colab": {"provenance": [], "gpuType": "L4"},
+    }
+    repo_name = GITHUB_REPO.split("/")[-1]
+    for i, (kind, source) in enumerate(cells):
+        source = source.replace("__GITHUB_REPO__", GITHUB_REPO).replace("__REPO_NAME__", repo_name)
+        cell_id = f"{name.replace('_', '-')}-{i:02d}"
+        if kind == "markdown":
+            nb.cells.append(nbformat.v4.new_markdown_cell(source, id=cell_id))
+        else:
+            nb.cells.append(nbformat.v4.new_code_cell(source, id=cell_id))
+    nbformat.validate(nb)
+    return nb
+
+
+def notebooks() -> dict:
+    return {"00_hardening": hardening(), "01_gqa": gqa()}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="only compare with the notebooks on disk")
+    args = parser.parse_args(argv)
+    stale = []
+    NOTEBOOKS.mkdir(exist_ok=True)
+    for name, cells in notebooks().items():
+        text = nbformat.writes(build(name, cells)) + "\n"
+        path = NOTEBOOKS / f"{name}.ipynb"
+        if args.check:
+            if not path.exists() or path.read_text(encoding="utf-8") != text:
+                stale.append(str(path))
+            continue
+        path.write_text(text, encoding="utf-8")
+        print(f"wrote {path.relative_to(REPO_ROOT)} ({len(cells)} cells)")
+    if stale:
+        print("out of date (run python scripts/make_notebooks.py): " + ", ".join(stale), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
