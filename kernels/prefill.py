@@ -23,6 +23,14 @@ without any mask. Blocks in [n_full, n_end) are the diagonal band and the ragged
 are bounds-checked and their scores masked. Blocks at or past n_end are never visited, so a causal
 program does about half the work of a non-causal one.
 
+[Note] Two load paths. On Hopper (capability >= 9) with 2-byte dtypes and 16-byte aligned bases and
+strides, tiles are loaded through device-side tensor descriptors (TMA) bounded by each (batch,
+head)'s [rows, D] slice, so out-of-range rows and padded head dims read as zero without masks;
+descriptors need a scratch allocator, which `_ensure_tma_allocator` installs unless the user set
+one. Elsewhere (older GPUs, the interpreter, fp32, unaligned views) tiles are loaded through masked
+pointers. On an H200 the pointer path reached only ~100 TFLOP/s against ~520 for descriptors
+(results/nvidia-h200/tune_fwd.csv): unaligned views are correct there, not fast.
+
 [Note] Causal with M != N. Query i sees key j iff j <= i + N - M (flash-attn >= 2.1). When M > N
 the first M - N rows see nothing: they output zeros and LSE = +inf (see kernels/_common.py).
 """
