@@ -89,6 +89,59 @@ def decode_kv_bytes(
     return 2 * tokens * nheads_k * head_dim * itemsize
 
 
+# Ceilings of an NVIDIA H200 as measured on this project's H200 machines (the device docs'
+# KINDS.md: a device-to-device copy through PyTorch moves about 4.3 TB/s counting bytes read and
+# written; an 8192^3 bf16 matmul on random data runs at 769-798 TFLOP/s). Not yet re-measured into
+# results/; the datasheet says 4.8 TB/s and about 990 TFLOP/s dense bf16. On a GPU, prefer
+# `ceilings()` measured in the same run.
+H200_MEASURED_CEILINGS: Dict[str, Any] = {
+    "gpu": "NVIDIA H200",
+    "matmul_tflops": 790.0,
+    "copy_gbps": 4300.0,
+    "source": "measured on this project's H200 machines (device docs: bf16 8192^3 matmul on random data "
+    "769-798 TFLOP/s, device copy ~4.3 TB/s read+write); not yet in results/",
+}
+
+
+def decode_roofline(
+    batch: int,
+    nheads: int,
+    nheads_k: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    cache_lens: Iterable[int],
+    *,
+    peak_tflops: float,
+    bandwidth_gbps: float,
+    seqlen_q: int = 1,
+) -> List[Row]:
+    """Roofline of one decode step per cache length: FLOPs, K+V bytes, intensity and both time floors.
+
+    One row per cache length N (keys per request): flops = attention_flops(batch, nheads, seqlen_q,
+    N, head_dim, causal=False) (= 4*B*H*M*N*D), kv_bytes = decode_kv_bytes(B*N, ...), bytes_per_flop,
+    flop_per_byte (arithmetic intensity; = H / H_KV * M for 2-byte dtypes), ridge_flop_per_byte
+    (peak FLOP/s / bandwidth: below it a kernel cannot be compute bound), t_compute_us and
+    t_memory_us (the time floors at the given peak and bandwidth), and bound ("memory" or "compute").
+    Only K/V bytes are counted: q and the output are B*M*H*D elements each, negligible next to the cache.
+    """
+    if peak_tflops <= 0 or bandwidth_gbps <= 0:
+        raise ValueError(f"Expected positive ceilings, got peak_tflops={peak_tflops}, bandwidth_gbps={bandwidth_gbps}.")
+    ridge = peak_tflops * 1e12 / (bandwidth_gbps * 1e9)
+    rows: List[Row] = []
+    for n in cache_lens:
+        flops = attention_flops(batch, nheads, seqlen_q, n, head_dim, causal=False)
+        nbytes = decode_kv_bytes(batch * n, nheads_k, head_dim, dtype)
+        t_compute = flops / (peak_tflops * 1e12) * 1e6
+        t_memory = nbytes / (bandwidth_gbps * 1e9) * 1e6
+        rows.append({
+            "batch": batch, "cache_len": n, "nheads": nheads, "nheads_k": nheads_k, "head_dim": head_dim,
+            "seqlen_q": seqlen_q, "flops": flops, "kv_bytes": nbytes, "bytes_per_flop": nbytes / flops,
+            "flop_per_byte": flops / nbytes, "ridge_flop_per_byte": ridge, "t_compute_us": t_compute,
+            "t_memory_us": t_memory, "bound": "memory" if t_memory >= t_compute else "compute",
+        })
+    return rows
+
+
 def tflops(flops: float, ms: float) -> float:
     """TFLOP/s from a FLOP count and a time in milliseconds."""
     return flops / (ms * 1e-3) / 1e12

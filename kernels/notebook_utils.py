@@ -12,6 +12,11 @@
 - `load_results`, `plot_lines`, `summary_table`: plots of measured (or committed) results; PNGs go to
   figures/<gpu-slug>/, titles name the GPU the numbers came from.
 - `show`: a DataFrame as a rich table in Jupyter/Colab, as text when the cells are exec'd headless.
+- Decode (notebook 02): `decode_sizes`, `decode_roofline_table` (bytes per FLOP of a decode step),
+  the check tables `decode_equivalence_table`, `decode_ragged_table`, `decode_split_table`,
+  `decode_causal_table`, `decode_append_table`, `kvcache_round_trip_table`; the GPU measurements
+  `decode_providers`, `measure_decode`, `measure_decode_splits`, `save_decode_results`; and
+  `plot_decode`, `plot_decode_splits`, `decode_summary_table`, `decode_splits_table`.
 
 The error rule (flash-attn's tests): a float16/bfloat16 kernel passes when its error against the
 fp32 reference is at most `factor` times PyTorch's own error in the same dtype (2x forward, 3x
@@ -32,8 +37,16 @@ import torch
 
 from . import bench
 from ._utils import is_interpreter
+from .decode import flash_attn_with_kvcache
 from .prefill import flash_attn_func
-from .reference import attention_ref, attention_sdpa, rel_err, sdpa_supports_enable_gqa
+from .reference import (
+    attention_ref,
+    attention_sdpa,
+    decode_eager_cat,
+    decode_eager_slice,
+    rel_err,
+    sdpa_supports_enable_gqa,
+)
 
 # flash-attn's rule: kernel error <= factor * same-dtype eager error + floor.
 FWD_FACTOR, GRAD_FACTOR = 2.0, 3.0
@@ -819,3 +832,844 @@ def summary_table(df, *, x: str, baselines: Sequence[str], where: Optional[Mappi
         if "ours" in table.columns and baseline in table.columns:
             table[f"ours/{baseline}"] = table["ours"] / table[baseline]
     return table
+
+
+# ============================================================================================
+# Decode (notebook 02): checks on small shapes, measurements on a GPU, plots
+# ============================================================================================
+def decode_sizes(on_gpu: bool) -> SimpleNamespace:
+    """Shapes for notebook 02: small under the interpreter (CPU), full on a GPU.
+
+    Under the interpreter: 4 q heads over 4/2/1 KV heads, head dim 32, float16, lengths around the
+    interpreter's BLOCK_N of 32 (31, 33, 65), caches of at most 160 rows. On a GPU: 32 q heads over
+    32/8/4/1 KV heads, head dim 128, bfloat16, the issue's lengths (1 ... 257) and caches of 2-4K rows.
+    The benchmark shape is the same on both (bf16, 32 q heads, 8 KV heads, head dim 128): on a CPU it
+    only feeds the byte/FLOP table and the selection of committed results.
+    """
+    bench_shape = dict(
+        bench_dtype=torch.bfloat16, bench_nheads=32, bench_nheads_k=8, bench_head_dim=128,
+        bench_cache_lens=(1024, 4096, 16384, 65536), bench_batches=(1, 8),
+        split_cache_lens=(4096, 16384, 65536), split_values=(1, 0, 2, 4, 8, 16, 32, 64),
+    )
+    if on_gpu:
+        return SimpleNamespace(
+            dtype=torch.bfloat16, nheads=32, head_dim=128, nheads_k=8,
+            ar_batch=2, ar_nheads_k=(32, 8, 4, 1), ar_lengths=(1, 31, 33, 63, 65, 127, 257),
+            ragged_lengths=(0, 1, 17, 1000, 3000, 4095), ragged_cache=4096, split_check_values=(1, 2, 3, 8, 0),
+            split_seqlen_q=(1, 4), causal_seqlen_q=(4, 8), causal_lengths=(0, 3, 400, 2040), causal_cache=2048,
+            causal_nheads_k=(8, 1), append_seqlen_q=(1, 5), append_lengths=(0, 1, 33, 200), append_cache=205,
+            append_head_dim=120, kv_batch=2, kv_prompt=1000, kv_steps=(1, 1, 4, 1, 8), kv_new_prompt=37,
+            **bench_shape,
+        )
+    return SimpleNamespace(
+        dtype=torch.float16, nheads=4, head_dim=32, nheads_k=2,
+        ar_batch=1, ar_nheads_k=(4, 2, 1), ar_lengths=(1, 31, 33, 65),
+        ragged_lengths=(0, 1, 17, 100, 140), ragged_cache=160, split_check_values=(1, 2, 3, 0),
+        split_seqlen_q=(1, 4), causal_seqlen_q=(4,), causal_lengths=(0, 3, 40, 100), causal_cache=110,
+        causal_nheads_k=(2, 1), append_seqlen_q=(1, 5), append_lengths=(0, 1, 33, 95), append_cache=100,
+        append_head_dim=40, kv_batch=2, kv_prompt=20, kv_steps=(1, 1, 3), kv_new_prompt=5,
+        **bench_shape,
+    )
+
+
+def head_kind(nheads: int, nheads_k: int) -> str:
+    """'MHA', 'GQA' or 'MQA' for nheads q heads over nheads_k KV heads."""
+    return "MHA" if nheads == nheads_k else ("MQA" if nheads_k == 1 else "GQA")
+
+
+def _generator(device, seed: int) -> torch.Generator:
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return gen
+
+
+def _randn(shape, dtype: torch.dtype, device, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
+
+
+def decode_inputs(batch: int, seqlen_cache: int, seqlen_q: int, nheads: int, nheads_k: int, head_dim: int,
+                  dtype: torch.dtype, device, *, seed: int = 0):
+    """Seeded (q, k_cache, v_cache, k, v) for a decode step.
+
+    q (batch, seqlen_q, nheads, head_dim); k_cache, v_cache (batch, seqlen_cache, nheads_k, head_dim),
+    random in every row, also past the lengths a call uses: stale rows that must never be read;
+    k, v (batch, seqlen_q, nheads_k, head_dim): the new tokens.
+    """
+    gen = _generator(device, seed)
+    q = _randn((batch, seqlen_q, nheads, head_dim), dtype, device, gen)
+    k_cache = _randn((batch, seqlen_cache, nheads_k, head_dim), dtype, device, gen)
+    v_cache = _randn((batch, seqlen_cache, nheads_k, head_dim), dtype, device, gen)
+    k = _randn((batch, seqlen_q, nheads_k, head_dim), dtype, device, gen)
+    v = _randn((batch, seqlen_q, nheads_k, head_dim), dtype, device, gen)
+    return q, k_cache, v_cache, k, v
+
+
+def decode_agree_tol(dtype: torch.dtype) -> float:
+    """Largest rel. difference allowed between two runs of the kernels on the same data (prefill vs
+    decode, split vs unsplit): they sum in another order and round the output once each."""
+    if dtype == torch.float32:
+        return 2e-5 if is_interpreter() else 1e-2  # exact fp32 dots under the interpreter, tf32 on a GPU
+    return {torch.float16: 4e-3, torch.bfloat16: 3.2e-2}[dtype]
+
+
+def decode_splits_used(batch: int, seqlen_q: int, nheads: int, nheads_k: int, head_dim: int, seqlen_cache: int,
+                       dtype: torch.dtype, device, num_splits: int) -> Optional[int]:
+    """How many KV splits flash_attn_with_kvcache launches for this shape and num_splits (0 = its
+    heuristic), read from its launch plan; None if this version of kernels.decode has no such plan."""
+    try:
+        from .decode import _plan
+
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        plan = _plan(batch, seqlen_q, nheads, nheads_k, head_dim, seqlen_cache, dtype, device, num_splits)
+        return int(plan.num_splits)
+    except Exception:  # noqa: BLE001 - a private detail: report it as unknown rather than fail a notebook
+        return None
+
+
+def _decode_reference(q, k_cache, v_cache, k, v, lengths: Sequence[int], causal: bool):
+    """(out fp32, lse, out in q's dtype) of each request over cache rows [0, L_b) plus the new k/v."""
+    outs32, lses, outs_same = [], [], []
+    for b, length in enumerate(lengths):
+        kk, vv = k_cache[b : b + 1, :length], v_cache[b : b + 1, :length]
+        if k is not None:
+            kk, vv = torch.cat([kk, k[b : b + 1]], 1), torch.cat([vv, v[b : b + 1]], 1)
+        out32, lse = attention_ref(q[b : b + 1].float(), kk.float(), vv.float(), causal=causal)
+        same = out32 if q.dtype == torch.float32 else attention_ref(q[b : b + 1], kk, vv, causal=causal,
+                                                                   upcast=False)[0]
+        outs32.append(out32)
+        lses.append(lse)
+        outs_same.append(same)
+    return torch.cat(outs32), torch.cat(lses), torch.cat(outs_same)
+
+
+def _lse_report(lse: torch.Tensor, lse_ref: torch.Tensor, dtype: torch.dtype) -> Tuple[float, bool]:
+    """(max |lse - lse_ref| over rows that see a key, whether +inf rows match and the rest is close)."""
+    inf_ref = torch.isposinf(lse_ref)
+    inf_ok = torch.equal(torch.isposinf(lse), inf_ref) and not torch.isnan(lse).any().item()
+    diff = (lse[~inf_ref] - lse_ref[~inf_ref]).abs().max().item() if (~inf_ref).any() else 0.0
+    tol = LSE_ATOL_FP32_GPU if (dtype == torch.float32 and not is_interpreter()) else LSE_ATOL[dtype]
+    return diff, bool(inf_ok and diff <= tol)
+
+
+# --------------------------------------------------------------------------------------------
+# Why decode is bandwidth bound
+# --------------------------------------------------------------------------------------------
+def decode_roofline_table(batch: int, nheads: int, nheads_k: int, head_dim: int, dtype: torch.dtype,
+                          cache_lens: Sequence[int], ceilings: Mapping[str, float]):
+    """One decode step (seqlen_q = 1) per cache length against a GPU's ceilings (kernels.bench.decode_roofline).
+
+    ceilings: matmul_tflops and copy_gbps, e.g. kernels.bench.H200_MEASURED_CEILINGS or
+    kernels.bench.ceilings() measured on the present GPU. Columns: cache_len, MFLOP, kv_MiB,
+    bytes_per_flop, flop_per_byte, ridge (FLOP/byte where the roofs meet), t_compute_us and t_memory_us
+    (time floors at the peak matmul rate and at the copy bandwidth), bound.
+    """
+    import pandas as pd
+
+    rows = bench.decode_roofline(batch, nheads, nheads_k, head_dim, dtype, cache_lens,
+                                 peak_tflops=ceilings["matmul_tflops"], bandwidth_gbps=ceilings["copy_gbps"])
+    df = pd.DataFrame(rows)
+    df["MFLOP"] = df["flops"] / 1e6
+    df["kv_MiB"] = df["kv_bytes"] / 2**20
+    df = df.rename(columns={"ridge_flop_per_byte": "ridge"})
+    return df[["batch", "cache_len", "MFLOP", "kv_MiB", "bytes_per_flop", "flop_per_byte", "ridge", "t_compute_us",
+               "t_memory_us", "bound"]]
+
+
+# --------------------------------------------------------------------------------------------
+# Correctness tables
+# --------------------------------------------------------------------------------------------
+def decode_equivalence_table(*, batch: int, nheads: int, nheads_k_values: Sequence[int], head_dim: int,
+                             lengths: Sequence[int], dtype: torch.dtype, device, seed: int = 0):
+    """The seed's autoregressive test: causal prefill over a sequence == decoding it token by token.
+
+    For each KV-head count and length L: flash_attn_func(q, k, v, causal=True) over the L tokens, and
+    L calls of flash_attn_with_kvcache, call t writing token t's k/v into a cache of L + 7 rows filled
+    with stale random values and attending over rows [0, t]. Columns: kind, nheads, nheads_k, group,
+    seqlen, err_decode and err_prefill (vs the fp32 reference), eager_err (PyTorch's same-dtype error),
+    bound (the rule's), decode_vs_prefill (rel. difference) and agree_tol, cache_written (rows [0, L)
+    hold k and v exactly), ok.
+    """
+    import pandas as pd
+
+    rows = []
+    for i, (hk, n) in enumerate(itertools.product(nheads_k_values, lengths)):
+        case = Case(batch, n, n, nheads, hk, head_dim, dtype, causal=True)
+        q, k, v = make_inputs(case, device, seed + i)
+        gen = _generator(device, 1000 + seed + i)
+        k_cache = _randn((batch, n + 7, hk, head_dim), dtype, device, gen)  # stale rows, never read
+        v_cache = _randn((batch, n + 7, hk, head_dim), dtype, device, gen)
+        with torch.no_grad():
+            out_prefill = flash_attn_func(q, k, v, causal=True)
+            outs = [flash_attn_with_kvcache(q[:, t : t + 1], k_cache, v_cache, k[:, t : t + 1], v[:, t : t + 1],
+                                            cache_seqlens=t, causal=True) for t in range(n)]
+            out_decode = torch.cat(outs, 1)
+            ref, _ = attention_ref(q.float(), k.float(), v.float(), causal=True)
+            same = ref if dtype == torch.float32 else attention_ref(q, k, v, causal=True, upcast=False)[0]
+        err_dec, err_pre, eager_err = rel_err(out_decode, ref), rel_err(out_prefill, ref), rel_err(same, ref)
+        bound = _bound(dtype, eager_err, FWD_FACTOR, grad=False)
+        agree, tol = rel_err(out_decode, out_prefill), decode_agree_tol(dtype)
+        written = torch.equal(k_cache[:, :n], k) and torch.equal(v_cache[:, :n], v)
+        ok = _finite(out_decode) and err_dec <= bound and err_pre <= bound and agree <= tol and written
+        rows.append({
+            "kind": head_kind(nheads, hk), "nheads": nheads, "nheads_k": hk, "group": nheads // hk, "seqlen": n,
+            "dtype": dtype_name(dtype), "err_decode": err_dec, "err_prefill": err_pre, "eager_err": eager_err,
+            "bound": bound, "decode_vs_prefill": agree, "agree_tol": tol, "cache_written": written, "ok": bool(ok),
+        })
+    return pd.DataFrame(rows)
+
+
+def decode_ragged_table(*, lengths: Sequence[int], seqlen_cache: int, nheads: int, nheads_k: int, head_dim: int,
+                        dtype: torch.dtype, device, num_splits_values: Sequence[int] = (1, 3, 0), seed: int = 0):
+    """A ragged batch (one length per request, e.g. 0 and 1 included) against attention_ref with
+    key_padding_lengths over the whole cache, with and without appending one new token.
+
+    One row per (append, num_splits, request): cache_len (L_b before the call), keys_seen (L_b + 1
+    with an append), err_fp32 (vs attention_ref in fp32 over the whole cache buffer, keys at or past
+    keys_seen masked by key_padding_lengths), eager_err, bound, lse_diff, cache_ok (the caches equal
+    the old ones with exactly the new rows written), ok. A request that sees no key must give zeros
+    and LSE +inf, as the reference does.
+    """
+    import pandas as pd
+
+    batch = len(lengths)
+    q, k_cache0, v_cache0, k_new, v_new = decode_inputs(batch, seqlen_cache, 1, nheads, nheads_k, head_dim, dtype,
+                                                        device, seed=seed)
+    seqlens = torch.tensor(list(lengths), dtype=torch.int32, device=device)
+    rows = []
+    for append, num_splits in itertools.product((True, False), num_splits_values):
+        k, v = (k_new, v_new) if append else (None, None)
+        k_cache, v_cache = k_cache0.clone(), v_cache0.clone()
+        with torch.no_grad():
+            out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens,
+                                               num_splits=num_splits, return_softmax_lse=True)
+        k_exp, v_exp = k_cache0.clone(), v_cache0.clone()
+        if append:
+            for b, n in enumerate(lengths):
+                k_exp[b, n : n + 1], v_exp[b, n : n + 1] = k_new[b], v_new[b]
+        cache_ok = torch.equal(k_cache, k_exp) and torch.equal(v_cache, v_exp)
+        keys_seen = seqlens.long() + (1 if append else 0)
+        ref, lse_ref = attention_ref(q.float(), k_exp.float(), v_exp.float(), key_padding_lengths=keys_seen)
+        same = ref if dtype == torch.float32 else attention_ref(q, k_exp, v_exp, key_padding_lengths=keys_seen,
+                                                                upcast=False)[0]
+        used = decode_splits_used(batch, 1, nheads, nheads_k, head_dim, seqlen_cache, dtype, q.device, num_splits)
+        for b, n in enumerate(lengths):
+            err, eager_err = rel_err(out[b], ref[b]), rel_err(same[b], ref[b])
+            bound = _bound(dtype, eager_err, FWD_FACTOR, grad=False)
+            lse_diff, lse_ok = _lse_report(lse[b], lse_ref[b], dtype)
+            rows.append({
+                "append": append, "num_splits": num_splits, "splits_used": used, "request": b, "cache_len": n,
+                "keys_seen": int(keys_seen[b]), "err_fp32": err, "eager_err": eager_err, "bound": bound,
+                "lse_diff": lse_diff, "cache_ok": cache_ok,
+                "ok": bool(_finite(out[b]) and err <= bound and lse_ok and cache_ok),
+            })
+    return pd.DataFrame(rows)
+
+
+def decode_split_table(*, lengths: Sequence[int], seqlen_cache: int, nheads: int, nheads_k: int, head_dim: int,
+                       dtype: torch.dtype, device, seqlen_q_values: Sequence[int] = (1, 4),
+                       num_splits_values: Sequence[int] = (1, 2, 3, 0), seed: int = 0):
+    """Split-KV and unsplit runs agree: the same ragged batch (causal, no append) with each num_splits.
+
+    One row per (seqlen_q, num_splits): splits_used (what the launch plan picked), err_fp32 vs the
+    per-request fp32 reference, bound, diff_vs_unsplit (rel. difference to num_splits=1), agree_tol,
+    lse_diff_vs_unsplit, ok. Splits past a request's length are empty and get weight 0 in the merge.
+    """
+    import pandas as pd
+
+    batch = len(lengths)
+    seqlens = torch.tensor(list(lengths), dtype=torch.int32, device=device)
+    rows = []
+    for m in seqlen_q_values:
+        q, k_cache, v_cache, _, _ = decode_inputs(batch, seqlen_cache, m, nheads, nheads_k, head_dim, dtype, device,
+                                                  seed=seed + m)
+        ref, _, same = _decode_reference(q, k_cache, v_cache, None, None, lengths, causal=True)
+        eager_err = rel_err(same, ref)
+        bound = _bound(dtype, eager_err, FWD_FACTOR, grad=False)
+        with torch.no_grad():
+            base, base_lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True,
+                                                     num_splits=1, return_softmax_lse=True)
+        for ns in num_splits_values:
+            with torch.no_grad():
+                out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True,
+                                                   num_splits=ns, return_softmax_lse=True)
+            err, diff, tol = rel_err(out, ref), rel_err(out, base), decode_agree_tol(dtype)
+            lse_diff, lse_ok = _lse_report(lse, base_lse, dtype)
+            rows.append({
+                "seqlen_q": m, "num_splits": ns,
+                "splits_used": decode_splits_used(batch, m, nheads, nheads_k, head_dim, seqlen_cache, dtype,
+                                                  q.device, ns),
+                "err_fp32": err, "eager_err": eager_err, "bound": bound, "diff_vs_unsplit": diff, "agree_tol": tol,
+                "lse_diff_vs_unsplit": lse_diff,
+                "ok": bool(_finite(out) and err <= bound and diff <= tol and lse_ok),
+            })
+    return pd.DataFrame(rows)
+
+
+def decode_causal_table(*, seqlen_q_values: Sequence[int], lengths: Sequence[int], seqlen_cache: int, nheads: int,
+                        nheads_k_values: Sequence[int], head_dim: int, dtype: torch.dtype, device,
+                        num_splits_values: Sequence[int] = (1, 3), seed: int = 0):
+    """seqlen_q > 1 (speculative verification) with causal=True against the per-request reference,
+    whose mask is aligned bottom-right over each request's keys (L_b cached + seqlen_q new).
+
+    One row per (seqlen_q, nheads_k, append, num_splits): err_fp32, eager_err, bound, lse_diff, ok.
+    """
+    import pandas as pd
+
+    batch, rows = len(lengths), []
+    seqlens = torch.tensor(list(lengths), dtype=torch.int32, device=device)
+    for i, (m, hk, append) in enumerate(itertools.product(seqlen_q_values, nheads_k_values, (True, False))):
+        q, k_cache, v_cache, k, v = decode_inputs(batch, seqlen_cache, m, nheads, hk, head_dim, dtype, device,
+                                                  seed=seed + i)
+        if not append:
+            k = v = None
+        ref, lse_ref, same = _decode_reference(q, k_cache, v_cache, k, v, lengths, causal=True)
+        eager_err = rel_err(same, ref)
+        bound = _bound(dtype, eager_err, FWD_FACTOR, grad=False)
+        for ns in num_splits_values:
+            with torch.no_grad():
+                out, lse = flash_attn_with_kvcache(q, k_cache.clone(), v_cache.clone(), k, v, cache_seqlens=seqlens,
+                                                   causal=True, num_splits=ns, return_softmax_lse=True)
+            err = rel_err(out, ref)
+            lse_diff, lse_ok = _lse_report(lse, lse_ref, dtype)
+            rows.append({
+                "seqlen_q": m, "kind": head_kind(nheads, hk), "nheads": nheads, "nheads_k": hk, "append": append,
+                "num_splits": ns, "err_fp32": err, "eager_err": eager_err, "bound": bound, "lse_diff": lse_diff,
+                "ok": bool(_finite(out) and err <= bound and lse_ok),
+            })
+    return pd.DataFrame(rows)
+
+
+def _same_or_both_nan(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a == b) | (torch.isnan(a) & torch.isnan(b))
+
+
+def _row_ranges(rows: Sequence[int]) -> str:
+    """[3, 4, 5, 9] -> '3-5, 9' (empty: '-')."""
+    rows = sorted(rows)
+    if not rows:
+        return "-"
+    parts, start = [], rows[0]
+    for prev, cur in zip(rows, rows[1:] + [None]):
+        if cur != prev + 1:
+            parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = cur
+    return ", ".join(parts)
+
+
+def decode_append_table(*, lengths: Sequence[int], seqlen_cache: int, seqlen_q: int, nheads: int, nheads_k: int,
+                        head_dim: int, dtype: torch.dtype, device, num_splits: int = 3, seed: int = 0):
+    """Which cache rows one appending call changes, per request, with poisoned padding.
+
+    The caches are views (..., :head_dim) of buffers 8 columns wider whose extra columns hold NaN
+    (never to be read or written); head_dim should not be a power of two, so the kernel pads it.
+    Columns: request, cache_len, rows_expected [L_b, L_b + seqlen_q), rows_written_k / _v (the rows
+    in which any byte changed, NaN-aware), new_rows_equal (they hold exactly k, v), others_untouched
+    (every other row and every padding column bit-identical), err_fp32 and bound (the output vs the
+    reference), ok.
+    """
+    import pandas as pd
+
+    batch = len(lengths)
+    gen = _generator(device, seed)
+    bufs = [_randn((batch, seqlen_cache, nheads_k, head_dim + 8), dtype, device, gen) for _ in range(2)]
+    for buf in bufs:
+        buf[..., head_dim:] = float("nan")  # poison
+    k_buf, v_buf = bufs
+    k_cache, v_cache = k_buf[..., :head_dim], v_buf[..., :head_dim]
+    q = _randn((batch, seqlen_q, nheads, head_dim), dtype, device, gen)
+    k = _randn((batch, seqlen_q, nheads_k, head_dim), dtype, device, gen)
+    v = _randn((batch, seqlen_q, nheads_k, head_dim), dtype, device, gen)
+    k_before, v_before = k_buf.clone(), v_buf.clone()
+    ref, _, same = _decode_reference(q, k_cache.clone(), v_cache.clone(), k, v, lengths, causal=True)
+    with torch.no_grad():
+        out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, causal=True, num_splits=num_splits,
+                                      cache_seqlens=torch.tensor(list(lengths), dtype=torch.int32, device=device))
+    changed_k = ~_same_or_both_nan(k_buf, k_before).flatten(2).all(-1)  # (batch, seqlen_cache)
+    changed_v = ~_same_or_both_nan(v_buf, v_before).flatten(2).all(-1)
+    padding_ok = bool(_same_or_both_nan(k_buf[..., head_dim:], k_before[..., head_dim:]).all()
+                      and _same_or_both_nan(v_buf[..., head_dim:], v_before[..., head_dim:]).all())
+    rows = []
+    for b, n in enumerate(lengths):
+        expected = list(range(n, n + seqlen_q))
+        written_k = changed_k[b].nonzero().flatten().tolist()
+        written_v = changed_v[b].nonzero().flatten().tolist()
+        new_equal = torch.equal(k_cache[b, n : n + seqlen_q], k[b]) and torch.equal(v_cache[b, n : n + seqlen_q], v[b])
+        err, eager_err = rel_err(out[b], ref[b]), rel_err(same[b], ref[b])
+        bound = _bound(dtype, eager_err, FWD_FACTOR, grad=False)
+        rows.append({
+            "request": b, "cache_len": n, "seqlen_q": seqlen_q, "rows_expected": _row_ranges(expected),
+            "rows_written_k": _row_ranges(written_k), "rows_written_v": _row_ranges(written_v),
+            "new_rows_equal": new_equal, "others_untouched": written_k == expected and written_v == expected,
+            "padding_untouched": padding_ok, "err_fp32": err, "bound": bound,
+            "ok": bool(written_k == expected and written_v == expected and new_equal and padding_ok and err <= bound
+                       and _finite(out[b])),
+        })
+    return pd.DataFrame(rows)
+
+
+def kvcache_round_trip_table(*, batch: int, prompt: int, steps: Sequence[int], new_prompt: int, nheads: int,
+                             nheads_k: int, head_dim: int, dtype: torch.dtype, device, seed: int = 0):
+    """KVCache end to end: prefill prompts, decode steps (seqlen_q 1 or more), reset one request,
+    prefill it again with a new prompt while the other keeps its history, decode both, overflow.
+
+    Returns a table of checks (check, detail, ok): outputs against attention_ref over each request's
+    own sequence (causal, bottom-right), the host and device lengths, the cache contents, and the
+    ValueError an overflowing decode raises before writing anything.
+    """
+    import pandas as pd
+
+    from .decode import KVCache
+
+    checks = []
+
+    def check(name: str, ok: bool, detail: str = "") -> None:
+        checks.append({"check": name, "detail": detail, "ok": bool(ok)})
+
+    total = prompt + sum(steps)
+    case = Case(batch, total, total, nheads, nheads_k, head_dim, dtype, causal=True)
+    q, k, v = make_inputs(case, device, seed)
+    cache = KVCache(batch, total + 2, nheads_k, head_dim, dtype=dtype, device=device)
+    ref, _ = attention_ref(q.float(), k.float(), v.float(), causal=True)
+    same = ref if dtype == torch.float32 else attention_ref(q, k, v, causal=True, upcast=False)[0]
+
+    def close(out, r, s) -> Tuple[bool, str]:
+        err, eager_err = rel_err(out, r), rel_err(s, r)
+        bound = _bound(dtype, eager_err, FWD_FACTOR, grad=False)
+        return _finite(out) and err <= bound, f"rel err {err:.2e} <= bound {bound:.2e}"
+
+    with torch.no_grad():
+        out = cache.prefill(q[:, :prompt], k[:, :prompt], v[:, :prompt])
+        check(f"prefill {prompt} tokens", *close(out, ref[:, :prompt], same[:, :prompt]))
+        check("lengths after prefill", cache.seqlens == [prompt] * batch
+              and cache.seqlens_device.tolist() == [prompt] * batch, f"host {cache.seqlens}")
+        pos = prompt
+        for n in steps:
+            out = cache.decode(q[:, pos : pos + n], k[:, pos : pos + n], v[:, pos : pos + n])
+            ok, detail = close(out, ref[:, pos : pos + n], same[:, pos : pos + n])
+            pos += n
+            lengths_ok = cache.seqlens == [pos] * batch and cache.seqlens_device.tolist() == [pos] * batch
+            check(f"decode {n} token(s) at {pos - n}", ok and lengths_ok, f"{detail}; lengths {cache.seqlens}")
+        check("cache holds every k, v", torch.equal(cache.k_cache[:, :total], k)
+              and torch.equal(cache.v_cache[:, :total], v), f"rows [0, {total})")
+
+        # reset the last request, give it a new prompt, decode both (ragged lengths from here on)
+        last = batch - 1
+        cache.reset(batch_idx=last)
+        check("reset one request", cache.seqlens == [total] * last + [0], f"lengths {cache.seqlens}")
+        q2, k2, v2 = make_inputs(Case(1, new_prompt, new_prompt, nheads, nheads_k, head_dim, dtype, True), device,
+                                 seed + 1)
+        cache.prefill(q2, k2, v2, batch_idx=[last])
+        qs, _, _, ks, vs = decode_inputs(batch, 1, 1, nheads, nheads_k, head_dim, dtype, device, seed=seed + 2)
+        out = cache.decode(qs, ks, vs)
+        k_hist = torch.cat([cache.k_cache[:last, :total], torch.cat(
+            [k2, cache.k_cache[last:, new_prompt:total]], 1)], 0)  # rows past a length are never read
+        v_hist = torch.cat([cache.v_cache[:last, :total], torch.cat(
+            [v2, cache.v_cache[last:, new_prompt:total]], 1)], 0)
+        r, _, s = _decode_reference(qs, k_hist, v_hist, ks, vs, [total] * last + [new_prompt], causal=True)
+        check("ragged decode after re-prefill", *close(out, r, s))
+        check("lengths after it", cache.seqlens == [total + 1] * last + [new_prompt + 1], f"host {cache.seqlens}")
+
+        # one more token fits (total + 2 rows), the next overflows and raises before writing
+        cache.decode(qs, ks, vs)
+        before = cache.k_cache.clone()
+        try:
+            cache.decode(qs, ks, vs)
+            raised = "nothing"
+        except ValueError as exc:
+            raised = f"ValueError: {exc}"
+        check("overflow raises", raised.startswith("ValueError") and torch.equal(cache.k_cache, before)
+              and cache.seqlens[0] == total + 2, raised)
+        cache.reset()
+        check("reset all", cache.seqlens == [0] * batch and cache.seqlens_device.tolist() == [0] * batch,
+              f"lengths {cache.seqlens}")
+    return pd.DataFrame(checks)
+
+
+# --------------------------------------------------------------------------------------------
+# Decode benchmarks (GPU)
+# --------------------------------------------------------------------------------------------
+DECODE_LABELS = {
+    "ours": "Triton (ours), append fused",
+    "sdpa": "SDPA, length-1 query",
+    "eager_slice": "eager, preallocated cache sliced",
+    "eager_cat": "eager, cache grown by torch.cat",
+}
+DecodeStep = Callable[[SimpleNamespace], torch.Tensor]
+ROTATE_MAX_COPIES = 32
+
+
+def _ours_step(st: SimpleNamespace) -> torch.Tensor:
+    return flash_attn_with_kvcache(st.q, st.k_cache, st.v_cache, st.k, st.v, cache_seqlens=st.seqlens,
+                                   num_splits=st.num_splits)
+
+
+def _sdpa_step(st: SimpleNamespace) -> torch.Tensor:
+    """Write the new rows into the preallocated cache, then SDPA (its own backend choice) over the
+    valid rows as (b, h, s, d) views, the KV heads shared through enable_gqa (no copies)."""
+    m = st.k.shape[1]
+    st.k_cache[:, st.cache_len : st.cache_len + m].copy_(st.k)
+    st.v_cache[:, st.cache_len : st.cache_len + m].copy_(st.v)
+    n = st.cache_len + m
+    out = torch.nn.functional.scaled_dot_product_attention(
+        st.q.transpose(1, 2), st.k_cache[:, :n].transpose(1, 2), st.v_cache[:, :n].transpose(1, 2), enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+def _eager_slice_step(st: SimpleNamespace) -> torch.Tensor:
+    return decode_eager_slice(st.q, st.k_cache, st.v_cache, st.cache_len, st.k, st.v)
+
+
+def _eager_cat_step(st: SimpleNamespace) -> torch.Tensor:
+    return decode_eager_cat(st.q, st.k_valid, st.v_valid, st.k, st.v)[0]
+
+
+def decode_providers() -> Dict[str, DecodeStep]:
+    """One full decode step each (append the new token's K/V, attend over the cache), as a function of
+    a state made by measure_decode: ours (flash_attn_with_kvcache, append fused into the launch),
+    SDPA with a length-1 query (a slice copy for the append, then SDPA with enable_gqa; skipped on a
+    torch without enable_gqa), and the seed's two eager baselines (kernels.reference)."""
+    providers: Dict[str, DecodeStep] = {"ours": _ours_step}
+    if sdpa_supports_enable_gqa():
+        providers["sdpa"] = _sdpa_step
+    else:
+        print(f"note: torch {torch.__version__} has no enable_gqa in scaled_dot_product_attention (needs >= 2.5); "
+              f"{DECODE_LABELS['sdpa']} is skipped")
+    providers["eager_slice"] = _eager_slice_step
+    providers["eager_cat"] = _eager_cat_step
+    return providers
+
+
+def _rotation_copies(nbytes: int, device) -> int:
+    """How many independent copies of a decode state to cycle through so that together they exceed
+    twice the L2 cache (small caches would otherwise be timed from L2); 1 for big states."""
+    l2 = 0
+    if torch.cuda.is_available():
+        index = torch.device(device).index
+        index = torch.cuda.current_device() if index is None else index
+        l2 = int(getattr(torch.cuda.get_device_properties(index), "L2_cache_size", 0) or 0)
+    l2 = l2 or 64 * 2**20
+    return int(max(1, min(ROTATE_MAX_COPIES, math.ceil(2 * l2 / max(nbytes, 1)))))
+
+
+def _decode_state(batch: int, seqlen_cache: int, nheads: int, nheads_k: int, head_dim: int, dtype: torch.dtype,
+                  device, *, seed: int, with_valid_copy: bool, num_splits: int = 0) -> SimpleNamespace:
+    """Inputs of one decode step reading seqlen_cache keys: a full preallocated cache whose first
+    seqlen_cache - 1 rows are valid, and the new token that fills its last row."""
+    q, k_cache, v_cache, k, v = decode_inputs(batch, seqlen_cache, 1, nheads, nheads_k, head_dim, dtype, device,
+                                              seed=seed)
+    cache_len = seqlen_cache - 1
+    st = SimpleNamespace(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_len=cache_len,
+                         seqlens=torch.full((batch,), cache_len, dtype=torch.int32, device=device),
+                         num_splits=num_splits, k_valid=None, v_valid=None)
+    if with_valid_copy:  # the torch.cat baseline keeps exactly the valid rows, no spare capacity
+        st.k_valid, st.v_valid = k_cache[:, :cache_len].clone(), v_cache[:, :cache_len].clone()
+    return st
+
+
+def _step_reference(st: SimpleNamespace) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(fp32, same-dtype) reference outputs of request 0 of a decode state (old rows + the new token)."""
+    kk = torch.cat([st.k_cache[:1, : st.cache_len], st.k[:1]], 1)
+    vv = torch.cat([st.v_cache[:1, : st.cache_len], st.v[:1]], 1)
+    ref, _ = attention_ref(st.q[:1].float(), kk.float(), vv.float())
+    same = ref if st.q.dtype == torch.float32 else attention_ref(st.q[:1], kk, vv, upcast=False)[0]
+    return ref, same
+
+
+def _check_step(out: torch.Tensor, ref: torch.Tensor, same: torch.Tensor) -> Tuple[float, float, bool]:
+    """(err, bound, ok) of request 0 of a step's output against its reference (flash-attn's rule)."""
+    err, eager_err = rel_err(out[:1], ref), rel_err(same, ref)
+    bound = _bound(out.dtype, eager_err, FWD_FACTOR, grad=False)
+    return err, bound, bool(_finite(out) and err <= bound)
+
+
+def _graph_ms(step: DecodeStep, states: Sequence[SimpleNamespace], rep: int, what: str) -> float:
+    """ms per step with CUDA-graph replay of one step on each state in turn (NaN if capture fails)."""
+    try:
+        return bench.time_cuda_graph(lambda: [step(st) for st in states], rep=rep) / len(states)
+    except (RuntimeError, NotImplementedError, ValueError, TypeError) as exc:
+        print(f"note: {what}: no CUDA-graph timing ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})")
+        torch.cuda.synchronize()
+        return math.nan
+
+
+def measure_decode(providers: Mapping[str, DecodeStep], *, batches: Sequence[int], cache_lens: Sequence[int],
+                   nheads: int, nheads_k: int, head_dim: int, dtype: torch.dtype = torch.bfloat16,
+                   copy_gbps: float, warmup: int = 5, rep: int = 30, device="cuda") -> List[Dict[str, Any]]:
+    """Latency, peak memory and K+V bandwidth of one decode step per provider, batch and cache length.
+
+    Each shape: batch requests whose caches hold cache_len - 1 rows; the step appends one token and
+    attends over cache_len keys, so it reads kv_bytes = 2 * batch * cache_len * nheads_k * head_dim *
+    itemsize. Each provider is first checked against attention_ref on request 0 (a wrong result is
+    reported, never timed), then timed per call with CUDA events (median_ms: what a Python loop sees,
+    host overhead included) and with CUDA-graph replay (graph_ms), over copies of the inputs rotated
+    so that small caches do not run from L2; peak_mem_mib is what one step allocates beyond its inputs.
+    gbps = kv_bytes / median_ms, gbps_graph = kv_bytes / graph_ms; copy_gbps (the bandwidth line,
+    measured in the same run by kernels.bench.ceilings) is stored on every row.
+    """
+    rows: List[Dict[str, Any]] = []
+    for batch, cache_len in itertools.product(batches, cache_lens):
+        rows += _measure_decode_shape(providers, batch, cache_len, nheads, nheads_k, head_dim, dtype, copy_gbps,
+                                      warmup, rep, device)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _measure_decode_shape(providers, batch, cache_len, nheads, nheads_k, head_dim, dtype, copy_gbps, warmup, rep,
+                          device) -> List[Dict[str, Any]]:
+    """measure_decode() for one shape; its inputs are freed when this returns."""
+    kv_bytes = bench.decode_kv_bytes(batch * cache_len, nheads_k, head_dim, dtype)
+    with_valid = "eager_cat" in providers
+    copies = _rotation_copies(kv_bytes * (2 if with_valid else 1), device)
+    states = [_decode_state(batch, cache_len, nheads, nheads_k, head_dim, dtype, device, seed=i,
+                            with_valid_copy=with_valid) for i in range(copies)]
+    ref, same = _step_reference(states[0])
+    splits = decode_splits_used(batch, 1, nheads, nheads_k, head_dim, cache_len, dtype, states[0].q.device, 0)
+    rows = []
+    for key, step in providers.items():
+        what = f"{DECODE_LABELS.get(key, key)} batch={batch} cache_len={cache_len}"
+        try:
+            with torch.no_grad():
+                err, bound, ok = _check_step(step(states[0]), ref, same)
+                if not ok:
+                    print(f"WRONG {what}: rel err {err:.2e} > bound {bound:.2e} against attention_ref; not timed")
+                    continue
+                timing = bench.time_fn(step, warmup=warmup, rep=rep, rotate=[(st,) for st in states])
+                peak = bench.peak_memory_delta(lambda: step(states[0]))
+                graph_ms = _graph_ms(step, states, rep, what)
+        except (RuntimeError, NotImplementedError, ValueError, TypeError) as exc:
+            print(f"skip {what}: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
+            torch.cuda.empty_cache()
+            continue
+        row = bench.make_row(
+            suite="decode", impl=key, label=DECODE_LABELS.get(key, key), dtype=short_dtype(dtype), batch=batch,
+            cache_len=cache_len, seqlen_q=1, nheads=nheads, nheads_k=nheads_k, group=nheads // nheads_k,
+            head_dim=head_dim, num_splits=0 if key == "ours" else math.nan,
+            splits_used=splits if key == "ours" else math.nan, kv_bytes=kv_bytes, **timing,
+            gbps=bench.gbps(kv_bytes, timing["median_ms"]), graph_ms=graph_ms,
+            gbps_graph=bench.gbps(kv_bytes, graph_ms) if graph_ms == graph_ms else math.nan,
+            peak_mem_mib=peak / 2**20, copy_gbps=copy_gbps, rotated_copies=copies, err_fp32=err,
+        )
+        rows.append(row)
+        print(f"{what}: {row['median_ms'] * 1e3:9.1f} us/call, graph {graph_ms * 1e3:9.1f} us, "
+              f"{row['gbps_graph']:7.0f} GB/s (graph), peak +{row['peak_mem_mib']:.1f} MiB")
+    return rows
+
+
+def measure_decode_splits(*, cache_lens: Sequence[int], split_values: Sequence[int], nheads: int, nheads_k: int,
+                          head_dim: int, dtype: torch.dtype = torch.bfloat16, copy_gbps: float, batch: int = 1,
+                          rep: int = 100, with_sdpa: bool = True, device="cuda") -> List[Dict[str, Any]]:
+    """Split-KV at small batch: ours with each num_splits (0 = the heuristic), and SDPA for scale, one
+    decode step (append + attend) per cache length, timed with CUDA-graph replay (launch overhead
+    excluded) over rotated copies of the inputs. Rows as measure_decode's (timing columns graph_ms,
+    gbps_graph), plus num_splits (requested) and splits_used (launched). Each configuration is
+    checked against attention_ref first."""
+    rows: List[Dict[str, Any]] = []
+    for cache_len in cache_lens:
+        kv_bytes = bench.decode_kv_bytes(batch * cache_len, nheads_k, head_dim, dtype)
+        copies = _rotation_copies(kv_bytes, device)
+        states = [_decode_state(batch, cache_len, nheads, nheads_k, head_dim, dtype, device, seed=i,
+                                with_valid_copy=False) for i in range(copies)]
+        ref, same = _step_reference(states[0])
+        configs: List[Tuple[str, Any, DecodeStep]] = [("ours", ns, _ours_step) for ns in split_values]
+        if with_sdpa and sdpa_supports_enable_gqa():
+            configs.append(("sdpa", math.nan, _sdpa_step))
+        for key, ns, step in configs:
+            for st in states:
+                st.num_splits = 0 if key != "ours" else ns
+            what = f"{DECODE_LABELS[key]} batch={batch} cache_len={cache_len}" + (
+                f" num_splits={ns}" if key == "ours" else "")
+            try:
+                with torch.no_grad():
+                    err, bound, ok = _check_step(step(states[0]), ref, same)
+                    if not ok:
+                        print(f"WRONG {what}: rel err {err:.2e} > bound {bound:.2e}; not timed")
+                        continue
+                    graph_ms = _graph_ms(step, states, rep, what)
+            except (RuntimeError, NotImplementedError, ValueError, TypeError) as exc:
+                print(f"skip {what}: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
+                continue
+            if graph_ms != graph_ms:
+                continue
+            used = (decode_splits_used(batch, 1, nheads, nheads_k, head_dim, cache_len, dtype, states[0].q.device, ns)
+                    if key == "ours" else math.nan)
+            row = bench.make_row(
+                suite="decode_splits", impl=key, label=DECODE_LABELS[key], dtype=short_dtype(dtype), batch=batch,
+                cache_len=cache_len, seqlen_q=1, nheads=nheads, nheads_k=nheads_k, group=nheads // nheads_k,
+                head_dim=head_dim, num_splits=ns, splits_used=used, kv_bytes=kv_bytes, graph_ms=graph_ms,
+                gbps_graph=bench.gbps(kv_bytes, graph_ms), copy_gbps=copy_gbps, rotated_copies=copies, err_fp32=err,
+            )
+            rows.append(row)
+            print(f"{what}: {graph_ms * 1e3:8.1f} us (graph, {used} splits), {row['gbps_graph']:7.0f} GB/s")
+        del states
+        torch.cuda.empty_cache()
+    return rows
+
+
+def save_decode_results(rows: Sequence[Mapping[str, Any]], name: str, results_dir: Union[str, Path] = "results"):
+    """Append rows to results/<gpu>/<name>.csv (kernels.bench.write_csv); return them as a DataFrame (None: empty)."""
+    import pandas as pd
+
+    if not rows:
+        print(f"nothing was measured for {name}: every configuration was skipped")
+        return None
+    print(f"wrote {bench.write_csv(rows, name, results_dir=results_dir)}")
+    return pd.DataFrame(list(rows))
+
+
+_DECODE_KEYS = ("gpu", "impl", "dtype", "batch", "cache_len", "seqlen_q", "nheads", "nheads_k", "head_dim",
+                "num_splits")
+
+
+def _latest_decode(df):
+    """Keep the last measurement of each configuration (CSVs are appended to, run after run)."""
+    keys = [c for c in _DECODE_KEYS if c in df.columns]
+    return df.drop_duplicates(subset=keys, keep="last") if keys else df
+
+
+def _versions(sub) -> str:
+    versions = ", ".join(f"{c} {sub[c].iloc[0]}" for c in ("torch", "triton") if c in sub.columns)
+    dates = sorted({str(d)[:10] for d in sub["date"].unique()}) if "date" in sub.columns else []
+    when = f", measured {dates[0]}" + (f"..{dates[-1]}" if len(dates) > 1 else "") if dates else ""
+    return versions + when
+
+
+def _save_figure(fig, gpu: str, name: str, figures_dir: Union[str, Path]) -> Path:
+    import matplotlib
+    import matplotlib.pyplot as plt
+
+    root = Path(figures_dir)
+    root = root if root.is_absolute() else bench.REPO_ROOT / root
+    path = root / bench.gpu_slug(str(gpu)) / f"{name}.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, metadata={"Software": None})
+    print(f"saved {path.relative_to(bench.REPO_ROOT) if path.is_relative_to(bench.REPO_ROOT) else path}")
+    if "agg" not in matplotlib.get_backend().lower():
+        plt.show()
+    plt.close(fig)
+    return path
+
+
+def _log2_axis(ax, values) -> None:
+    import matplotlib
+
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted(values))
+    ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.grid(True, alpha=0.3)
+
+
+def plot_decode(df, *, name: str = "decode", title: str, where: Optional[Mapping[str, Any]] = None,
+                figures_dir: Union[str, Path] = "figures") -> List[Path]:
+    """Per GPU, one column per batch: latency per eager call, peak memory beyond the inputs, and K+V
+    GB/s with CUDA-graph replay against the device-copy bandwidth line of the same run. Saved as
+    figures/<gpu-slug>/<name>.png, titled with the GPU, versions and dates."""
+    import matplotlib.pyplot as plt
+
+    df = _latest_decode(_select(df, where))
+    missing = {"gpu", "impl", "batch", "cache_len", "median_ms"} - set(df.columns)
+    if missing or df.empty:
+        print(f"note: nothing to plot for {name}: " + (f"missing columns {sorted(missing)}" if missing else
+                                                       f"no rows match {dict(where or {})}"))
+        return []
+    saved = []
+    for gpu, sub in df.groupby("gpu", sort=True):
+        batches = sorted(sub["batch"].unique())
+        fig, axes = plt.subplots(3, len(batches), figsize=(5.5 * len(batches), 11), squeeze=False, sharex="col")
+        for col, batch in enumerate(batches):
+            part = sub[sub["batch"] == batch]
+            for impl, line in part.groupby("impl", sort=False):
+                line = line.sort_values("cache_len")
+                style = {"linewidth": 2.5 if impl == "ours" else 1.5, "marker": "o",
+                         "label": DECODE_LABELS.get(impl, impl)}
+                axes[0, col].plot(line["cache_len"], line["median_ms"] * 1e3, **style)
+                if "peak_mem_mib" in line and line["peak_mem_mib"].notna().any():
+                    axes[1, col].plot(line["cache_len"], line["peak_mem_mib"], **style)
+                if "gbps_graph" in line and line["gbps_graph"].notna().any():
+                    axes[2, col].plot(line["cache_len"], line["gbps_graph"], **style)
+            if "copy_gbps" in part and part["copy_gbps"].notna().any():
+                axes[2, col].axhline(part["copy_gbps"].median(), color="black", linestyle=":",
+                                     label=f"device copy {part['copy_gbps'].median():.0f} GB/s (same run)")
+            axes[0, col].set_title(f"batch {batch}")
+            axes[0, col].set_ylabel("latency per eager call (us)")
+            axes[0, col].set_yscale("log")
+            axes[1, col].set_ylabel("peak memory beyond inputs (MiB)")
+            axes[1, col].set_yscale("symlog", linthresh=0.01)  # ours: KiBs; eager: GiBs
+            axes[2, col].set_ylabel("K+V GB/s (CUDA-graph replay)")
+            axes[2, col].set_ylim(bottom=0)
+            axes[2, col].set_xlabel("cache length (keys per request)")
+            for row in range(3):
+                _log2_axis(axes[row, col], part["cache_len"].unique())
+            axes[0, col].legend(fontsize=8)
+            axes[2, col].legend(fontsize=8)
+        fig.suptitle(f"{title} on {gpu}\n({_versions(sub)})", fontsize=11)
+        fig.tight_layout()
+        saved.append(_save_figure(fig, gpu, name, figures_dir))
+    return saved
+
+
+def plot_decode_splits(df, *, name: str = "decode_splits", title: str, where: Optional[Mapping[str, Any]] = None,
+                       figures_dir: Union[str, Path] = "figures") -> List[Path]:
+    """Per GPU: K+V GB/s (CUDA-graph replay) of ours against num_splits, one line per cache length, the
+    heuristic's pick starred, SDPA at the same shape dashed, and the device-copy line of the same run."""
+    import matplotlib.pyplot as plt
+
+    df = _latest_decode(_select(df, where))
+    missing = {"gpu", "impl", "cache_len", "num_splits", "gbps_graph"} - set(df.columns)
+    if missing or df.empty:
+        print(f"note: nothing to plot for {name}: " + (f"missing columns {sorted(missing)}" if missing else
+                                                       f"no rows match {dict(where or {})}"))
+        return []
+    saved = []
+    for gpu, sub in df.groupby("gpu", sort=True):
+        fig, ax = plt.subplots(figsize=(8, 5))
+        ours = sub[(sub["impl"] == "ours") & (sub["num_splits"] > 0)]
+        for i, (cache_len, line) in enumerate(ours.groupby("cache_len", sort=True)):
+            color = f"C{i}"
+            line = line.sort_values("num_splits")
+            ax.plot(line["num_splits"], line["gbps_graph"], marker="o", color=color, label=f"ours, cache {cache_len}")
+            heur = sub[(sub["impl"] == "ours") & (sub["num_splits"] == 0) & (sub["cache_len"] == cache_len)]
+            if len(heur):
+                used = heur["splits_used"].iloc[-1]
+                ax.plot([used], [heur["gbps_graph"].iloc[-1]], marker="*", markersize=16, color=color,
+                        linestyle="none", label=f"heuristic ({used:.0f} splits), cache {cache_len}")
+            sdpa = sub[(sub["impl"] == "sdpa") & (sub["cache_len"] == cache_len)]
+            if len(sdpa):
+                ax.axhline(sdpa["gbps_graph"].iloc[-1], color=color, linestyle="--", linewidth=1,
+                           label=f"SDPA, cache {cache_len}")
+        if "copy_gbps" in sub and sub["copy_gbps"].notna().any():
+            ax.axhline(sub["copy_gbps"].median(), color="black", linestyle=":",
+                       label=f"device copy {sub['copy_gbps'].median():.0f} GB/s (same run)")
+        if len(ours):
+            _log2_axis(ax, ours["num_splits"].unique())
+        ax.set_xlabel("num_splits")
+        ax.set_ylabel("K+V GB/s (CUDA-graph replay)")
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=7, ncol=2)
+        fig.suptitle(f"{title} on {gpu}\n({_versions(sub)})", fontsize=11)
+        fig.tight_layout()
+        saved.append(_save_figure(fig, gpu, name, figures_dir))
+    return saved
+
+
+def decode_summary_table(df, *, value: str = "gbps_graph", where: Optional[Mapping[str, Any]] = None):
+    """`value` (default K+V GB/s with graph replay) per implementation by gpu, batch and cache length,
+    plus ours / each other implementation present."""
+    df = _latest_decode(_select(df, where))
+    table = df.pivot_table(index=["gpu", "batch", "cache_len"], columns="impl", values=value)
+    for other in [c for c in table.columns if c != "ours"]:
+        if "ours" in table.columns:
+            table[f"ours/{other}"] = table["ours"] / table[other]
+    return table
+
+
+def decode_splits_table(df, *, where: Optional[Mapping[str, Any]] = None):
+    """K+V GB/s (graph replay) of ours per num_splits (0 = heuristic, with the splits it launched) and
+    SDPA's, by gpu and cache length."""
+    df = _latest_decode(_select(df, where)).copy()
+    df["config"] = [
+        ("sdpa" if impl != "ours" else (f"heuristic ({used:.0f})" if ns == 0 else f"splits={ns:.0f}"))
+        for impl, ns, used in zip(df["impl"], df["num_splits"], df["splits_used"])
+    ]
+    return df.pivot_table(index=["gpu", "cache_len"], columns="config", values="gbps_graph", sort=False)

@@ -1,6 +1,6 @@
 """Generate the notebooks in notebooks/ from the cell sources below (reproducible and reviewable).
 
-    python scripts/make_notebooks.py            # write notebooks/00_hardening.ipynb, notebooks/01_gqa.ipynb
+    python scripts/make_notebooks.py            # write notebooks/00_hardening.ipynb, 01_gqa.ipynb, 02_decode.ipynb
     python scripts/make_notebooks.py --check    # exit 1 if a notebook on disk differs from what this writes
 
 The notebooks are written with no outputs and fixed cell ids, so regenerating them changes nothing
@@ -693,6 +693,361 @@ def gqa() -> List[Cell]:
 
 
 # --------------------------------------------------------------------------------------------
+# 02_decode
+# --------------------------------------------------------------------------------------------
+def decode() -> List[Cell]:
+    name = "02_decode"
+    return [
+        md(
+            f"""
+            {badge(name)}
+
+            # 02 · Decode: one new token against a KV cache, as fast as the memory allows
+
+            In autoregressive generation every step brings one new query token per request (a few when
+            verifying speculative drafts) that attends over everything the request has seen: its **KV cache**.
+            `kernels.flash_attn_with_kvcache` is a decode kernel separate from prefill, with flash-attn's
+            interface: per-request cache lengths (`cache_seqlens`), the new tokens' K/V written into the cache
+            **in the same launch** that attends over it, the q heads of a GQA group served by one program so
+            each cached byte is read once, and split-KV (flash-decoding) so that a single long request still
+            fills the GPU. `kernels.KVCache` owns the buffers and the lengths.
+
+            This notebook:
+
+            1. shows why decode is bound by memory bandwidth (bytes per FLOP of one step);
+            2. checks inline (every `assert` fails loudly): prefill equals token-by-token decode, a ragged
+               batch against the reference, split vs unsplit, `seqlen_q > 1` with the bottom-right causal mask,
+               the append writes exactly the new slots, overflow raises, and a `KVCache` round trip;
+            3. measures (on a GPU) latency, peak memory and GB/s against the seed's two eager baselines and
+               SDPA with a length-1 query, and the effect of split-KV at batch 1 with CUDA-graph replay.
+
+            **Where it runs.** On a GPU with full shapes (bfloat16, 32 q heads, head dim 128). On a CPU the
+            kernels run under Triton's interpreter with small shapes in float16, and the measurement sections
+            plot the committed GPU results (`results/<gpu>/decode*.csv`), or say that there are none yet.
+            """
+        ),
+        SETUP,
+        code(
+            """
+            from kernels import KVCache, bench, causal_mask, flash_attn_with_kvcache
+            from kernels import notebook_utils as nbu
+
+            torch.manual_seed(0)
+            # The fp32 references must be true fp32 on a GPU: no tf32 in the ground truth.
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
+            S = nbu.decode_sizes(ON_GPU)  # small shapes under the interpreter, full shapes on a GPU
+            print(S)
+            """
+        ),
+        md(
+            """
+            ## 1 · Why decode is bandwidth bound
+
+            One decode step of one request with `H` q heads over `H_KV` KV heads, head dim `D` and a cache of
+            `N` tokens computes `q·Kᵀ` and `p·V`: `4·H·N·D` FLOPs. It must read the whole cache once:
+            `2·N·H_KV·D` elements of K and V, 2 bytes each in bf16. That is `H / H_KV = G` FLOPs per byte
+            (4 for Llama-style 32:8 GQA) whatever the cache length or the batch (every request reads its own
+            cache). A GPU is compute bound only above its **ridge point**, peak FLOP/s ÷ bandwidth: about 184
+            FLOP/byte on an H200. Decode sits ~46x below it, so the time of a step is the cache size divided by
+            the memory bandwidth, and the kernel's job is to read every byte once (GQA read-once: a kernel that
+            re-reads K/V per q head does `G` times the traffic) at full bandwidth (enough programs in flight:
+            split-KV when the batch is small).
+
+            The table uses an H200's ceilings as measured on this project's H200 machines (noted with their
+            source below; not yet re-measured into `results/`). On a GPU the same table follows for the present
+            card, with its ceilings measured now (`kernels.bench.ceilings()`: a large bf16 matmul, a device copy
+            counting bytes read and written).
+            """
+        ),
+        code(
+            """
+            h200 = bench.H200_MEASURED_CEILINGS
+            print(f"{h200['gpu']}: {h200['matmul_tflops']:.0f} TFLOP/s (bf16 matmul), {h200['copy_gbps']:.0f} GB/s "
+                  f"(device copy, read + write)\\n  source: {h200['source']}")
+            shape = (1, S.bench_nheads, S.bench_nheads_k, S.bench_head_dim, S.bench_dtype, S.bench_cache_lens)
+            roofline = nbu.decode_roofline_table(*shape, h200)
+            print(f"one decode step, batch 1, {nbu.dtype_name(S.bench_dtype)}, {S.bench_nheads} q heads, "
+                  f"{S.bench_nheads_k} KV heads, D={S.bench_head_dim}, against the {h200['gpu']}'s ceilings:")
+            nbu.show(roofline)
+
+            group = S.bench_nheads // S.bench_nheads_k
+            ridge = roofline.ridge.iloc[0]
+            assert ((roofline.flop_per_byte - group).abs() < 1e-9).all(), "2-byte K/V: a step does G FLOPs per byte"
+            assert (roofline.bound == "memory").all() and ridge > 10 * group, "decode must sit far below the ridge"
+            print(f"\\n{group} FLOP/byte against a ridge of {ridge:.0f} FLOP/byte: {ridge / group:.0f}x below it. "
+                  f"The memory floor is {roofline.t_memory_us.iloc[-1] / roofline.t_compute_us.iloc[-1]:.0f}x the "
+                  f"compute floor at every length.")
+
+            CEILINGS = None
+            if ON_GPU:
+                CEILINGS = bench.ceilings()  # measured now, on this GPU; the bandwidth line of section 9
+                print(f"\\n{kernels.env_summary()['gpu']}, measured now: {CEILINGS['matmul_tflops']:.0f} TFLOP/s, "
+                      f"{CEILINGS['copy_gbps']:.0f} GB/s")
+                nbu.show(nbu.decode_roofline_table(*shape, CEILINGS))
+            """
+        ),
+        md(
+            """
+            ## 2 · Prefill equals token-by-token decode
+
+            The seed's test, and the strongest single check of a decode kernel: run causal prefill
+            (`kernels.flash_attn_func(causal=True)`) over a sequence; then decode the same sequence one token at
+            a time, each call writing token `t`'s K/V into the cache (filled with stale random rows that must
+            never be read) and attending over rows `[0, t]` **in the same call**. The outputs must match, and
+            both must match the fp32 reference by flash-attn's rule (error at most 2x PyTorch's own same-dtype
+            error plus a small floor). Lengths on both sides of the kernel's `BLOCK_N`; MHA, GQA and MQA.
+            """
+        ),
+        code(
+            """
+            equivalence = nbu.decode_equivalence_table(
+                batch=S.ar_batch, nheads=S.nheads, nheads_k_values=S.ar_nheads_k, head_dim=S.head_dim,
+                lengths=S.ar_lengths, dtype=S.dtype, device=DEVICE)
+            nbu.show(equivalence)
+            nbu.assert_table_ok(equivalence, "prefill == token-by-token decode")
+            """
+        ),
+        md(
+            """
+            ## 3 · A ragged batch against the reference
+
+            Requests in one batch have different lengths (here including 0 and 1). Each row below is one
+            request, compared with `kernels.reference.attention_ref` run over the **whole** cache buffer with
+            `key_padding_lengths` masking every row at or past the request's length, with and without appending
+            a new token, unsplit, split in 3 (the short requests' later splits are empty) and with the split
+            heuristic (`num_splits=0`). A request that sees no key must give zeros and an LSE of `+inf`, never
+            NaN.
+            """
+        ),
+        code(
+            """
+            ragged = nbu.decode_ragged_table(
+                lengths=S.ragged_lengths, seqlen_cache=S.ragged_cache, nheads=S.nheads, nheads_k=S.nheads_k,
+                head_dim=S.head_dim, dtype=S.dtype, device=DEVICE)
+            nbu.show(ragged)
+            nbu.assert_table_ok(ragged, "ragged batch vs attention_ref(key_padding_lengths=...)")
+            assert (ragged.keys_seen == 0).any() and (ragged.keys_seen == 1).any(), "the batch must hold 0 and 1 keys"
+            """
+        ),
+        md(
+            """
+            ## 4 · Split-KV and unsplit agree
+
+            With `num_splits = n` each request's cache is cut into `n` chunks streamed by parallel programs;
+            each writes a partial output and its log-sum-exp, and a combine kernel merges them. The split size
+            depends on the *allocated* cache length only (so nothing recompiles as lengths grow): splits past a
+            request's length are empty and get weight 0. Every split count must give the unsplit result up to
+            rounding, for one and several query tokens. (`splits_used` is what the launch plan picked; under the
+            interpreter the heuristic assumes a 4-SM device.)
+            """
+        ),
+        code(
+            """
+            splits = nbu.decode_split_table(
+                lengths=S.ragged_lengths, seqlen_cache=S.ragged_cache, nheads=S.nheads, nheads_k=S.nheads_k,
+                head_dim=S.head_dim, dtype=S.dtype, device=DEVICE, seqlen_q_values=S.split_seqlen_q,
+                num_splits_values=S.split_check_values)
+            nbu.show(splits)
+            nbu.assert_table_ok(splits, "split-KV vs unsplit")
+            assert (splits.splits_used.dropna() > 1).any(), "at least one configuration must actually split"
+            """
+        ),
+        md(
+            """
+            ## 5 · Several query tokens: the causal mask is aligned bottom-right
+
+            Verifying a speculative draft sends `seqlen_q > 1` tokens. With `causal=True`, token `t` of request
+            `b` sees key `j` iff `j <= t + N_b - seqlen_q`, where `N_b` counts the request's keys (its cached
+            rows, plus the new tokens when they are appended): every cached key is visible and the new tokens
+            see each other causally. For 3 cached keys and 2 appended tokens (1 = visible):
+            """
+        ),
+        code(
+            """
+            print(causal_mask(2, 3 + 2).int())
+            causal_table = nbu.decode_causal_table(
+                seqlen_q_values=S.causal_seqlen_q, lengths=S.causal_lengths, seqlen_cache=S.causal_cache,
+                nheads=S.nheads, nheads_k_values=S.causal_nheads_k, head_dim=S.head_dim, dtype=S.dtype, device=DEVICE)
+            nbu.show(causal_table)
+            nbu.assert_table_ok(causal_table, "seqlen_q > 1, causal bottom-right, vs the per-request reference")
+            """
+        ),
+        md(
+            """
+            ## 6 · The append writes exactly the new slots
+
+            The new K/V land in the cache at rows `[L_b, L_b + seqlen_q)` of each request, in place, during the
+            attention launch; nothing else may change. The caches here are views of buffers 8 columns wider
+            than the head dim whose extra columns hold NaN, and the head dim is not a power of two (the kernel
+            pads it): the table lists, per request, the rows in which any byte changed.
+            """
+        ),
+        code(
+            """
+            for seqlen_q in S.append_seqlen_q:
+                append_table = nbu.decode_append_table(
+                    lengths=S.append_lengths, seqlen_cache=S.append_cache, seqlen_q=seqlen_q, nheads=S.nheads,
+                    nheads_k=S.nheads_k, head_dim=S.append_head_dim, dtype=S.dtype, device=DEVICE)
+                nbu.show(append_table)
+                nbu.assert_table_ok(append_table, f"append of {seqlen_q} token(s): only rows [L_b, L_b + {seqlen_q})")
+            """
+        ),
+        md(
+            """
+            ## 7 · Overflow raises
+
+            Where the lengths are known on the host (an `int`, a CPU tensor, `KVCache`), a call that would
+            write or read past the allocated cache raises `ValueError` before anything is launched or written.
+            Lengths held in a GPU tensor cannot be checked without a host sync (which would break CUDA graphs):
+            there the kernel clamps every length to the buffer, so no read or write ever leaves it, and keeping
+            the lengths in range is the caller's job (`KVCache` does it).
+            """
+        ),
+        code(
+            """
+            q, k_cache, v_cache, k, v = nbu.decode_inputs(3, 32, 2, S.nheads, S.nheads_k, S.head_dim, S.dtype, DEVICE)
+            lengths = lambda *xs: torch.tensor(xs, dtype=torch.int32)  # a CPU tensor: known on the host
+            q9, k9, v9 = nbu.make_inputs(nbu.Case(1, 9, 9, S.nheads, S.nheads_k, S.head_dim, S.dtype, True), DEVICE)
+            k_before, v_before = k_cache.clone(), v_cache.clone()
+            overflow_table = nbu.check_errors([
+                ("int cache_seqlens=31 + 2 new tokens > 32 rows",
+                 lambda: flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=31), ValueError),
+                ("CPU tensor [0, 30, 31]: request 2 overflows",
+                 lambda: flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths(0, 30, 31)),
+                 ValueError),
+                ("a negative length",
+                 lambda: flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths(0, -1, 3)),
+                 ValueError),
+                ("no append, but 33 > 32 rows",
+                 lambda: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=33), ValueError),
+                ("KVCache(max_seqlen=8).prefill of a 9-token prompt",
+                 lambda: KVCache(1, 8, S.nheads_k, S.head_dim, dtype=S.dtype, device=DEVICE).prefill(q9, k9, v9),
+                 ValueError),
+            ])
+            assert torch.equal(k_cache, k_before) and torch.equal(v_cache, v_before), "a raising call wrote the cache"
+            flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=30)  # 30 + 2 = 32: exactly fills the cache
+            assert torch.equal(k_cache[:, 30:], k) and torch.equal(v_cache[:, 30:], v)
+            print(f"all {len(overflow_table)} overflowing calls raised ValueError and left the cache untouched; "
+                  "an append that exactly fills the cache works")
+            """
+        ),
+        md(
+            """
+            ## 8 · `KVCache`: prefill, decode, reset, round trip
+
+            `KVCache` owns preallocated buffers and per-request lengths (a device tensor the kernel reads and
+            advances without a host sync, plus a host mirror for the overflow checks). Below: prompts prefilled
+            with the prefill kernel, decode steps of one or more tokens, one request reset and prefilled again
+            while the other keeps its history (the batch becomes ragged), a decode of both, and an overflow.
+            Every output is compared with the reference over the request's own sequence.
+            """
+        ),
+        code(
+            """
+            round_trip = nbu.kvcache_round_trip_table(
+                batch=S.kv_batch, prompt=S.kv_prompt, steps=S.kv_steps, new_prompt=S.kv_new_prompt, nheads=S.nheads,
+                nheads_k=S.nheads_k, head_dim=S.head_dim, dtype=S.dtype, device=DEVICE)
+            nbu.show(round_trip)
+            nbu.assert_table_ok(round_trip, "KVCache round trip")
+            """
+        ),
+        md(
+            """
+            ## 9 · Latency, peak memory and bandwidth against the baselines
+
+            On a GPU this measures, live, one full decode step (append the new token, attend) at bf16, 32 q
+            heads, 8 KV heads, head dim 128, batch 1 and 8, cache lengths 1024 to 65536, for:
+
+            - **ours**: `flash_attn_with_kvcache`, the append fused into the launch;
+            - **SDPA with a length-1 query**: the append as a slice copy into the preallocated cache, then
+              `scaled_dot_product_attention` (its own backend choice) over the valid rows, `enable_gqa=True`;
+            - the seed's two eager baselines (`kernels.reference`): **`decode_eager_slice`**, a preallocated
+              cache sliced to the current length, KV heads expanded by `repeat_interleave`, scores materialised;
+              and **`decode_eager_cat`**, the same attention on a cache grown by `torch.cat` every step.
+
+            Each one is checked against the reference before it is timed. Latency is per eager call (CUDA
+            events, median; what a Python loop sees), peak memory is what one step allocates beyond its inputs,
+            and GB/s is K+V bytes read ÷ time with CUDA-graph replay, against the device-copy bandwidth measured
+            in the same run (section 1). Inputs are rotated so that small caches are not read from L2. Rows go
+            to `results/<gpu>/decode.csv`, the plot to `figures/<gpu>/decode.png`. On a CPU: the committed
+            results, if any.
+            """
+        ),
+        code(
+            """
+            bench_where = {"dtype": nbu.short_dtype(S.bench_dtype), "nheads": S.bench_nheads,
+                           "nheads_k": S.bench_nheads_k, "head_dim": S.bench_head_dim}
+            if ON_GPU:
+                rows = nbu.measure_decode(
+                    nbu.decode_providers(), batches=S.bench_batches, cache_lens=S.bench_cache_lens,
+                    nheads=S.bench_nheads, nheads_k=S.bench_nheads_k, head_dim=S.bench_head_dim, dtype=S.bench_dtype,
+                    copy_gbps=CEILINGS["copy_gbps"])
+                decode_results = nbu.save_decode_results(rows, "decode")  # results/<gpu>/decode.csv
+            else:
+                decode_results = nbu.load_results("decode")
+            """
+        ),
+        code(
+            """
+            if decode_results is None:
+                print("no committed GPU results yet: nothing to plot (run this notebook on a GPU to measure them)")
+            else:
+                title = "Decode step (append + attend), bf16, 32 q heads, 8 KV heads, D=128"
+                if nbu.plot_decode(decode_results, name="decode", title=title, where=bench_where):
+                    print("K+V GB/s with CUDA-graph replay, and ours / each other implementation:")
+                    nbu.show(nbu.decode_summary_table(decode_results, where=bench_where), "{:.2f}")
+                    print("latency per eager call (us):")
+                    us = decode_results.assign(us=decode_results["median_ms"] * 1e3)
+                    nbu.show(nbu.decode_summary_table(us, value="us", where=bench_where), "{:.1f}")
+                    print("peak memory beyond the inputs (MiB):")
+                    memory = nbu.decode_summary_table(decode_results, value="peak_mem_mib", where=bench_where)
+                    nbu.show(memory, "{:.2f}")
+            """
+        ),
+        md(
+            """
+            ## 10 · Split-KV at batch 1
+
+            One request with 8 KV heads launches 8 programs when its cache is not split: on a GPU with over
+            a hundred SMs (132 on an H200) most of the chip idles and the step cannot reach the memory
+            bandwidth.
+            Splitting each cache into `n` chunks launches `8·n` programs plus a small combine kernel. Below: the
+            K+V bandwidth of one step against `num_splits` (1 = no split, then powers of two; the star is the
+            heuristic's pick for `num_splits=0`), with SDPA at the same shape dashed and the device-copy line.
+            Batch-1 steps last tens of microseconds, so they are timed with CUDA-graph replay (launch overhead
+            excluded; `kernels.bench.time_cuda_graph`). Rows go to `results/<gpu>/decode_splits.csv`, the plot
+            to `figures/<gpu>/decode_splits.png`.
+            """
+        ),
+        code(
+            """
+            if ON_GPU:
+                rows = nbu.measure_decode_splits(
+                    cache_lens=S.split_cache_lens, split_values=S.split_values, nheads=S.bench_nheads,
+                    nheads_k=S.bench_nheads_k, head_dim=S.bench_head_dim, dtype=S.bench_dtype,
+                    copy_gbps=CEILINGS["copy_gbps"])
+                split_results = nbu.save_decode_results(rows, "decode_splits")  # results/<gpu>/decode_splits.csv
+            else:
+                split_results = nbu.load_results("decode_splits")
+            """
+        ),
+        code(
+            """
+            if split_results is None:
+                print("no committed GPU results yet: nothing to plot (run this notebook on a GPU to measure them)")
+            else:
+                title = "Split-KV at batch 1 (append + attend, CUDA-graph replay), bf16, 32 q / 8 KV heads, D=128"
+                split_where = {**bench_where, "batch": 1}
+                if nbu.plot_decode_splits(split_results, name="decode_splits", title=title, where=split_where):
+                    print("K+V GB/s per configuration (CUDA-graph replay):")
+                    nbu.show(nbu.decode_splits_table(split_results, where=split_where), "{:.0f}")
+            """
+        ),
+    ]
+
+
+# --------------------------------------------------------------------------------------------
 # Writing
 # --------------------------------------------------------------------------------------------
 def build(name: str, cells: List[Cell]) -> nbformat.NotebookNode:
@@ -717,7 +1072,7 @@ def build(name: str, cells: List[Cell]) -> nbformat.NotebookNode:
 
 
 def notebooks() -> dict:
-    return {"00_hardening": hardening(), "01_gqa": gqa()}
+    return {"00_hardening": hardening(), "01_gqa": gqa(), "02_decode": decode()}
 
 
 def main(argv=None) -> int:
