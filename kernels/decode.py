@@ -1,5 +1,5 @@
 """Decode attention: batched KV-cache decode with per-request lengths, fused in-place append, GQA
-read-once and split-KV (flash-decoding), with no host synchronisation.
+read-once and split-KV (flash-decoding), over a dense or a paged cache, with no host synchronisation.
 
 Algorithm: each request b of the batch brings seqlen_q new query tokens (1 for plain decoding, a few
 for speculative verification) and attends over its own cache of L_b = cache_seqlens[b] keys plus,
@@ -14,32 +14,40 @@ cached K/V byte is read once:
   cache is cut into num_splits chunks streamed by parallel programs; each writes a partial output
   and its log-sum-exp to fp32 scratch, and a small combine kernel merges them (`merge_partials` in
   kernels/_common.py). With one split the decode kernel writes the final output directly.
+- Paged caches (PagedAttention, Woosuk Kwon et al., 2023; vLLM and flash-attn's block_table): the
+  cache is a pool of fixed-size pages and a block table maps each request's logical pages to
+  physical blocks; the same kernel reads it behind the constexpr PAGED (see [Note] Paged caches).
 The streaming softmax and the masks are the prefill kernel's (`online_softmax`, `mask_scores`,
 `finalize`), so prefill and decode cannot drift apart.
 
 Notation:
     B batch, H q heads, H_KV KV heads, G = H // H_KV, M = seqlen_q (new tokens), D = head dim,
-    D_PAD = next power of two >= D, N_CACHE = allocated seqlen_cache, L_b = cache_seqlens[b],
-    N_b = L_b + M keys seen when appending (L_b without k/v).
+    D_PAD = next power of two >= D, N_CACHE = a request's capacity (dense: the allocated
+    seqlen_cache; paged: max_blocks_per_seq * P), L_b = cache_seqlens[b], N_b = L_b + M keys seen
+    when appending (L_b without k/v). Paged: P = page_size, NUM_BLOCKS = blocks in the pool,
+    Block_table (B, max_blocks_per_seq) int32.
     A program's query rows are r = g * M + t for g in [0, G) (q head h = kv_head * G + g) and t in
     [0, M) (the token), head-major; BLOCK_H >= 16 rows per program, several row blocks when G * M
     exceeds the config's max_rows.
     m_i running max (base 2) [BLOCK_H], l_i running sum [BLOCK_H], acc [BLOCK_H, D_PAD] fp32.
 
 Supported: fp16/bf16 (fp32 accumulation), fp32; head dims that are multiples of 8 in [16, 256];
-any seqlen_q >= 1; MHA/GQA/MQA; caches with any strides and a contiguous last dim (including a
-(B, H_KV, S, D) buffer seen through .transpose(1, 2)); caches beyond 2^31 elements (int64 offsets).
-Not supported (yet): paged caches (block_table), cache_batch_idx, rotary embedding, alibi, sliding
-windows, softcapping. All K/V row addresses go through `_kv_row_offsets`, the one place a paged
-cache has to change.
+any seqlen_q >= 1; MHA/GQA/MQA; dense caches with any strides and a contiguous last dim (including
+a (B, H_KV, S, D) buffer seen through .transpose(1, 2)); paged pools (NUM_BLOCKS, P, H_KV, D) with
+any strides and a contiguous last dim (including a (NUM_BLOCKS, H_KV, P, D) pool seen through
+.transpose(1, 2)) and any page size P >= 1 (tested: 1, 2, 8, 16, 48, 64, 256); caches beyond 2^31
+elements (int64 offsets). Not supported (yet): cache_batch_idx, rotary embedding, alibi, sliding
+windows, softcapping. All K/V row addresses go through `_kv_row_offsets`.
 
 [Note] Fused append without hazards. The new keys/values are read from the k/v inputs, not from
 the cache, by the program that owns them (the last split of each (request, KV head), first row
 block), which also writes them into the cache. Every other program reads only cache rows [0, L_b),
-so no program reads a row another program writes in the same launch.
+so no program reads a row another program writes in the same launch. Paged, each new row looks up
+its own page, so an append crossing page boundaries writes each row to its own page slot; requests
+may share pages they only read (prefix sharing), but a page appended into must be one request's.
 
 [Note] Empty KV splits. The split size is a fixed multiple of BLOCK_N computed from the allocated
-seqlen_cache and num_splits, never from the current lengths (they live on the device). A split
+N_CACHE and num_splits, never from the current lengths (they live on the device). A split
 whose range starts at or past L_b runs no loop iteration and writes an empty partial (lse = -inf,
 weight 0 in the merge). A request whose splits are all empty (L_b = 0, no append) outputs zeros and
 LSE = +inf.
@@ -54,8 +62,51 @@ compiled kernels, launched through their handles without Triton's per-call dispa
 
 [Note] Lengths on the device. cache_seqlens is read by the kernel, clamped to [0, N_CACHE]: a bad
 device length can give wrong results but never a read or write outside the buffers; appends past
-N_CACHE are dropped. Lengths known on the host (an int, a CPU tensor, KVCache) are checked before
-launch and overflow raises ValueError.
+N_CACHE are dropped. Lengths known on the host (an int, a CPU tensor, KVCache, PagedKVCache) are
+checked before launch and overflow raises ValueError.
+
+[Note] Paged caches. Logical key j of request b lives in row j % P of physical block
+Block_table[b, j // P]; `_kv_row_offsets` turns (block, row) into an int64 offset with the pool's
+block and row strides, so pool views with any strides work. Paging is a constexpr: with
+PAGED=False the paging arguments are passed as None (Triton makes them constexprs) and every paged
+branch is compiled out, so the dense kernel is the very code it was before paging existed (its
+TTGIR and PTX for sm_90 were compared identical, line info aside). The grid, the splits and the
+heuristic see a paged request as a dense one of N_CACHE = max_blocks_per_seq * P keys.
+
+[Note] BLOCK_N vs page size. A key block of BLOCK_N rows may span several pages (P < BLOCK_N) or a
+page several key blocks (P >= BLOCK_N). Rather than tie BLOCK_N to P (48 would force BLOCK_N = 16,
+P = 8 a block of 8 rows, too small for `tl.dot`, and a decode tuned at BLOCK_N = 64 would lose its
+tuning), the kernel keeps the dense BLOCK_N and finds each key's physical row (`_physical_blocks`):
+- P % BLOCK_N == 0 (e.g. 64 and 256 at BLOCK_N 64): key blocks start at multiples of BLOCK_N
+  (splits are whole blocks), so a block lies in one page: one table entry per block, a scalar load.
+- otherwise (P = 16 or 48 at BLOCK_N 64, and P < 16): each key gathers its own table entry
+  (BLOCK_N int32 loads from one cached table row, as vLLM's paged attention does); rows are still
+  loaded whole, so a K/V row is as coalesced as in the dense cache (a row of one KV head is D
+  contiguous elements in both). So pages of 1..8 rows take the same path as 16 or 48: no slow path,
+  and they are supported.
+The append always gathers (its rows start anywhere). Table loads are masked to rows < the split's
+end, so a program reads only entries of pages below ceil(N_b / P), never past max_blocks_per_seq.
+
+[Note] Paged pipelining. Triton's software pipeliner gives each load that feeds a `tl.dot` a
+latency of (num_stages - 1) // (indirection level + 1) iterations (AssignLatencies.cpp). Looking
+the page up in the same iteration as the K/V tile it addresses makes the tile a level-1 load, so
+with 4 stages it would be issued only 1 iteration ahead instead of 3: a shallower memory pipeline
+than the dense kernel's. The level is traced through values defined in the loop body only, so each
+iteration fetches the table entries of the *next* key block into a loop-carried value
+(`next_blocks`); the K/V tiles stay level-0 loads with the dense kernel's depth (the same 3-deep
+prologue, `async_wait num = 4` and 16-byte cp.async count in the sm_90 TTGIR/PTX), and the small
+table load has a whole iteration to land. Offline sm_90 compiles (ptxas -v, bf16, D = 128, the
+Hopper config) show no spills; the gathering path (P % BLOCK_N != 0) uses 152 registers (198 with an
+append) against the dense kernel's 112 (148), the per-block path 92 (146). Both kernels use 102 KB
+of shared memory for their 4-stage buffers, which caps them at 2 programs per SM, and 2 x 128
+threads x 198 registers still fit, so paging costs no occupancy. Not yet timed on a GPU.
+
+[Note] Bad block-table entries. A CPU block_table is checked on the host (ValueError for an entry
+outside [0, NUM_BLOCKS) among those the call uses). A device block_table cannot be checked without
+a sync, so the kernel guards it: for reads every entry is clamped into [0, NUM_BLOCKS) (a bad entry
+gives wrong results, never a read outside the pool), and an appended row whose entry lies outside
+the pool is dropped (never a write outside it, and -1 fillers past a request's pages, as
+PagedKVCache keeps, are never written through).
 """
 
 from __future__ import annotations
@@ -93,17 +144,36 @@ LOG2E = math.log2(math.e)
 # Kernels
 # ============================================================================================
 @triton.jit
-def _kv_row_offsets(off_b, rows, stride_b, stride_n):
-    """int64 element offsets of the logical cache rows `rows` [BLOCK] of request `off_b` (the KV
-    head's offset is added by the caller).
+def _kv_row_offsets(blocks, rows, stride_b, stride_n, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr):
+    """int64 element offsets of the logical cache rows `rows` [BLOCK] (the KV head's offset is added
+    by the caller): the one place that maps (request, position) to memory.
 
-    The one place that maps (request, position) to memory. A paged cache (block_table (B, max_blocks)
-    int32 mapping logical page -> physical block, k_cache (num_blocks, page_size, H_KV, D)) replaces
-    this body with a table look-up, stride_b becoming the stride of a physical block:
-        page = tl.load(Block_table + off_b * stride_tb + rows // PAGE_SIZE)
-        return page.to(tl.int64) * stride_b + (rows % PAGE_SIZE).to(tl.int64) * stride_n
+    Dense: `blocks` is the request index b and row j lives at b * stride_b + j * stride_n.
+    Paged: `blocks` holds the physical block of each row ([BLOCK] int64, or one scalar when the
+    rows lie in one page, see `_physical_blocks`), stride_b is the stride of a block, and logical
+    row j lives at row j % PAGE_SIZE of its block.
     """
-    return off_b * stride_b + rows.to(tl.int64) * stride_n
+    if PAGED:
+        return blocks * stride_b + (rows % PAGE_SIZE).to(tl.int64) * stride_n
+    else:
+        return blocks * stride_b + rows.to(tl.int64) * stride_n
+
+
+@triton.jit
+def _physical_blocks(Table, start_n, rows, n_rows, NUM_BLOCKS, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Physical blocks holding the logical rows `rows` = start_n + [0, BLOCK_N) of one request, whose
+    block-table row starts at `Table`; entries of rows >= n_rows are not read (0 instead), and every
+    entry is clamped into [0, NUM_BLOCKS), see [Note] Bad block-table entries.
+
+    When PAGE_SIZE is a multiple of BLOCK_N the key block lies in one page (start_n is a multiple of
+    BLOCK_N): one table entry, a scalar. Otherwise each row looks up its own page (a gather of BLOCK_N
+    entries, as vLLM does). See [Note] BLOCK_N vs page size.
+    """
+    if PAGE_SIZE % BLOCK_N == 0:
+        blocks = tl.load(Table + start_n // PAGE_SIZE, mask=start_n < n_rows, other=0)  # scalar
+    else:
+        blocks = tl.load(Table + rows // PAGE_SIZE, mask=rows < n_rows, other=0)  # [BLOCK_N]
+    return tl.minimum(tl.maximum(blocks, 0), NUM_BLOCKS - 1).to(tl.int64)
 
 
 @triton.jit
@@ -115,9 +185,11 @@ def _decode_kernel(
     stride_knb, stride_knm, stride_knh,
     stride_vnb, stride_vnm, stride_vnh,
     H_KV, GROUP, M, N_CACHE, SPLIT_N, qk_scale,
+    Block_table, stride_btb, NUM_BLOCKS,  # paged only; None (compiled out) for a dense cache
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_NEW: tl.constexpr,
     IS_CAUSAL: tl.constexpr, APPEND: tl.constexpr, SPLIT: tl.constexpr, STORE_LSE: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
 ):
     tl.static_assert(BLOCK_H >= 16 and BLOCK_N >= 16 and BLOCK_NEW >= 16, "tl.dot needs tiles of at least 16")
     # -- which (request, KV head, row block) and which split -------------------------------------
@@ -160,6 +232,9 @@ def _decode_kernel(
     q = load_rows(q_ptrs + offs_d[None, :], offs_r, rows_total, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
     k_head = K_cache + off_hk * stride_kh
     v_head = V_cache + off_hk * stride_vh
+    if PAGED:  # this request's row of the block table, and the pages of the split's first key block
+        table = Block_table + off_b * stride_btb
+        next_blocks = _physical_blocks(table, lo, lo + offs_n, hi, NUM_BLOCKS, PAGE_SIZE, BLOCK_N)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -168,23 +243,35 @@ def _decode_kernel(
     # stage 1: whole blocks every row sees, no mask
     for start_n in tl.range(lo, full_end, BLOCK_N):
         rows = start_n + offs_n
-        k = load_rows(k_head + _kv_row_offsets(off_b, rows, stride_kb, stride_kn)[:, None] + offs_d[None, :],
-                      rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD, False)  # [BLOCK_N, D_PAD]
+        if PAGED:  # this block's pages were fetched one iteration ahead, see [Note] Paged pipelining
+            blocks = next_blocks
+            next_blocks = _physical_blocks(table, start_n + BLOCK_N, rows + BLOCK_N, hi, NUM_BLOCKS, PAGE_SIZE,
+                                           BLOCK_N)
+        else:
+            blocks = off_b
+        k = load_rows(k_head + _kv_row_offsets(blocks, rows, stride_kb, stride_kn, PAGE_SIZE, PAGED)[:, None]
+                      + offs_d[None, :], rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD, False)  # [BLOCK_N, D_PAD]
         qk = tl.dot(q, tl.trans(k))  # [BLOCK_H, BLOCK_N]
         p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, False)
-        v = load_rows(v_head + _kv_row_offsets(off_b, rows, stride_vb, stride_vn)[:, None] + offs_d[None, :],
-                      rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD, False)
+        v = load_rows(v_head + _kv_row_offsets(blocks, rows, stride_vb, stride_vn, PAGE_SIZE, PAGED)[:, None]
+                      + offs_d[None, :], rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD, False)
         acc = tl.dot(p.to(v.dtype), v, acc)
     # stage 2: the ragged tail of the split (and, without an append, the causal band), masked
     for start_n in tl.range(full_end, hi, BLOCK_N):
         rows = start_n + offs_n
-        k = load_rows(k_head + _kv_row_offsets(off_b, rows, stride_kb, stride_kn)[:, None] + offs_d[None, :],
-                      rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+        if PAGED:  # this block's pages were fetched one iteration ahead, see [Note] Paged pipelining
+            blocks = next_blocks
+            next_blocks = _physical_blocks(table, start_n + BLOCK_N, rows + BLOCK_N, hi, NUM_BLOCKS, PAGE_SIZE,
+                                           BLOCK_N)
+        else:
+            blocks = off_b
+        k = load_rows(k_head + _kv_row_offsets(blocks, rows, stride_kb, stride_kn, PAGE_SIZE, PAGED)[:, None]
+                      + offs_d[None, :], rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
         qk = tl.dot(q, tl.trans(k))
         qk = mask_scores(qk, rows, hi, row_limit, IS_CAUSAL)
         p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, True)
-        v = load_rows(v_head + _kv_row_offsets(off_b, rows, stride_vb, stride_vn)[:, None] + offs_d[None, :],
-                      rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+        v = load_rows(v_head + _kv_row_offsets(blocks, rows, stride_vb, stride_vn, PAGE_SIZE, PAGED)[:, None]
+                      + offs_d[None, :], rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
         acc = tl.dot(p.to(v.dtype), v, acc)
 
     # stage 3: the new keys, read from k/v and written to the cache, see [Note] Fused append
@@ -206,10 +293,17 @@ def _decode_kernel(
                 acc = tl.dot(p.to(vn.dtype), vn, acc)
                 if pid_rb == 0:  # one row block writes the cache
                     dst = seqlen + us  # [BLOCK_NEW] cache rows
-                    store_rows(k_head + _kv_row_offsets(off_b, dst, stride_kb, stride_kn)[:, None] + offs_d[None, :],
-                               kn, us, n_write, offs_d, HEAD_DIM, HEAD_DIM_PAD)
-                    store_rows(v_head + _kv_row_offsets(off_b, dst, stride_vb, stride_vn)[:, None] + offs_d[None, :],
-                               vn, us, n_write, offs_d, HEAD_DIM, HEAD_DIM_PAD)
+                    if PAGED:  # each new row looks up its own page: an append may cross page boundaries
+                        raw = tl.load(table + dst // PAGE_SIZE, mask=us < n_write, other=-1)  # [BLOCK_NEW]
+                        blocks = tl.minimum(tl.maximum(raw, 0), NUM_BLOCKS - 1).to(tl.int64)
+                        us_write = tl.where((raw >= 0) & (raw < NUM_BLOCKS), us, M)  # bad page: row dropped
+                    else:
+                        blocks = off_b
+                        us_write = us
+                    store_rows(k_head + _kv_row_offsets(blocks, dst, stride_kb, stride_kn, PAGE_SIZE, PAGED)[:, None]
+                               + offs_d[None, :], kn, us_write, n_write, offs_d, HEAD_DIM, HEAD_DIM_PAD)
+                    store_rows(v_head + _kv_row_offsets(blocks, dst, stride_vb, stride_vn, PAGE_SIZE, PAGED)[:, None]
+                               + offs_d[None, :], vn, us_write, n_write, offs_d, HEAD_DIM, HEAD_DIM_PAD)
 
     # -- epilogue --------------------------------------------------------------------------------
     out, lse = finalize(acc, m_i, l_i)  # empty rows: 0 and +inf
@@ -344,10 +438,11 @@ def _filled_seqlens(value: int, batch: int, device: torch.device) -> torch.Tenso
     return _filled_seqlens_cached(value, batch, device)
 
 
-def _check_host_lengths(lengths, seqlen_new: int, seqlen_cache: int) -> None:
+def _check_host_lengths(lengths, seqlen_new: int, seqlen_cache: int, capacity: Optional[str] = None) -> None:
     """Raise ValueError if a host-known length is negative or the append would pass seqlen_cache.
 
-    `lengths` is an int (every request) or a CPU tensor / numpy array of per-request lengths.
+    `lengths` is an int (every request) or a CPU tensor / numpy array of per-request lengths;
+    `capacity` names seqlen_cache in the message (a paged cache: max_blocks_per_seq * page_size).
     """
     if isinstance(lengths, int):
         lo, hi = lengths, lengths
@@ -365,14 +460,19 @@ def _check_host_lengths(lengths, seqlen_new: int, seqlen_cache: int) -> None:
             which += f" (and {len(bad) - 1} more)"
     if length < 0:
         raise ValueError(f"Expected cache_seqlens >= 0, got {length} for {which}.")
+    if capacity is None:
+        raise ValueError(
+            f"KV cache overflow for {which}: cache_seqlens {length} + {seqlen_new} new tokens = "
+            f"{length + seqlen_new} > seqlen_cache {seqlen_cache}; allocate a longer cache or reset the request."
+        )
     raise ValueError(
         f"KV cache overflow for {which}: cache_seqlens {length} + {seqlen_new} new tokens = "
-        f"{length + seqlen_new} > seqlen_cache {seqlen_cache}; allocate a longer cache or reset the request."
+        f"{length + seqlen_new} > {capacity} = {seqlen_cache}; give the block table more columns."
     )
 
 
 def _resolve_cache_seqlens(cache_seqlens, batch: int, seqlen_new: int, seqlen_cache: int,
-                           device: torch.device) -> torch.Tensor:
+                           device: torch.device, capacity: Optional[str] = None) -> torch.Tensor:
     """Validate cache_seqlens and return it as an int32 (batch,) tensor on `device`.
 
     Host-known lengths (an int, a CPU tensor) are checked for overflow; a tensor already on the
@@ -387,7 +487,7 @@ def _resolve_cache_seqlens(cache_seqlens, batch: int, seqlen_new: int, seqlen_ca
         if cache_seqlens.shape != (batch,):
             raise ValueError(f"Expected cache_seqlens of shape ({batch},), got {tuple(cache_seqlens.shape)}.")
         if cache_seqlens.device.type == "cpu":  # host-known: check, then copy if the call runs on a GPU
-            _check_host_lengths(cache_seqlens, seqlen_new, seqlen_cache)
+            _check_host_lengths(cache_seqlens, seqlen_new, seqlen_cache, capacity)
             return cache_seqlens if device.type == "cpu" else cache_seqlens.to(device)
         if cache_seqlens.device != device:
             raise ValueError(
@@ -396,14 +496,80 @@ def _resolve_cache_seqlens(cache_seqlens, batch: int, seqlen_new: int, seqlen_ca
         return cache_seqlens
     if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
         value = int(cache_seqlens)
-        _check_host_lengths(value, seqlen_new, seqlen_cache)
+        _check_host_lengths(value, seqlen_new, seqlen_cache, capacity)
         return _filled_seqlens(value, batch, device)
     raise TypeError(f"Expected cache_seqlens to be an int or an int32 tensor, got {type(cache_seqlens).__name__}.")
 
 
-def _validate_kvcache_inputs(q, k_cache, v_cache, k, v) -> None:
+def _check_block_table_entries(block_table: torch.Tensor, host_lengths, seqlen_new: int, page_size: int,
+                               num_blocks: int) -> None:
+    """Raise ValueError if a CPU block_table entry that the call uses lies outside [0, num_blocks).
+
+    With host-known lengths (an int or a CPU tensor) request b uses its first
+    ceil((L_b + seqlen_new) / page_size) entries and only those are checked (the rest may hold
+    anything, e.g. -1); without them (lengths on the GPU) every entry is.
+    """
+    table = block_table.to(torch.int64)
+    bad = (table < 0) | (table >= num_blocks)  # (batch, max_blocks)
+    if host_lengths is not None:
+        if isinstance(host_lengths, int):
+            host_lengths = torch.full((table.shape[0],), host_lengths, dtype=torch.int64)
+        n_pages = (host_lengths.to(torch.int64).clamp(min=0) + seqlen_new + page_size - 1) // page_size
+        bad &= torch.arange(table.shape[1])[None, :] < n_pages[:, None]
+    if not bool(bad.any()):
+        return
+    b, j = (int(i) for i in bad.nonzero()[0])
+    which = (f"request {b} uses its first {int(n_pages[b])} entries" if host_lengths is not None
+             else "cache_seqlens is on the GPU, so every entry is checked")
+    raise ValueError(
+        f"Expected block_table entries in [0, num_blocks = {num_blocks}) (physical blocks of k_cache), got "
+        f"block_table[{b}, {j}] = {int(table[b, j])} ({which}); entries past a request's pages may hold any value."
+    )
+
+
+def _resolve_paging(block_table, cache_seqlens, batch: int, seqlen_new: int, k_cache: torch.Tensor,
+                    device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Validate a paged call's block_table and cache_seqlens; return both on `device`.
+
+    Checks on the host what is host-visible: the lengths (overflow past max_blocks_per_seq *
+    page_size) and a CPU block_table's entries (`_check_block_table_entries`), then copies them to
+    the GPU. A block_table already on the GPU is used as is (the kernel clamps its entries).
+    """
+    _validate_tensor("block_table", block_table, 2, "(batch, max_blocks_per_seq)")
+    if block_table.dtype != torch.int32:
+        raise TypeError(
+            f"Expected block_table to be an int32 tensor (flash-attn's convention), got {block_table.dtype}; "
+            f"use block_table.to(torch.int32)."
+        )
+    if block_table.shape[0] != batch or block_table.shape[1] < 1:
+        raise ValueError(
+            f"Expected block_table of shape (batch, max_blocks_per_seq) = ({batch}, >= 1), got "
+            f"{tuple(block_table.shape)}."
+        )
+    num_blocks, page_size = k_cache.shape[0], k_cache.shape[1]
+    if num_blocks < 1 or page_size < 1:
+        raise ValueError(
+            f"Expected a paged k_cache (num_blocks, page_size, nheads_k, headdim) with num_blocks >= 1 and "
+            f"page_size >= 1, got {tuple(k_cache.shape)}."
+        )
+    capacity = block_table.shape[1] * page_size
+    seqlens = _resolve_cache_seqlens(cache_seqlens, batch, seqlen_new, capacity, device,
+                                     f"max_blocks_per_seq * page_size = {block_table.shape[1]} * {page_size}")
+    if block_table.device.type == "cpu":  # host-visible: check the entries this call uses, then copy
+        if isinstance(cache_seqlens, torch.Tensor):
+            host_lengths = cache_seqlens if cache_seqlens.device.type == "cpu" else None
+        else:
+            host_lengths = int(cache_seqlens)
+        _check_block_table_entries(block_table, host_lengths, seqlen_new, page_size, num_blocks)
+        return seqlens, (block_table if device.type == "cpu" else block_table.to(device))
+    if block_table.device != device:
+        raise ValueError(f"Expected block_table on {device} (or on the CPU), got it on {block_table.device}.")
+    return seqlens, block_table
+
+
+def _validate_kvcache_inputs(q, k_cache, v_cache, k, v, paged: bool = False) -> None:
     _validate_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
-    layout = "(batch, seqlen_cache, nheads_k, headdim)"
+    layout = "(num_blocks, page_size, nheads_k, headdim)" if paged else "(batch, seqlen_cache, nheads_k, headdim)"
     _validate_tensor("k_cache", k_cache, 4, layout)
     _validate_tensor("v_cache", v_cache, 4, layout)
     if (k is None) != (v is None):
@@ -420,7 +586,7 @@ def _validate_kvcache_inputs(q, k_cache, v_cache, k, v) -> None:
             f"Expected k_cache and v_cache to have the same shape, got {tuple(k_cache.shape)} and "
             f"{tuple(v_cache.shape)}."
         )
-    if k_cache.shape[0] != batch:
+    if not paged and k_cache.shape[0] != batch:
         raise ValueError(
             f"Expected k_cache's batch ({k_cache.shape[0]}) to match q's ({batch}); cache_batch_idx is not supported."
         )
@@ -451,10 +617,14 @@ def _flash_attn_with_kvcache_launch(
     causal: bool,
     num_splits: int,
     return_softmax_lse: bool,
+    block_table: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Allocate and launch on validated inputs (cache_seqlens: int32 (batch,) on q's device)."""
+    """Allocate and launch on validated inputs (cache_seqlens: int32 (batch,) on q's device;
+    block_table: None for a dense cache, else int32 (batch, max_blocks_per_seq) on q's device)."""
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_cache, nheads_k = k_cache.shape[1], k_cache.shape[2]
+    if block_table is not None:  # the logical capacity of a request; k_cache.shape[1] is the page size
+        seqlen_cache = block_table.shape[1] * k_cache.shape[1]
     device = q.device
     plan = _plan(batch, seqlen_q, nheads, nheads_k, head_dim, seqlen_cache, q.dtype, device, num_splits)
 
@@ -478,12 +648,18 @@ def _flash_attn_with_kvcache_launch(
     tensors = (q, k_cache, v_cache, k, v, cache_seqlens, out, lse_arg, out_part, lse_part)
     key = (plan, device, q.dtype, q.shape, k_cache.shape, causal, append, store_lse, q.stride(), k_cache.stride(),
            v_cache.stride(), k.stride(), v.stride(), tuple(t.data_ptr() % 16 == 0 for t in tensors))
+    if block_table is None:  # dense: the paging arguments are None, i.e. constexprs the kernel never reads
+        paging, paged, page_size = (None, None, None), False, 1
+    else:
+        paging, paged, page_size = (block_table, block_table.stride(0), k_cache.shape[0]), True, k_cache.shape[1]
+        key += ("paged", block_table.shape, block_table.stride(), block_table.data_ptr() % 16 == 0)
     args = (
         *tensors,
         *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *k.stride()[:3], *v.stride()[:3],
         nheads_k, nheads // nheads_k, seqlen_q, seqlen_cache, plan.split_n, softmax_scale * LOG2E,
+        *paging,
         head_dim, plan.head_dim_pad, plan.block_h, plan.block_n, plan.block_new,
-        causal, append, split, store_lse,
+        causal, append, split, store_lse, paged, page_size,
     )
     ctx = contextlib.nullcontext()
     if device.type == "cuda" and device.index != torch.cuda.current_device():
@@ -511,33 +687,51 @@ def flash_attn_with_kvcache(
     v: Optional[torch.Tensor] = None,
     *,
     cache_seqlens: Union[int, torch.Tensor],
+    block_table: Optional[torch.Tensor] = None,
     softmax_scale: Optional[float] = None,
     causal: bool = False,
     num_splits: int = 0,
     return_softmax_lse: bool = False,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
-    """Decode attention over a KV cache, with an optional in-place append, in one launch
-    (flash-attn's `flash_attn_with_kvcache`).
+    """Decode attention over a KV cache, dense or paged, with an optional in-place append, in one
+    launch (flash-attn's `flash_attn_with_kvcache`).
 
     Args:
         q: (batch, seqlen_q, nheads, headdim), float16, bfloat16 or float32; seqlen_q >= 1 (1 for
             plain decoding, a few for speculative-decoding verification).
-        k_cache, v_cache: (batch, seqlen_cache, nheads_k, headdim), same dtype and device as q. Any
-            strides with a contiguous last dim (e.g. a (batch, nheads_k, seqlen_cache, headdim)
-            buffer passed as .transpose(1, 2)); no copies are made; beyond 2^31 elements is fine.
-            Query head h reads KV head h // (nheads // nheads_k) (MHA, GQA, MQA).
+        k_cache, v_cache: same dtype and device as q, any strides with a contiguous last dim; no
+            copies are made; beyond 2^31 elements is fine. Query head h reads KV head
+            h // (nheads // nheads_k) (MHA, GQA, MQA).
+            Dense (block_table None): (batch, seqlen_cache, nheads_k, headdim), e.g. also a
+            (batch, nheads_k, seqlen_cache, headdim) buffer passed as .transpose(1, 2).
+            Paged (block_table given): pools (num_blocks, page_size, nheads_k, headdim), e.g. also a
+            (num_blocks, nheads_k, page_size, headdim) pool passed as .transpose(1, 2). Any
+            page_size >= 1 (see the module's [Note] Paged caches).
         k, v: optional (batch, seqlen_q, nheads_k, headdim): the new tokens' keys and values. They
-            are written into k_cache / v_cache in place at rows [cache_seqlens[b], cache_seqlens[b]
-            + seqlen_q) and attended over in the same launch. Both or neither.
+            are written into k_cache / v_cache in place at (logical) rows [cache_seqlens[b],
+            cache_seqlens[b] + seqlen_q) and attended over in the same launch. Both or neither. In a
+            paged cache each new row goes to its own page slot, so an append may cross pages.
         cache_seqlens: each request's cache length before this call: an int (the same for every
             request) or an int32 tensor of shape (batch,), on q's device or on the CPU (checked on
             the host, then copied: use a device tensor inside a CUDA graph). It is never modified
-            (advance it yourself, e.g. cache_seqlens += seqlen_q, or use KVCache).
+            (advance it yourself, e.g. cache_seqlens += seqlen_q, or use KVCache / PagedKVCache).
             Overflow: lengths known on the host (an int, a CPU tensor) are checked, and an append
-            that would pass seqlen_cache raises ValueError. A tensor on the GPU cannot be checked
-            without a host sync: the caller is responsible for it; the kernel clamps each length to
-            [0, seqlen_cache] and drops appended rows past the end, so no read or write ever leaves
-            the buffers, but the result of an overflowing call is not meaningful.
+            that would pass seqlen_cache (paged: max_blocks_per_seq * page_size) raises ValueError.
+            A tensor on the GPU cannot be checked without a host sync: the caller is responsible
+            for it; the kernel clamps each length to [0, seqlen_cache] and drops appended rows past
+            the end, so no read or write ever leaves the buffers, but the result of an overflowing
+            call is not meaningful.
+        block_table: optional int32 (batch, max_blocks_per_seq), contiguous last dim, on q's device
+            or on the CPU (checked, then copied): logical key j of request b lives in row
+            j % page_size of physical block block_table[b, j // page_size] of the pools (flash-attn
+            and vLLM's convention). Request b uses its first ceil(N_b / page_size) entries; the
+            rest may hold anything (-1 is a good filler). Entries outside [0, num_blocks): a CPU
+            block_table is checked (ValueError, for the entries the call uses when the lengths are
+            host-known, else for all). A GPU block_table cannot be checked without a sync: the kernel
+            clamps each entry into [0, num_blocks) for reads (wrong results, never an out-of-bounds
+            read) and drops appended rows whose entry is outside the pool (never an out-of-bounds
+            write). Two requests may share pages they only read (prefix sharing); a page appended
+            into must belong to one request.
         softmax_scale: defaults to headdim ** -0.5.
         causal: mask aligned to the bottom-right corner over the N_b = cache_seqlens[b] + seqlen_q
             keys (cache_seqlens[b] without k/v): token t sees key j iff j <= t + N_b - seqlen_q.
@@ -546,10 +740,11 @@ def flash_attn_with_kvcache(
                 1 1 1 1 1
             With seqlen_q == 1 causal changes nothing. A row that sees no key (a request with an
             empty cache and no append) outputs zeros, never NaN.
-        num_splits: 0 = heuristic (from batch, heads, the allocated seqlen_cache and the SM count,
-            never from current lengths), 1 = no split, n > 1 = split each cache into about n chunks
-            processed in parallel and merged by log-sum-exp (capped at the number of BLOCK_N
-            blocks of the cache). Splits past a request's length exit at once.
+        num_splits: 0 = heuristic (from batch, heads, the allocated seqlen_cache -- paged:
+            max_blocks_per_seq * page_size -- and the SM count, never from current lengths),
+            1 = no split, n > 1 = split each cache into about n chunks processed in parallel and
+            merged by log-sum-exp (capped at the number of BLOCK_N blocks of the cache). Splits past
+            a request's length exit at once.
         return_softmax_lse: also return the log-sum-exp of each row.
 
     Returns:
@@ -557,19 +752,22 @@ def flash_attn_with_kvcache(
         softmax_lse (if return_softmax_lse): (batch, nheads, seqlen_q) float32, natural log; +inf
             for a row that sees no key.
 
-    No host synchronisation happens with a device cache_seqlens, so the whole step (append +
-    attention) can be captured in a CUDA graph and replayed while the lengths advance on the
-    device. Not supported: paged caches (block_table), cache_batch_idx, rotary embedding, alibi,
-    sliding windows, softcapping.
+    No host synchronisation happens with device cache_seqlens (and block_table), so the whole step
+    (append + attention) can be captured in a CUDA graph and replayed while the lengths advance on
+    the device. Not supported: cache_batch_idx, rotary embedding, alibi, sliding windows,
+    softcapping.
     """
-    _validate_kvcache_inputs(q, k_cache, v_cache, k, v)
+    _validate_kvcache_inputs(q, k_cache, v_cache, k, v, block_table is not None)
     if not isinstance(num_splits, numbers.Integral) or num_splits < 0:
         raise ValueError(f"Expected num_splits to be an int >= 0 (0 = heuristic), got {num_splits!r}.")
     scale = _validate_softmax_scale(softmax_scale, q.shape[3])
     seqlen_new = q.shape[1] if k is not None else 0
-    seqlens = _resolve_cache_seqlens(cache_seqlens, q.shape[0], seqlen_new, k_cache.shape[1], q.device)
+    if block_table is None:
+        seqlens = _resolve_cache_seqlens(cache_seqlens, q.shape[0], seqlen_new, k_cache.shape[1], q.device)
+    else:
+        seqlens, block_table = _resolve_paging(block_table, cache_seqlens, q.shape[0], seqlen_new, k_cache, q.device)
     out, lse = _flash_attn_with_kvcache_launch(
-        q, k_cache, v_cache, k, v, seqlens, scale, bool(causal), int(num_splits), return_softmax_lse
+        q, k_cache, v_cache, k, v, seqlens, scale, bool(causal), int(num_splits), return_softmax_lse, block_table
     )
     return (out, lse) if return_softmax_lse else out
 
@@ -723,4 +921,313 @@ class KVCache:
                                       softmax_scale=softmax_scale, causal=causal, num_splits=num_splits)
         self._seqlens += seqlen_q
         self._host += seqlen_q
+        return out
+
+
+# ============================================================================================
+# Paged KV cache helper
+# ============================================================================================
+class PoolExhaustedError(RuntimeError):
+    """PagedKVCache has too few free blocks (or no free request slot) for what was asked.
+
+    Raised before anything changes: no block is taken, no page written, no length advanced.
+    Serving loops catch it to preempt or queue a request, then retry after `free`.
+    """
+
+
+class PagedBatch(NamedTuple):
+    """What flash_attn_with_kvcache needs for a batch of PagedKVCache requests (`PagedKVCache.batch`)."""
+
+    block_table: torch.Tensor  # int32 (n, max_blocks_per_seq) on the cache's device; -1 = no page
+    cache_seqlens: torch.Tensor  # int32 (n,) on the cache's device
+    block_table_host: torch.Tensor  # int32 (n, max_blocks_per_seq) CPU copy of the host mirror
+    seqlens_host: list  # n ints, the host mirror
+
+
+class PagedKVCache:
+    """A pool of fixed-size K/V pages shared by requests that come and go (PagedAttention, vLLM).
+
+    Owns the pools k_cache / v_cache of shape (num_blocks, page_size, nheads_k, head_dim), a free
+    list of their blocks, and max_batch request slots. Each slot has a row of the block table
+    (max_batch, max_blocks_per_seq) (logical page i of the request -> physical block; -1 where the
+    request has no page) and a length. Table and lengths are kept twice: int32 device tensors
+    (`block_table`, `seqlens_device`: what the kernel reads; lengths advance in place, so a decode
+    step never syncs with the host and can be captured in a CUDA graph) and host mirrors (what the
+    allocation and overflow checks read).
+
+        cache = PagedKVCache(1024, 16, nheads_k, head_dim, max_batch=8, max_blocks_per_seq=256,
+                             dtype=torch.float16, device="cuda")
+        a = cache.add_request()                            # a free slot id
+        out = cache.prefill(q_p, k_p, v_p, slots=[a])      # causal prompt attention; pages filled
+        b = cache.add_request(); cache.prefill(q_p2, k_p2, v_p2, slots=[b])
+        out = cache.decode(q_t, k_t, v_t, slots=[a, b])    # append + attend, pages taken on demand
+        cache.free(a)                                      # a's pages return to the pool
+
+    Guarantees: a block belongs to at most one request at a time; blocks are taken only from the
+    free list, all-or-nothing per call (PoolExhaustedError leaves the cache unchanged), so a full
+    pool never overwrites a live page; a request growing past max_seqlen = max_blocks_per_seq *
+    page_size raises ValueError before any launch. Freed blocks are reused first (LIFO).
+
+    CUDA graphs: capture `decode` for slots that form a contiguous ascending range (the table and
+    lengths it passes are then views of the cache's own tensors) after reserving, with
+    `extend(slot, tokens)`, the pages of every step you will replay: no page can be allocated on the
+    host during a replay (a decode that would need one while capturing raises). Each replay
+    advances the device lengths; the host mirror advances once, at capture: call
+    `refresh_host_seqlens()` (one sync) after replaying. A replay that outgrows the reserved pages
+    reaches table entries of -1: its appended rows are dropped (no live page is overwritten) and
+    its output is not meaningful.
+    """
+
+    def __init__(self, num_blocks: int, page_size: int, nheads_k: int, head_dim: int, *, max_batch: int,
+                 max_blocks_per_seq: int, dtype: torch.dtype = torch.float16,
+                 device: Union[str, torch.device, None] = None):
+        for name, value in (("num_blocks", num_blocks), ("page_size", page_size), ("nheads_k", nheads_k),
+                            ("max_batch", max_batch), ("max_blocks_per_seq", max_blocks_per_seq)):
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"Expected {name} to be a positive int, got {value!r}.")
+        _validate_head_dim(head_dim)
+        if dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"Expected dtype float16, bfloat16 or float32, got {dtype}.")
+        device = default_device() if device is None else torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.num_blocks, self.page_size, self.nheads_k, self.head_dim = (int(num_blocks), int(page_size),
+                                                                         int(nheads_k), int(head_dim))
+        self.max_batch, self.max_blocks_per_seq = int(max_batch), int(max_blocks_per_seq)
+        self.max_seqlen = self.max_blocks_per_seq * self.page_size
+        self.dtype, self.device = dtype, device
+        shape = (self.num_blocks, self.page_size, self.nheads_k, self.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.block_table = torch.full((self.max_batch, self.max_blocks_per_seq), -1, dtype=torch.int32, device=device)
+        self._seqlens = torch.zeros(self.max_batch, dtype=torch.int32, device=device)
+        self._host_table = np.full((self.max_batch, self.max_blocks_per_seq), -1, dtype=np.int32)
+        self._host_len = np.zeros(self.max_batch, dtype=np.int64)
+        self._npages = np.zeros(self.max_batch, dtype=np.int64)  # pages owned by each slot
+        self._active = np.zeros(self.max_batch, dtype=bool)
+        self._free = list(range(self.num_blocks - 1, -1, -1))  # pop() from the end: block 0 first
+
+    # -- state ------------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks in the free list."""
+        return len(self._free)
+
+    @property
+    def active_slots(self) -> list:
+        """Slots holding a request, ascending."""
+        return np.nonzero(self._active)[0].tolist()
+
+    @property
+    def seqlens(self) -> list:
+        """Length of every slot (host mirror, a list of max_batch ints; 0 for free slots)."""
+        return self._host_len.tolist()
+
+    @property
+    def seqlens_device(self) -> torch.Tensor:
+        """Lengths as the int32 (max_batch,) device tensor the kernel reads (do not modify)."""
+        return self._seqlens
+
+    def pages(self, slot: int) -> list:
+        """Physical blocks of a request, in logical order."""
+        self._check_slots([slot])
+        return self._host_table[slot, : self._npages[slot]].tolist()
+
+    def capacity(self, slot: int) -> int:
+        """Tokens the request can hold without a new page (its pages x page_size)."""
+        self._check_slots([slot])
+        return int(self._npages[slot]) * self.page_size
+
+    def refresh_host_seqlens(self) -> list:
+        """Copy the device lengths to the host mirror (one sync), e.g. after CUDA-graph replays."""
+        self._host_len = self._seqlens.cpu().numpy().astype(np.int64)
+        return self.seqlens
+
+    # -- requests ---------------------------------------------------------------------------------
+    def add_request(self) -> int:
+        """Take a free slot for a new request (length 0, no page yet) and return its id."""
+        free = np.nonzero(~self._active)[0]
+        if len(free) == 0:
+            raise PoolExhaustedError(f"All {self.max_batch} request slots are in use; free a finished request first.")
+        slot = int(free[0])
+        self._active[slot] = True
+        return slot
+
+    def free(self, slot: int) -> None:
+        """Release a finished request: its pages return to the pool, its slot to the free slots."""
+        self._check_slots([slot])
+        pages = self._host_table[slot, : self._npages[slot]].tolist()
+        self._free.extend(reversed(pages))  # reused first, in logical order
+        self._host_table[slot] = -1
+        self._npages[slot] = 0
+        self._host_len[slot] = 0
+        self._active[slot] = False
+        self.block_table[slot] = -1
+        self._seqlens[slot] = 0
+
+    def extend(self, slot: int, num_tokens: int) -> list:
+        """Make room for `num_tokens` more tokens after the request's current length: take the pages
+        they need from the pool (none while the last page has room). Returns the new blocks.
+
+        Raises ValueError past max_seqlen and PoolExhaustedError when the pool is short; either way
+        nothing changes. The length itself advances only when K/V are written (prefill, decode).
+        """
+        return self._reserve([slot], int(num_tokens))
+
+    def _check_slots(self, slots) -> None:
+        for s in slots:
+            if not isinstance(s, numbers.Integral) or isinstance(s, bool) or not 0 <= s < self.max_batch:
+                raise ValueError(f"Expected slot ids in [0, {self.max_batch}), got {s!r}.")
+            if not self._active[s]:
+                raise ValueError(f"Slot {s} holds no request (add_request() first, or it was freed).")
+        if len(set(int(s) for s in slots)) != len(slots):
+            raise ValueError(f"Expected distinct slots, got {list(slots)}.")
+
+    def _reserve(self, slots: list, num_tokens: int) -> list:
+        """Pages for `num_tokens` more tokens in each slot, all or nothing; returns the new blocks."""
+        if num_tokens < 0:
+            raise ValueError(f"Expected num_tokens >= 0, got {num_tokens}.")
+        lengths = self._host_len[slots] + num_tokens
+        if len(slots) and int(lengths.max()) > self.max_seqlen:
+            i = int(np.argmax(lengths > self.max_seqlen))
+            raise ValueError(
+                f"KV cache overflow for slot {slots[i]}: {int(self._host_len[slots[i]])} tokens + {num_tokens} new = "
+                f"{int(lengths[i])} > max_seqlen = max_blocks_per_seq * page_size = {self.max_blocks_per_seq} * "
+                f"{self.page_size} = {self.max_seqlen}."
+            )
+        need = np.maximum(-(-lengths // self.page_size) - self._npages[slots], 0)
+        total = int(need.sum())
+        if total == 0:
+            return []
+        if total > len(self._free):
+            raise PoolExhaustedError(
+                f"Page pool exhausted: {total} new blocks of {self.page_size} tokens needed for slots {list(slots)}, "
+                f"{len(self._free)} of {self.num_blocks} free; free finished requests or allocate a larger pool."
+            )
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "PagedKVCache needs new pages while a CUDA graph is being captured (the block-table update "
+                "would only run on replay); reserve them before capturing with extend(slot, num_tokens)."
+            )
+        taken, rows = [], []
+        for s, n in zip(slots, need.tolist()):
+            if n == 0:
+                continue
+            blocks = [self._free.pop() for _ in range(n)]
+            start = int(self._npages[s])
+            self._host_table[s, start : start + n] = blocks
+            self._npages[s] = start + n
+            taken += blocks
+            rows.append(np.concatenate([[s], self._host_table[s]]))
+        # one host-to-device copy of the changed rows (slot id first), scattered into the device table
+        update = torch.from_numpy(np.stack(rows).astype(np.int32)).to(self.device)
+        self.block_table.index_copy_(0, update[:, 0].long(), update[:, 1:])
+        return taken
+
+    def _index(self, slots: list) -> Union[slice, torch.Tensor]:
+        """slots -> a slice (contiguous ascending: views, graph-friendly) or a device index tensor."""
+        if slots == list(range(slots[0], slots[0] + len(slots))):
+            return slice(slots[0], slots[0] + len(slots))
+        return torch.tensor(slots, dtype=torch.long, device=self.device)
+
+    def _slots(self, slots) -> list:
+        if slots is None:
+            slots = self.active_slots
+        elif isinstance(slots, numbers.Integral) and not isinstance(slots, bool):
+            slots = [int(slots)]
+        elif isinstance(slots, torch.Tensor):
+            slots = [int(s) for s in slots.tolist()]
+        elif isinstance(slots, Sequence):
+            slots = list(slots)
+        else:
+            raise TypeError(f"Expected slots to be None, an int or a sequence of ints, got {type(slots).__name__}.")
+        if not slots:
+            raise ValueError("Expected at least one request slot.")
+        self._check_slots(slots)
+        return [int(s) for s in slots]
+
+    def batch(self, slots=None) -> PagedBatch:
+        """Block table and lengths of a batch of requests (default: every active slot, ascending).
+
+        For slots forming a contiguous ascending range the device tensors are views of the cache's
+        own (they follow later decode steps and are safe to capture in a CUDA graph); otherwise they
+        are gathered copies of the current state.
+        """
+        slots = self._slots(slots)
+        index = self._index(slots)
+        return PagedBatch(
+            block_table=self.block_table[index], cache_seqlens=self._seqlens[index],
+            block_table_host=torch.from_numpy(self._host_table[slots].copy()),
+            seqlens_host=self._host_len[slots].tolist(),
+        )
+
+    # -- prefill and decode ---------------------------------------------------------------------------
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, slots, causal: bool = True,
+                softmax_scale: Optional[float] = None) -> torch.Tensor:
+        """Prompt attention with the prefill kernel; writes the prompts' K/V into their pages.
+
+        q: (n, seqlen, nheads, head_dim), k/v: (n, seqlen, nheads_k, head_dim) for the n empty
+        requests named by `slots` (prompts of one length; call once per length). Takes the pages
+        (all or nothing), returns kernels.flash_attn_func(q, k, v, causal=causal) and sets those
+        requests' lengths to seqlen.
+        """
+        from .prefill import flash_attn_func
+
+        slots = self._slots(slots)
+        count = len(slots)
+        for name, t in (("k", k), ("v", v)):
+            _validate_tensor(name, t, 4, "(n, seqlen, nheads_k, head_dim)")
+            expected = (count, k.shape[1] if isinstance(k, torch.Tensor) else -1, self.nheads_k, self.head_dim)
+            if tuple(t.shape) != expected:
+                raise ValueError(f"Expected {name} of shape (n, seqlen, nheads_k, head_dim) = {expected} for "
+                                 f"{count} requests, got {tuple(t.shape)}.")
+            if t.dtype != self.dtype or t.device != self.device:
+                raise ValueError(f"Expected {name} as {self.dtype} on {self.device} (the cache's), got {t.dtype} "
+                                 f"on {t.device}.")
+        if (not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[0] != count or q.shape[1] != k.shape[1]
+                or q.shape[3] != self.head_dim):
+            raise ValueError(f"Expected q of shape ({count}, {k.shape[1]}, nheads, {self.head_dim}), got "
+                             f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}.")
+        _validate_heads(q.shape[2], self.nheads_k)
+        _validate_dtypes(q=q, k=k)
+        _validate_devices(q=q, k=k)
+        busy = [s for s in slots if self._host_len[s] != 0]
+        if busy:
+            raise ValueError(f"Expected empty requests for prefill, but slot {busy[0]} holds "
+                             f"{int(self._host_len[busy[0]])} tokens; decode appends to it, or free it.")
+        seqlen = k.shape[1]
+        self._reserve(slots, seqlen)  # raises before anything is written
+        out = flash_attn_func(q, k, v, causal=causal, softmax_scale=softmax_scale)
+        if seqlen > 0:
+            pos = np.arange(seqlen)
+            blocks = torch.from_numpy(self._host_table[slots][:, pos // self.page_size].astype(np.int64))
+            rows = torch.from_numpy(pos % self.page_size)
+            blocks, rows = blocks.to(self.device), rows.to(self.device)
+            self.k_cache[blocks, rows] = k  # (n, seqlen) physical rows <- (n, seqlen, nheads_k, head_dim)
+            self.v_cache[blocks, rows] = v
+        self._host_len[slots] = seqlen
+        self._seqlens[self._index(slots)] = seqlen
+        return out
+
+    def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, slots=None, causal: bool = True,
+               softmax_scale: Optional[float] = None, num_splits: int = 0) -> torch.Tensor:
+        """One decode step for a batch of requests (default: every active slot, ascending; q's batch
+        order is the slots' order): take the pages the new tokens need, append k/v (n, seqlen_q,
+        nheads_k, head_dim) at each request's length through the kernel's fused append, attend q
+        (n, seqlen_q, nheads, head_dim) over the cache, advance the lengths by seqlen_q (device
+        tensor in place, no host sync; host mirror). Returns out (n, seqlen_q, nheads, head_dim)."""
+        slots = self._slots(slots)
+        if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[0] != len(slots):
+            raise ValueError(f"Expected q of shape ({len(slots)}, seqlen_q, nheads, head_dim) for slots {slots}, got "
+                             f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}.")
+        if k is None or v is None:
+            raise ValueError("PagedKVCache.decode appends: expected k and v (n, seqlen_q, nheads_k, head_dim).")
+        seqlen_q = q.shape[1]
+        self._reserve(slots, seqlen_q)
+        index = self._index(slots)
+        out = flash_attn_with_kvcache(q, self.k_cache, self.v_cache, k, v, cache_seqlens=self._seqlens[index],
+                                      block_table=self.block_table[index], softmax_scale=softmax_scale,
+                                      causal=causal, num_splits=num_splits)
+        self._seqlens[index] += seqlen_q
+        self._host_len[slots] += seqlen_q
         return out
