@@ -169,3 +169,61 @@ def _validate_softmax_scale(softmax_scale: Optional[float], head_dim: int) -> fl
 def _validate_dropout(dropout_p: float) -> None:
     if dropout_p != 0.0:
         raise NotImplementedError(f"dropout_p={dropout_p} is not supported; only dropout_p=0.0 is implemented.")
+
+
+def _validate_max_seqlen(name: str, value) -> int:
+    """max_seqlen_q / max_seqlen_k: a host int >= 0 (a tensor would need a device sync to read)."""
+    if isinstance(value, (bool, torch.Tensor)) or not hasattr(value, "__index__"):
+        raise TypeError(
+            f"Expected {name} to be a Python int >= 0 (the longest sequence, known on the host), "
+            f"got {type(value).__name__}."
+        )
+    value = int(value)
+    if value < 0:
+        raise ValueError(f"Expected {name} >= 0, got {value}.")
+    return value
+
+
+def _validate_cu_seqlens(name: str, cu_seqlens, device: torch.device) -> None:
+    """Checks of cu_seqlens that need no device sync: type, dtype int32, 1-D (batch + 1,), device."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"Expected {name} to be a torch.Tensor, got {type(cu_seqlens).__name__}.")
+    if cu_seqlens.dtype != torch.int32:
+        raise TypeError(
+            f"Expected {name} to have dtype torch.int32 (flash-attn's layout), got {cu_seqlens.dtype}; "
+            f"pass {name}.to(torch.int32)."
+        )
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError(
+            f"Expected {name} to be 1-D with batch + 1 >= 1 entries (prefix sums of the sequence lengths, "
+            f"starting at 0), got shape {tuple(cu_seqlens.shape)}."
+        )
+    if cu_seqlens.device != device:
+        raise ValueError(f"Expected {name} on the inputs' device {device}, got {cu_seqlens.device}.")
+
+
+def _validate_cu_seqlens_values(name: str, cu_seqlens: torch.Tensor, total: int, max_seqlen: int,
+                                max_name: str) -> None:
+    """Value checks of a CPU cu_seqlens (reading a CUDA one would sync): starts at 0, never
+    decreases, ends at the packed row count, no sequence longer than max_seqlen."""
+    values = cu_seqlens.tolist()
+    if values[0] != 0:
+        raise ValueError(f"Expected {name}[0] == 0 (prefix sums start at 0), got {values[0]}.")
+    lengths = [b - a for a, b in zip(values[:-1], values[1:])]
+    bad = next((i for i, n in enumerate(lengths) if n < 0), None)
+    if bad is not None:
+        raise ValueError(
+            f"Expected {name} to be non-decreasing (sequence lengths >= 0), got {name}[{bad}] = {values[bad]} > "
+            f"{name}[{bad + 1}] = {values[bad + 1]}."
+        )
+    if values[-1] != total:
+        raise ValueError(
+            f"Expected {name}[-1] ({values[-1]}) to equal the number of packed rows ({total}); "
+            f"cu_seqlens must end at the total length of the packed tensor."
+        )
+    longest = max(lengths, default=0)
+    if longest > max_seqlen:
+        raise ValueError(
+            f"Expected {max_name} ({max_seqlen}) >= the longest sequence in {name} ({longest}); "
+            f"rows past {max_name} would never be computed."
+        )

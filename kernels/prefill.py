@@ -15,7 +15,8 @@ Notation:
 Supported: fp16/bf16 (fp32 accumulation), fp32 (tf32 matmuls on GPUs, exact under the
 interpreter); head dims that are multiples of 8 in [16, 256] (padded to D_PAD inside the kernel
 with masks); any seqlen_q, seqlen_k (including seqlen_q != seqlen_k and 0); any strides with a
-contiguous last dim; causal masks aligned to the bottom-right corner. Not supported: dropout.
+contiguous last dim; causal masks aligned to the bottom-right corner; batches of sequences of
+different lengths packed without padding (flash_attn_varlen_func). Not supported: dropout.
 
 [Note] Masking layout. The KV loop is split in two ranges. Blocks in [0, n_full) are seen whole by
 every row of the query block (in bounds and, when causal, left of the diagonal band): they run
@@ -33,6 +34,18 @@ pointers. On an H200 the pointer path reached only ~100 TFLOP/s against ~520 for
 
 [Note] Causal with M != N. Query i sees key j iff j <= i + N - M (flash-attn >= 2.1). When M > N
 the first M - N rows see nothing: they output zeros and LSE = +inf (see kernels/_common.py).
+
+[Note] Packed sequences. flash_attn_varlen_func runs the same four kernels with IS_VARLEN=True. Then
+off_b indexes a sequence of the packed batch: each program reads that sequence's first row and
+length from Cu_seqlens_q / Cu_seqlens_k and uses them as its M, N and base offsets (the launcher
+passes batch strides of 0, and M, N = max_seqlen_q, max_seqlen_k, which the kernels replace). The
+grid is sized by the longest sequence; a program whose block starts at or past its own sequence's
+end returns at once, and the KV loops stop at each sequence's own length, so no work is spent on
+padding. Causal masks are bottom-right per sequence (diag = N - M of that sequence). On the
+tensor-descriptor path the descriptors start at the sequence's first row with shape [its length,
+D], so each sequence keeps zero-filled bounds. LSE and Delta are (H, total_q), flash-attn's packed
+layout. Every varlen argument defaults to None / False, and with IS_VARLEN=False all varlen code
+is compiled out: the dense kernels are exactly what they were before varlen was added.
 """
 
 from __future__ import annotations
@@ -48,11 +61,14 @@ import triton.language as tl
 from ._common import finalize, load_rows, mask_scores, online_softmax, store_rows, tile_ptrs
 from ._configs import AttnConfig, prefill_bwd_config, prefill_fwd_config
 from ._utils import (
+    _validate_cu_seqlens,
+    _validate_cu_seqlens_values,
     _validate_devices,
     _validate_dropout,
     _validate_dtypes,
     _validate_head_dim,
     _validate_heads,
+    _validate_max_seqlen,
     _validate_softmax_scale,
     _validate_tensor,
     device_capability,
@@ -76,6 +92,7 @@ def _fwd_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
+    Cu_seqlens_q=None, Cu_seqlens_k=None, stride_lseh=None, IS_VARLEN: tl.constexpr = False,
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
     # -- which query block and head ------------------------------------------------------------
@@ -88,6 +105,18 @@ def _fwd_kernel(
     off_h = pid_bh % H
     off_hk = (off_h // GROUP).to(tl.int64)  # GQA: the KV head this query head reads
     start_m = pid_m * BLOCK_M
+    if IS_VARLEN:  # off_b is a packed sequence: its own M, N and first rows (see [Note] Packed sequences)
+        q_start = tl.load(Cu_seqlens_q + off_b)
+        M = tl.load(Cu_seqlens_q + off_b + 1) - q_start  # this sequence's seqlen_q
+        if start_m >= M:  # the grid covers max_seqlen_q: blocks past this sequence's end exit at once
+            return
+        k_start = tl.load(Cu_seqlens_k + off_b)
+        N = tl.load(Cu_seqlens_k + off_b + 1) - k_start  # this sequence's seqlen_k
+        Q += q_start.to(tl.int64) * stride_qm  # the launcher passes batch strides of 0
+        K += k_start.to(tl.int64) * stride_kn
+        V += k_start.to(tl.int64) * stride_vn
+        Out += q_start.to(tl.int64) * stride_om
+        Lse += q_start  # Lse is (H, total_q)
 
     q_base = Q + off_b * stride_qb + off_h.to(tl.int64) * stride_qh
     k_base = K + off_b * stride_kb + off_hk * stride_kh
@@ -163,7 +192,10 @@ def _fwd_kernel(
 
     # -- epilogue: normalise, store the output and the LSE ---------------------------------------
     out, lse = finalize(acc, m_i, l_i)
-    tl.store(Lse + pid_bh.to(tl.int64) * M + offs_m, lse, mask=offs_m < M)
+    if IS_VARLEN:
+        tl.store(Lse + off_h.to(tl.int64) * stride_lseh + offs_m, lse, mask=offs_m < M)
+    else:
+        tl.store(Lse + pid_bh.to(tl.int64) * M + offs_m, lse, mask=offs_m < M)
     if USE_TMA:
         o_desc = tl.make_tensor_descriptor(o_base, [M, HEAD_DIM], [stride_om, 1], [BLOCK_M, HEAD_DIM_PAD])
         o_desc.store([start_m, 0], out.to(Out.dtype.element_ty))
@@ -194,6 +226,7 @@ def _bwd_preprocess_kernel(
     stride_dob, stride_dom, stride_doh,
     H, M,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    Cu_seqlens_q=None, stride_lseh=None, IS_VARLEN: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -201,12 +234,23 @@ def _bwd_preprocess_kernel(
     off_h = (pid_bh % H).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
+    if IS_VARLEN:
+        q_start = tl.load(Cu_seqlens_q + off_b)
+        M = tl.load(Cu_seqlens_q + off_b + 1) - q_start
+        if pid_m * BLOCK_M >= M:
+            return
+        Out += q_start.to(tl.int64) * stride_om
+        DO += q_start.to(tl.int64) * stride_dom
+        Delta += q_start  # Delta is (H, total_q), like Lse
     o_ptrs = tile_ptrs(Out + off_b * stride_ob + off_h * stride_oh, pid_m * BLOCK_M, stride_om, BLOCK_M, offs_d)
     do_ptrs = tile_ptrs(DO + off_b * stride_dob + off_h * stride_doh, pid_m * BLOCK_M, stride_dom, BLOCK_M, offs_d)
     o = load_rows(o_ptrs, offs_m, M, offs_d, HEAD_DIM, HEAD_DIM_PAD, True).to(tl.float32)
     do = load_rows(do_ptrs, offs_m, M, offs_d, HEAD_DIM, HEAD_DIM_PAD, True).to(tl.float32)
     delta = tl.sum(o * do, 1)  # [BLOCK_M]
-    tl.store(Delta + pid_bh.to(tl.int64) * M + offs_m, delta, mask=offs_m < M)
+    if IS_VARLEN:
+        tl.store(Delta + off_h * stride_lseh + offs_m, delta, mask=offs_m < M)
+    else:
+        tl.store(Delta + pid_bh.to(tl.int64) * M + offs_m, delta, mask=offs_m < M)
 
 
 @triton.jit
@@ -267,6 +311,7 @@ def _bwd_dkdv_kernel(
     H, M, N, GROUP, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
+    Cu_seqlens_q=None, Cu_seqlens_k=None, stride_lseh=None, IS_VARLEN: tl.constexpr = False,
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
     pid_n = tl.program_id(0)
@@ -277,6 +322,21 @@ def _bwd_dkdv_kernel(
     start_n = pid_n * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     offs_d = tl.arange(0, HEAD_DIM_PAD)
+    if IS_VARLEN:
+        k_start = tl.load(Cu_seqlens_k + off_b)
+        N = tl.load(Cu_seqlens_k + off_b + 1) - k_start
+        if start_n >= N:  # the grid covers max_seqlen_k
+            return
+        q_start = tl.load(Cu_seqlens_q + off_b)
+        M = tl.load(Cu_seqlens_q + off_b + 1) - q_start  # may be 0: no query, dK = dV = 0
+        Q += q_start.to(tl.int64) * stride_qm
+        DO += q_start.to(tl.int64) * stride_dom
+        K += k_start.to(tl.int64) * stride_kn
+        V += k_start.to(tl.int64) * stride_vn
+        DK += k_start.to(tl.int64) * stride_dkn
+        DV += k_start.to(tl.int64) * stride_dvn
+        Lse += q_start
+        Delta += q_start
 
     k_base = K + off_b * stride_kb + off_hk * stride_kh
     v_base = V + off_b * stride_vb + off_hk * stride_vh
@@ -315,8 +375,12 @@ def _bwd_dkdv_kernel(
         if USE_TMA:
             q_src = tl.make_tensor_descriptor(q_src, [M, HEAD_DIM], [stride_qm, 1], [BLOCK_M, HEAD_DIM_PAD])
             do_src = tl.make_tensor_descriptor(do_src, [M, HEAD_DIM], [stride_dom, 1], [BLOCK_M, HEAD_DIM_PAD])
-        lse_base = Lse + (off_b * H + off_h) * M
-        delta_base = Delta + (off_b * H + off_h) * M
+        if IS_VARLEN:
+            lse_base = Lse + off_h * stride_lseh
+            delta_base = Delta + off_h * stride_lseh
+        else:
+            lse_base = Lse + (off_b * H + off_h) * M
+            delta_base = Delta + (off_b * H + off_h) * M
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qm, stride_dom,
                                  offs_n, offs_d, M, diag, qk_scale, m_lo, m_band_end,
                                  BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, IS_CAUSAL, True, USE_TMA)
@@ -345,6 +409,7 @@ def _bwd_dq_kernel(
     H, M, N, GROUP, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
+    Cu_seqlens_q=None, Cu_seqlens_k=None, stride_lseh=None, IS_VARLEN: tl.constexpr = False,
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
     if IS_CAUSAL:
@@ -360,6 +425,20 @@ def _bwd_dq_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
+    if IS_VARLEN:
+        q_start = tl.load(Cu_seqlens_q + off_b)
+        M = tl.load(Cu_seqlens_q + off_b + 1) - q_start
+        if start_m >= M:  # the grid covers max_seqlen_q
+            return
+        k_start = tl.load(Cu_seqlens_k + off_b)
+        N = tl.load(Cu_seqlens_k + off_b + 1) - k_start  # may be 0: no key, dQ = 0
+        Q += q_start.to(tl.int64) * stride_qm
+        DO += q_start.to(tl.int64) * stride_dom
+        DQ += q_start.to(tl.int64) * stride_dqm
+        K += k_start.to(tl.int64) * stride_kn
+        V += k_start.to(tl.int64) * stride_vn
+        Lse += q_start
+        Delta += q_start
 
     q_base = Q + off_b * stride_qb + off_h * stride_qh
     do_base = DO + off_b * stride_dob + off_h * stride_doh
@@ -376,7 +455,10 @@ def _bwd_dq_kernel(
                       HEAD_DIM, HEAD_DIM_PAD, True)  # [BLOCK_M, D_PAD]
         do = load_rows(tile_ptrs(do_base, start_m, stride_dom, BLOCK_M, offs_d), offs_m, M, offs_d,
                        HEAD_DIM, HEAD_DIM_PAD, True)
-    row = pid_bh.to(tl.int64) * M
+    if IS_VARLEN:
+        row = off_h * stride_lseh
+    else:
+        row = pid_bh.to(tl.int64) * M
     lse2 = tl.load(Lse + row + offs_m, mask=offs_m < M, other=float("inf")) * 1.4426950408889634
     delta = tl.load(Delta + row + offs_m, mask=offs_m < M, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
@@ -588,6 +670,161 @@ def _flash_attn_backward(
     return dq, dk, dv
 
 
+def _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> Tuple[int, int]:
+    """Checks of packed inputs that need no device sync (see flash_attn_varlen_func); returns the max lengths."""
+    _validate_tensor("q", q, 3, "(total_q, nheads, headdim)")
+    _validate_tensor("k", k, 3, "(total_k, nheads_k, headdim)")
+    _validate_tensor("v", v, 3, "(total_k, nheads_k, headdim)")
+    _validate_dtypes(q=q, k=k, v=v)
+    device = _validate_devices(q=q, k=k, v=v)
+    if k.shape != v.shape:
+        raise ValueError(f"Expected k and v to have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}.")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"Expected q and k to share the head dim, got {q.shape[2]} and {k.shape[2]}.")
+    _validate_head_dim(q.shape[2])
+    _validate_heads(q.shape[1], k.shape[1])
+    max_seqlen_q = _validate_max_seqlen("max_seqlen_q", max_seqlen_q)
+    max_seqlen_k = _validate_max_seqlen("max_seqlen_k", max_seqlen_k)
+    _validate_cu_seqlens("cu_seqlens_q", cu_seqlens_q, device)
+    _validate_cu_seqlens("cu_seqlens_k", cu_seqlens_k, device)
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(
+            f"Expected cu_seqlens_q and cu_seqlens_k to describe the same batch, got {cu_seqlens_q.numel() - 1} "
+            f"and {cu_seqlens_k.numel() - 1} sequences (shapes {tuple(cu_seqlens_q.shape)} and "
+            f"{tuple(cu_seqlens_k.shape)})."
+        )
+    if cu_seqlens_q.device.type == "cpu":  # readable without a device sync (the interpreter's case)
+        _validate_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q")
+        _validate_cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k")
+    return max_seqlen_q, max_seqlen_k
+
+
+def _flash_attn_varlen_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    config: Optional[AttnConfig] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward kernel on validated packed inputs; returns (out, softmax_lse (nheads, total_q))."""
+    total_q, nheads, head_dim = q.shape
+    nheads_k = k.shape[1]
+    batch = cu_seqlens_q.numel() - 1
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    if config is None:
+        config = prefill_fwd_config(head_dim_pad, q.dtype, causal, q.device)
+
+    out = torch.empty((total_q, nheads, head_dim), dtype=q.dtype, device=q.device)
+    lse = torch.empty((nheads, total_q), dtype=torch.float32, device=q.device)
+    if out.numel() == 0 or batch == 0 or max_seqlen_q == 0:
+        out.zero_()
+        lse.fill_(float("inf"))
+        return out, lse
+
+    use_tma = _use_tma(config.use_tma, q, k, v, out)
+    if use_tma:
+        _ensure_tma_allocator()
+    # One program per (query block, sequence, head) of the longest sequence; blocks past a shorter
+    # sequence's end exit at once.
+    grid = (triton.cdiv(max_seqlen_q, config.block_m), batch * nheads)
+    with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
+        _fwd_kernel[grid](
+            q, k, v, out, lse,
+            0, q.stride(0), q.stride(1),
+            0, k.stride(0), k.stride(1),
+            0, v.stride(0), v.stride(1),
+            0, out.stride(0), out.stride(1),
+            nheads, max_seqlen_q, max_seqlen_k, nheads // nheads_k, softmax_scale * LOG2E,
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+            IS_CAUSAL=causal, USE_TMA=use_tma,
+            Cu_seqlens_q=cu_seqlens_q, Cu_seqlens_k=cu_seqlens_k, stride_lseh=lse.stride(0), IS_VARLEN=True,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+    return out, lse
+
+
+def _flash_attn_varlen_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    configs: Optional[Tuple[AttnConfig, AttnConfig]] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the backward kernels in packed mode; returns (dq, dk, dv) shaped like (q, k, v)."""
+    total_q, nheads, head_dim = q.shape
+    nheads_k = k.shape[1]
+    batch = cu_seqlens_q.numel() - 1
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    cfg_kv, cfg_q = configs if configs is not None else prefill_bwd_config(head_dim_pad, q.dtype, causal, q.device)
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if dq.numel() == 0 or dk.numel() == 0 or batch == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:
+        dq.zero_()  # no query or no key anywhere: every gradient is 0
+        dk.zero_()
+        dv.zero_()
+        return dq, dk, dv
+    delta = torch.empty((nheads, total_q), dtype=torch.float32, device=q.device)
+    group = nheads // nheads_k
+    use_tma = _use_tma(cfg_kv.use_tma, q, k, v, dout)
+    if use_tma:
+        _ensure_tma_allocator()
+    with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
+        _bwd_preprocess_kernel[(triton.cdiv(max_seqlen_q, 64), batch * nheads)](
+            out, dout, delta,
+            0, out.stride(0), out.stride(1),
+            0, dout.stride(0), dout.stride(1),
+            nheads, max_seqlen_q,
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=64,
+            Cu_seqlens_q=cu_seqlens_q, stride_lseh=delta.stride(0), IS_VARLEN=True,
+        )
+        _bwd_dkdv_kernel[(triton.cdiv(max_seqlen_k, cfg_kv.block_n), batch * nheads_k)](
+            q, k, v, dout, lse, delta, dk, dv,
+            0, q.stride(0), q.stride(1),
+            0, k.stride(0), k.stride(1),
+            0, v.stride(0), v.stride(1),
+            0, dout.stride(0), dout.stride(1),
+            0, dk.stride(0), dk.stride(1),
+            0, dv.stride(0), dv.stride(1),
+            nheads, max_seqlen_q, max_seqlen_k, group, softmax_scale * LOG2E, softmax_scale,
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+            BLOCK_M=cfg_kv.block_m, BLOCK_N=cfg_kv.block_n, IS_CAUSAL=causal, USE_TMA=use_tma,
+            Cu_seqlens_q=cu_seqlens_q, Cu_seqlens_k=cu_seqlens_k, stride_lseh=lse.stride(0), IS_VARLEN=True,
+            num_warps=cfg_kv.num_warps, num_stages=cfg_kv.num_stages,
+        )
+        _bwd_dq_kernel[(triton.cdiv(max_seqlen_q, cfg_q.block_m), batch * nheads)](
+            q, k, v, dout, lse, delta, dq,
+            0, q.stride(0), q.stride(1),
+            0, k.stride(0), k.stride(1),
+            0, v.stride(0), v.stride(1),
+            0, dout.stride(0), dout.stride(1),
+            0, dq.stride(0), dq.stride(1),
+            nheads, max_seqlen_q, max_seqlen_k, group, softmax_scale * LOG2E, softmax_scale,
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+            BLOCK_M=cfg_q.block_m, BLOCK_N=cfg_q.block_n, IS_CAUSAL=causal, USE_TMA=use_tma,
+            Cu_seqlens_q=cu_seqlens_q, Cu_seqlens_k=cu_seqlens_k, stride_lseh=lse.stride(0), IS_VARLEN=True,
+            num_warps=cfg_q.num_warps, num_stages=cfg_q.num_stages,
+        )
+    return dq, dk, dv
+
+
 # ============================================================================================
 # Autograd
 # ============================================================================================
@@ -606,6 +843,26 @@ class _FlashAttnFunc(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _flash_attn_backward(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal)
         return dq, dk, dv, None, None
+
+
+class _FlashAttnVarlenFunc(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+        out, lse = _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                              softmax_scale, causal)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+        ctx.max_seqlen_q, ctx.max_seqlen_k = max_seqlen_q, max_seqlen_k
+        ctx.softmax_scale = softmax_scale
+        ctx.causal = causal
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        dq, dk, dv = _flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                                 ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.softmax_scale, ctx.causal)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 # ============================================================================================
@@ -667,4 +924,82 @@ def flash_attn_func(
         out, lse = _FlashAttnFunc.apply(q, k, v, scale, bool(causal))
     else:
         out, lse = _flash_attn_forward(q, k, v, scale, bool(causal))
+    return (out, lse) if return_softmax_lse else out
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    *,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    deterministic: bool = False,
+    return_softmax_lse: bool = False,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """Attention over a batch of sequences of different lengths packed without padding (flash-attn's
+    varlen interface). Sequence b's queries attend only to sequence b's keys.
+
+    Args:
+        q: (total_q, nheads, headdim), float16, bfloat16 or float32: the queries of every sequence
+            concatenated along dim 0; sequence b owns rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]).
+        k: (total_k, nheads_k, headdim), same dtype and device as q; rows of sequence b are
+            [cu_seqlens_k[b], cu_seqlens_k[b + 1]).
+        v: (total_k, nheads_k, headdim).
+            Heads, head dims and strides as in flash_attn_func: nheads a multiple of nheads_k
+            (MHA/GQA/MQA), headdim a multiple of 8 in [16, 256], any strides with a contiguous last
+            dim (e.g. slices of a packed (total, nheads + 2 * nheads_k, headdim) QKV buffer).
+        cu_seqlens_q: (batch + 1,) torch.int32 on q's device: prefix sums of the query lengths,
+            cu_seqlens_q[0] == 0, non-decreasing, cu_seqlens_q[-1] == total_q. For lengths [3, 0, 5]:
+            tensor([0, 3, 3, 8], dtype=torch.int32). Lengths 0 and 1 are allowed.
+        cu_seqlens_k: (batch + 1,) torch.int32, the same for the keys; cu_seqlens_k[-1] == total_k.
+            The key length of a sequence may differ from its query length (a prompt continuing a
+            cached prefix) and may be 0.
+        max_seqlen_q: Python int >= the longest query length: sizes the grid (programs of blocks
+            past a shorter sequence's end exit at once; no work is spent on padding).
+        max_seqlen_k: Python int >= the longest key length.
+        dropout_p: must be 0.0 (dropout is not implemented).
+        softmax_scale: defaults to headdim ** -0.5.
+        causal: per sequence, aligned to the bottom-right corner: query i of sequence b sees key j
+            iff j <= i + seqlen_k[b] - seqlen_q[b]. For seqlen_q[b] = 2, seqlen_k[b] = 5 (1 = kept):
+                1 1 1 1 0
+                1 1 1 1 1
+            A row that sees no key (seqlen_q[b] > seqlen_k[b], or seqlen_k[b] == 0) outputs zeros.
+        deterministic: flash-attn's flag. As in flash_attn_func, both values take the same
+            atomic-free path: gradients are bit-identical run to run.
+        return_softmax_lse: also return the log-sum-exp of each row.
+
+    Returns:
+        out: (total_q, nheads, headdim), dtype of q, packed like q.
+        softmax_lse (if return_softmax_lse): (nheads, total_q) float32, flash-attn's packed varlen
+            layout: softmax_lse[h, cu_seqlens_q[b] + i] is the natural-log LSE of query i of
+            sequence b at head h (not (batch, nheads, max_seqlen_q) as in flash_attn_func); +inf for
+            a row that sees no key.
+
+    Validation (before any launch): ranks, dtypes, devices, head counts and head dim of q/k/v;
+    cu_seqlens_q/k of dtype int32, 1-D, the same (batch + 1,) shape, on q's device; max_seqlen_q/k
+    ints >= 0. Checking the *values* of cu_seqlens needs them on the host: CPU cu_seqlens (the
+    interpreter's case) are checked in full (starts at 0, non-decreasing, ends at total_q /
+    total_k, no sequence longer than max_seqlen_q / max_seqlen_k). CUDA cu_seqlens are not read,
+    since that would cost a device sync on every call: their values and the max_seqlen bounds are
+    trusted, as in flash-attn, and wrong values give wrong results or out-of-bounds accesses.
+
+    Precision as in flash_attn_func. The kernels are flash_attn_func's (IS_VARLEN=True) with the same
+    tile arithmetic, so a sequence gives the same result packed as alone (bit-identical under the
+    interpreter; on a GPU the two compiled variants may differ in rounding).
+    """
+    _validate_dropout(dropout_p)
+    max_seqlen_q, max_seqlen_k = _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    scale = _validate_softmax_scale(softmax_scale, q.shape[2])
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, bool(causal))
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        out, lse = _FlashAttnVarlenFunc.apply(*args)
+    else:
+        out, lse = _flash_attn_varlen_forward(*args)
     return (out, lse) if return_softmax_lse else out
