@@ -560,6 +560,86 @@ def _validate_qkv(q, k, v) -> None:
     _validate_heads(q.shape[2], k.shape[2])
 
 
+def _row_strides(t: torch.Tensor, packed: bool) -> Tuple[int, int, int]:
+    """(batch, row, head) strides: a packed (total, heads, D) tensor has no batch dim (stride 0;
+    each program moves to its sequence's first row itself)."""
+    return (0, t.stride(0), t.stride(1)) if packed else (t.stride(0), t.stride(1), t.stride(2))
+
+
+def _launch_forward(q, k, v, out, lse, batch, seqlen_q, seqlen_k, softmax_scale, causal, config, varlen):
+    """Launch _fwd_kernel; `varlen` holds the packed-mode kernel arguments ({} for dense tensors).
+
+    One program per (query block, batch entry or sequence, head); in packed mode seqlen_q/k are the
+    longest lengths and blocks past a shorter sequence's end exit at once.
+    """
+    nheads, nheads_k, head_dim = q.shape[-2], k.shape[-2], q.shape[-1]
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    if config is None:
+        config = prefill_fwd_config(head_dim_pad, q.dtype, causal, q.device)
+    use_tma = _use_tma(config.use_tma, q, k, v, out)
+    if use_tma:
+        _ensure_tma_allocator()
+    packed = bool(varlen)
+    grid = (triton.cdiv(seqlen_q, config.block_m), batch * nheads)
+    with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
+        _fwd_kernel[grid](
+            q, k, v, out, lse,
+            *_row_strides(q, packed), *_row_strides(k, packed), *_row_strides(v, packed), *_row_strides(out, packed),
+            nheads, seqlen_q, seqlen_k, nheads // nheads_k, softmax_scale * LOG2E,
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+            IS_CAUSAL=causal, USE_TMA=use_tma,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+            **varlen,
+        )
+
+
+def _launch_backward(dout, q, k, v, out, lse, dq, dk, dv, delta, batch, seqlen_q, seqlen_k, softmax_scale, causal,
+                     configs, varlen):
+    """Launch the three backward kernels; `varlen` as in _launch_forward."""
+    nheads, nheads_k, head_dim = q.shape[-2], k.shape[-2], q.shape[-1]
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    cfg_kv, cfg_q = configs if configs is not None else prefill_bwd_config(head_dim_pad, q.dtype, causal, q.device)
+    group = nheads // nheads_k
+    use_tma = _use_tma(cfg_kv.use_tma, q, k, v, dout)
+    if use_tma:
+        _ensure_tma_allocator()
+    packed = bool(varlen)
+    varlen_pre = {key: val for key, val in varlen.items() if key != "Cu_seqlens_k"}  # preprocess reads no keys
+    q_s, k_s, v_s, do_s = (_row_strides(t, packed) for t in (q, k, v, dout))
+    with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
+        _bwd_preprocess_kernel[(triton.cdiv(seqlen_q, 64), batch * nheads)](
+            out, dout, delta,
+            *_row_strides(out, packed), *do_s,
+            nheads, seqlen_q,
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=64,
+            **varlen_pre,
+        )
+        _bwd_dkdv_kernel[(triton.cdiv(seqlen_k, cfg_kv.block_n), batch * nheads_k)](
+            q, k, v, dout, lse, delta, dk, dv,
+            *q_s, *k_s, *v_s, *do_s, *_row_strides(dk, packed), *_row_strides(dv, packed),
+            nheads, seqlen_q, seqlen_k, group, softmax_scale * LOG2E, softmax_scale,
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+            BLOCK_M=cfg_kv.block_m, BLOCK_N=cfg_kv.block_n, IS_CAUSAL=causal, USE_TMA=use_tma,
+            num_warps=cfg_kv.num_warps, num_stages=cfg_kv.num_stages,
+            **varlen,
+        )
+        _bwd_dq_kernel[(triton.cdiv(seqlen_q, cfg_q.block_m), batch * nheads)](
+            q, k, v, dout, lse, delta, dq,
+            *q_s, *k_s, *v_s, *do_s, *_row_strides(dq, packed),
+            nheads, seqlen_q, seqlen_k, group, softmax_scale * LOG2E, softmax_scale,
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+            BLOCK_M=cfg_q.block_m, BLOCK_N=cfg_q.block_n, IS_CAUSAL=causal, USE_TMA=use_tma,
+            num_warps=cfg_q.num_warps, num_stages=cfg_q.num_stages,
+            **varlen,
+        )
+
+
+def _varlen_args(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int) -> dict:
+    """Packed-mode kernel arguments; LSE and Delta are (nheads, total_q), so their head stride is total_q."""
+    return dict(Cu_seqlens_q=cu_seqlens_q, Cu_seqlens_k=cu_seqlens_k, stride_lseh=total_q, IS_VARLEN=True)
+
+
 def _flash_attn_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -570,34 +650,13 @@ def _flash_attn_forward(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel on validated inputs; returns (out, softmax_lse)."""
     batch, seqlen_q, nheads, head_dim = q.shape
-    seqlen_k, nheads_k = k.shape[1], k.shape[2]
-    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-    if config is None:
-        config = prefill_fwd_config(head_dim_pad, q.dtype, causal, q.device)
-
+    seqlen_k = k.shape[1]
     out = torch.empty((batch, seqlen_q, nheads, head_dim), dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         lse.fill_(float("inf"))
         return out, lse
-
-    use_tma = _use_tma(config.use_tma, q, k, v, out)
-    if use_tma:
-        _ensure_tma_allocator()
-    grid = (triton.cdiv(seqlen_q, config.block_m), batch * nheads)
-    with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
-        _fwd_kernel[grid](
-            q, k, v, out, lse,
-            q.stride(0), q.stride(1), q.stride(2),
-            k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2),
-            out.stride(0), out.stride(1), out.stride(2),
-            nheads, seqlen_q, seqlen_k, nheads // nheads_k, softmax_scale * LOG2E,
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-            BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-            IS_CAUSAL=causal, USE_TMA=use_tma,
-            num_warps=config.num_warps, num_stages=config.num_stages,
-        )
+    _launch_forward(q, k, v, out, lse, batch, seqlen_q, seqlen_k, softmax_scale, causal, config, {})
     return out, lse
 
 
@@ -613,10 +672,8 @@ def _flash_attn_backward(
     configs: Optional[Tuple[AttnConfig, AttnConfig]] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward kernels; returns (dq, dk, dv) shaped like (q, k, v)."""
-    batch, seqlen_q, nheads, head_dim = q.shape
-    seqlen_k, nheads_k = k.shape[1], k.shape[2]
-    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-    cfg_kv, cfg_q = configs if configs is not None else prefill_bwd_config(head_dim_pad, q.dtype, causal, q.device)
+    batch, seqlen_q, nheads, _ = q.shape
+    seqlen_k = k.shape[1]
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
 
@@ -630,43 +687,8 @@ def _flash_attn_backward(
         dq.zero_()
         return dq, dk, dv
     delta = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
-    group = nheads // nheads_k
-    use_tma = _use_tma(cfg_kv.use_tma, q, k, v, dout)
-    if use_tma:
-        _ensure_tma_allocator()
-    with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
-        _bwd_preprocess_kernel[(triton.cdiv(seqlen_q, 64), batch * nheads)](
-            out, dout, delta,
-            out.stride(0), out.stride(1), out.stride(2),
-            dout.stride(0), dout.stride(1), dout.stride(2),
-            nheads, seqlen_q,
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=64,
-        )
-        _bwd_dkdv_kernel[(triton.cdiv(seqlen_k, cfg_kv.block_n), batch * nheads_k)](
-            q, k, v, dout, lse, delta, dk, dv,
-            q.stride(0), q.stride(1), q.stride(2),
-            k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2),
-            dout.stride(0), dout.stride(1), dout.stride(2),
-            dk.stride(0), dk.stride(1), dk.stride(2),
-            dv.stride(0), dv.stride(1), dv.stride(2),
-            nheads, seqlen_q, seqlen_k, group, softmax_scale * LOG2E, softmax_scale,
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-            BLOCK_M=cfg_kv.block_m, BLOCK_N=cfg_kv.block_n, IS_CAUSAL=causal, USE_TMA=use_tma,
-            num_warps=cfg_kv.num_warps, num_stages=cfg_kv.num_stages,
-        )
-        _bwd_dq_kernel[(triton.cdiv(seqlen_q, cfg_q.block_m), batch * nheads)](
-            q, k, v, dout, lse, delta, dq,
-            q.stride(0), q.stride(1), q.stride(2),
-            k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2),
-            dout.stride(0), dout.stride(1), dout.stride(2),
-            dq.stride(0), dq.stride(1), dq.stride(2),
-            nheads, seqlen_q, seqlen_k, group, softmax_scale * LOG2E, softmax_scale,
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-            BLOCK_M=cfg_q.block_m, BLOCK_N=cfg_q.block_n, IS_CAUSAL=causal, USE_TMA=use_tma,
-            num_warps=cfg_q.num_warps, num_stages=cfg_q.num_stages,
-        )
+    _launch_backward(dout, q, k, v, out, lse, dq, dk, dv, delta, batch, seqlen_q, seqlen_k, softmax_scale, causal,
+                     configs, {})
     return dq, dk, dv
 
 
@@ -713,39 +735,15 @@ def _flash_attn_varlen_forward(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel on validated packed inputs; returns (out, softmax_lse (nheads, total_q))."""
     total_q, nheads, head_dim = q.shape
-    nheads_k = k.shape[1]
     batch = cu_seqlens_q.numel() - 1
-    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-    if config is None:
-        config = prefill_fwd_config(head_dim_pad, q.dtype, causal, q.device)
-
     out = torch.empty((total_q, nheads, head_dim), dtype=q.dtype, device=q.device)
     lse = torch.empty((nheads, total_q), dtype=torch.float32, device=q.device)
     if out.numel() == 0 or batch == 0 or max_seqlen_q == 0:
         out.zero_()
         lse.fill_(float("inf"))
         return out, lse
-
-    use_tma = _use_tma(config.use_tma, q, k, v, out)
-    if use_tma:
-        _ensure_tma_allocator()
-    # One program per (query block, sequence, head) of the longest sequence; blocks past a shorter
-    # sequence's end exit at once.
-    grid = (triton.cdiv(max_seqlen_q, config.block_m), batch * nheads)
-    with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
-        _fwd_kernel[grid](
-            q, k, v, out, lse,
-            0, q.stride(0), q.stride(1),
-            0, k.stride(0), k.stride(1),
-            0, v.stride(0), v.stride(1),
-            0, out.stride(0), out.stride(1),
-            nheads, max_seqlen_q, max_seqlen_k, nheads // nheads_k, softmax_scale * LOG2E,
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-            BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-            IS_CAUSAL=causal, USE_TMA=use_tma,
-            Cu_seqlens_q=cu_seqlens_q, Cu_seqlens_k=cu_seqlens_k, stride_lseh=lse.stride(0), IS_VARLEN=True,
-            num_warps=config.num_warps, num_stages=config.num_stages,
-        )
+    _launch_forward(q, k, v, out, lse, batch, max_seqlen_q, max_seqlen_k, softmax_scale, causal, config,
+                    _varlen_args(cu_seqlens_q, cu_seqlens_k, total_q))
     return out, lse
 
 
@@ -765,11 +763,8 @@ def _flash_attn_varlen_backward(
     configs: Optional[Tuple[AttnConfig, AttnConfig]] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward kernels in packed mode; returns (dq, dk, dv) shaped like (q, k, v)."""
-    total_q, nheads, head_dim = q.shape
-    nheads_k = k.shape[1]
+    total_q, nheads, _ = q.shape
     batch = cu_seqlens_q.numel() - 1
-    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-    cfg_kv, cfg_q = configs if configs is not None else prefill_bwd_config(head_dim_pad, q.dtype, causal, q.device)
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
 
@@ -782,46 +777,8 @@ def _flash_attn_varlen_backward(
         dv.zero_()
         return dq, dk, dv
     delta = torch.empty((nheads, total_q), dtype=torch.float32, device=q.device)
-    group = nheads // nheads_k
-    use_tma = _use_tma(cfg_kv.use_tma, q, k, v, dout)
-    if use_tma:
-        _ensure_tma_allocator()
-    with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
-        _bwd_preprocess_kernel[(triton.cdiv(max_seqlen_q, 64), batch * nheads)](
-            out, dout, delta,
-            0, out.stride(0), out.stride(1),
-            0, dout.stride(0), dout.stride(1),
-            nheads, max_seqlen_q,
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=64,
-            Cu_seqlens_q=cu_seqlens_q, stride_lseh=delta.stride(0), IS_VARLEN=True,
-        )
-        _bwd_dkdv_kernel[(triton.cdiv(max_seqlen_k, cfg_kv.block_n), batch * nheads_k)](
-            q, k, v, dout, lse, delta, dk, dv,
-            0, q.stride(0), q.stride(1),
-            0, k.stride(0), k.stride(1),
-            0, v.stride(0), v.stride(1),
-            0, dout.stride(0), dout.stride(1),
-            0, dk.stride(0), dk.stride(1),
-            0, dv.stride(0), dv.stride(1),
-            nheads, max_seqlen_q, max_seqlen_k, group, softmax_scale * LOG2E, softmax_scale,
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-            BLOCK_M=cfg_kv.block_m, BLOCK_N=cfg_kv.block_n, IS_CAUSAL=causal, USE_TMA=use_tma,
-            Cu_seqlens_q=cu_seqlens_q, Cu_seqlens_k=cu_seqlens_k, stride_lseh=lse.stride(0), IS_VARLEN=True,
-            num_warps=cfg_kv.num_warps, num_stages=cfg_kv.num_stages,
-        )
-        _bwd_dq_kernel[(triton.cdiv(max_seqlen_q, cfg_q.block_m), batch * nheads)](
-            q, k, v, dout, lse, delta, dq,
-            0, q.stride(0), q.stride(1),
-            0, k.stride(0), k.stride(1),
-            0, v.stride(0), v.stride(1),
-            0, dout.stride(0), dout.stride(1),
-            0, dq.stride(0), dq.stride(1),
-            nheads, max_seqlen_q, max_seqlen_k, group, softmax_scale * LOG2E, softmax_scale,
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-            BLOCK_M=cfg_q.block_m, BLOCK_N=cfg_q.block_n, IS_CAUSAL=causal, USE_TMA=use_tma,
-            Cu_seqlens_q=cu_seqlens_q, Cu_seqlens_k=cu_seqlens_k, stride_lseh=lse.stride(0), IS_VARLEN=True,
-            num_warps=cfg_q.num_warps, num_stages=cfg_q.num_stages,
-        )
+    _launch_backward(dout, q, k, v, out, lse, dq, dk, dv, delta, batch, max_seqlen_q, max_seqlen_k, softmax_scale,
+                     causal, configs, _varlen_args(cu_seqlens_q, cu_seqlens_k, total_q))
     return dq, dk, dv
 
 
