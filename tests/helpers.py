@@ -14,10 +14,10 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 
 from kernels import attention_ref, rel_err
 from kernels._utils import is_interpreter
+from kernels.reference import attention_sdpa
 
 INTERPRET: bool = is_interpreter()
 ON_GPU: bool = torch.cuda.is_available() and not INTERPRET  # compiled kernels on a real GPU
@@ -110,29 +110,14 @@ def references(q, k, v, *, causal: bool, softmax_scale: Optional[float] = None):
     return out_fp32, lse, out_same
 
 
-def _sdpa_call(q, k, v, *, is_causal: bool, scale: Optional[float]):
-    group = q.shape[1] // k.shape[1]
-    if group > 1:
-        try:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=True)
-        except TypeError:  # torch < 2.5 has no enable_gqa: expand the KV heads instead
-            k = k.repeat_interleave(group, dim=1)
-            v = v.repeat_interleave(group, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
-
-
 def sdpa_references(q, k, v, *, causal: bool, softmax_scale: Optional[float] = None):
     """(out_fp32, out_same_dtype) from torch's scaled_dot_product_attention, in our (b, s, h, d)
     layout. Only valid where its conventions match ours: causal only with seqlen_q == seqlen_k
     (SDPA's is_causal is aligned top-left)."""
-    assert not causal or q.shape[1] == k.shape[1], "SDPA's causal mask is top-left aligned"
-    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-    out_fp32 = _sdpa_call(qt.float(), kt.float(), vt.float(), is_causal=causal, scale=softmax_scale)
+    out_fp32 = attention_sdpa(q.float(), k.float(), v.float(), causal=causal, softmax_scale=softmax_scale)
     if q.dtype == torch.float32:
-        out_same = out_fp32
-    else:
-        out_same = _sdpa_call(qt, kt, vt, is_causal=causal, scale=softmax_scale)
-    return out_fp32.transpose(1, 2), out_same.transpose(1, 2)
+        return out_fp32, out_fp32
+    return out_fp32, attention_sdpa(q, k, v, causal=causal, softmax_scale=softmax_scale)
 
 
 # --------------------------------------------------------------------------------------------
