@@ -189,3 +189,22 @@ def assert_lse_close(lse: torch.Tensor, ref_lse: torch.Tensor, dtype: torch.dtyp
         else:
             tol = LSE_ATOL[dtype]
             assert diff.max().item() <= tol, f"lse max abs diff {diff.max().item():.3e} > {tol:.0e} {msg}"
+
+
+# Split-KV vs unsplit decode: the same sums in a different order (fp32 partials, one merge).
+AGREE_TOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 1e-5 if INTERPRET else 5e-3}
+
+
+def assert_splits_agree(results: dict, tol: float) -> None:
+    """Split-KV results {num_splits: (out, lse)} agree with the unsplit one (key 1): output within
+    `tol` relative error, LSE +inf in the same rows and within 1e-3 elsewhere."""
+    out1, lse1 = results[1]
+    for ns, (out, lse) in results.items():
+        if ns == 1:
+            continue
+        diff = rel_err(out, out1)
+        print(f"num_splits={ns} vs 1: out rel err {diff:.2e}")
+        assert diff <= tol, f"num_splits={ns} vs 1: rel err {diff:.2e}"
+        assert torch.equal(torch.isinf(lse), torch.isinf(lse1))
+        finite = torch.isfinite(lse1)
+        assert (lse[finite] - lse1[finite]).abs().max().item() < 1e-3
