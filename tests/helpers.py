@@ -11,8 +11,10 @@ follows the precision of the inputs instead of being a magic constant.
 
 from __future__ import annotations
 
+import os
 from typing import Optional, Tuple
 
+import pytest
 import torch
 
 from kernels import attention_ref, rel_err
@@ -22,6 +24,13 @@ from kernels.reference import attention_sdpa
 INTERPRET: bool = is_interpreter()
 ON_GPU: bool = torch.cuda.is_available() and not INTERPRET  # compiled kernels on a real GPU
 DEVICE: torch.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+# CUDA-graph capture allocates from PyTorch's caching allocator; with it disabled (as memcheck runs
+# need: PYTORCH_NO_CUDA_MEMORY_CACHING=1) capture fails on cudaMalloc, so graph tests skip there.
+needs_graph_capture = pytest.mark.skipif(
+    os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING", "0") not in ("", "0"),
+    reason="CUDA-graph capture needs PyTorch's caching allocator (PYTORCH_NO_CUDA_MEMORY_CACHING is set)",
+)
 
 LAYOUTS = ("bshd", "bhsd", "qkv_packed", "strided")
 

@@ -20,6 +20,7 @@ from helpers import (
     assert_lse_close,
     assert_splits_agree,
     make_qkv,
+    needs_graph_capture,
     references,
 )
 from kernels import KVCache, attention_ref, flash_attn_func, flash_attn_with_kvcache, rel_err
@@ -472,6 +473,7 @@ def test_kvcache_prefill_decode_round_trip(dtype):
 # GPU only
 # --------------------------------------------------------------------------------------------
 @pytest.mark.gpu
+@needs_graph_capture
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_cuda_graph_replay_equals_eager(num_splits):
     """Append + decode captured once in a CUDA graph (lengths advanced in-graph) replays like eager calls."""
@@ -515,6 +517,7 @@ def test_cuda_graph_replay_equals_eager(num_splits):
 
 
 @pytest.mark.gpu
+@needs_graph_capture
 def test_kvcache_cuda_graph():
     """KVCache.decode captured in a CUDA graph advances the device lengths on every replay."""
     dtype, batch, nheads, nheads_k, head_dim = torch.float16, 2, 8, 2, 64

@@ -21,6 +21,7 @@ from helpers import (
     assert_lse_close,
     assert_splits_agree,
     make_qkv,
+    needs_graph_capture,
     references,
 )
 from kernels import PagedKVCache, PoolExhaustedError, attention_ref, flash_attn_with_kvcache, rel_err
@@ -491,6 +492,7 @@ def test_paged_kvcache_pool_exhaustion_and_reuse():
 # GPU only
 # --------------------------------------------------------------------------------------------
 @pytest.mark.gpu
+@needs_graph_capture
 @pytest.mark.parametrize("page_size", [16, 64, 256])
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_cuda_graph_replay_paged_equals_eager(num_splits, page_size):
@@ -534,6 +536,7 @@ def test_cuda_graph_replay_paged_equals_eager(num_splits, page_size):
 
 
 @pytest.mark.gpu
+@needs_graph_capture
 def test_paged_kvcache_cuda_graph():
     """PagedKVCache.decode captured in a CUDA graph, pages reserved first, advances on every replay."""
     dtype, batch, nheads, nheads_k, head_dim, page_size, replays = torch.float16, 2, 8, 2, 64, 16, 20
