@@ -7,6 +7,8 @@ Written once so their semantics cannot drift between kernels:
 - `finalize`: the epilogue that turns (acc, m_i, l_i) into the output and its log-sum-exp.
 - `load_rows`: a [rows, HEAD_DIM_PAD] tile load masked by row count and by head-dim padding.
 - `merge_partials`: merge partial results (split-KV decode) by their log-sum-exp.
+- `kv_row_offsets`, `physical_blocks`: where a cache row lives, dense or paged (decode and chunked
+  prefill read caches through them).
 
 Notation: m_i is the running row max of the *scaled* scores in base 2 (scores * softmax_scale *
 log2(e)), l_i the running sum of exp2(scaled score - m_i), acc the unnormalised [rows, D] output.
@@ -132,3 +134,36 @@ def tile_ptrs(base, start, stride, BLOCK: tl.constexpr, offs_d):
     """
     offs = tl.arange(0, BLOCK)
     return base + tl.cast(start, tl.int64) * stride + offs[:, None] * stride + offs_d[None, :]
+
+
+@triton.jit
+def kv_row_offsets(blocks, rows, stride_b, stride_n, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr):
+    """int64 element offsets of the logical cache rows `rows` [BLOCK] (the KV head's offset is added
+    by the caller): the one place that maps (request, position) to memory.
+
+    Dense: `blocks` is the request index b and row j lives at b * stride_b + j * stride_n.
+    Paged: `blocks` holds the physical block of each row ([BLOCK] int64, or one scalar when the
+    rows lie in one page, see `physical_blocks`), stride_b is the stride of a block, and logical
+    row j lives at row j % PAGE_SIZE of its block.
+    """
+    if PAGED:
+        return blocks * stride_b + (rows % PAGE_SIZE).to(tl.int64) * stride_n
+    else:
+        return blocks * stride_b + rows.to(tl.int64) * stride_n
+
+
+@triton.jit
+def physical_blocks(Table, start_n, rows, n_rows, NUM_BLOCKS, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Physical blocks holding the logical rows `rows` = start_n + [0, BLOCK_N) of one request, whose
+    block-table row starts at `Table`; entries of rows >= n_rows are not read (0 instead), and every
+    entry is clamped into [0, NUM_BLOCKS), see [Note] Bad block-table entries in kernels/decode.py.
+
+    When PAGE_SIZE is a multiple of BLOCK_N the key block lies in one page (start_n is a multiple of
+    BLOCK_N): one table entry, a scalar. Otherwise each row looks up its own page (a gather of BLOCK_N
+    entries, as vLLM does). See [Note] BLOCK_N vs page size in kernels/decode.py.
+    """
+    if PAGE_SIZE % BLOCK_N == 0:
+        blocks = tl.load(Table + start_n // PAGE_SIZE, mask=start_n < n_rows, other=0)  # scalar
+    else:
+        blocks = tl.load(Table + rows // PAGE_SIZE, mask=rows < n_rows, other=0)  # [BLOCK_N]
+    return tl.minimum(tl.maximum(blocks, 0), NUM_BLOCKS - 1).to(tl.int64)

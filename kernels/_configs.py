@@ -129,7 +129,6 @@ INTERPRETER_SM_COUNT = 4  # what the split heuristic assumes when there is no GP
 DECODE_MIN_BLOCKS_PER_SPLIT = 4  # a split streams at least this many BLOCK_N blocks
 DECODE_MAX_SPLITS = 64
 DECODE_FULL_GRID = 0.8  # this many programs per SM or more: no split (flash-attn's rule)
-DECODE_WAVE_EFFICIENCY = 0.85  # take the fewest splits whose last wave is about this full
 
 # Hopper (227 KB smem): K and V tiles of 2-byte dtypes, num_stages deep. key: head_dim_pad.
 # Not swept yet. First H200 reading (bf16, 32 q / 8 KV heads, D=128, BLOCK_N 64, 4 stages): 4.2-4.4
@@ -170,11 +169,14 @@ def decode_num_splits(programs: int, seqlen_cache: int, block_n: int, device: to
 
     Depends only on `programs` (batch x nheads_k x row blocks), the *allocated* seqlen_cache and the
     SM count, never on current lengths, so the grid and the compiled kernel stay fixed while a
-    generation loop runs. flash-attn's rule: no split once the programs fill the SMs; otherwise the
-    fewest splits whose wave efficiency (programs / (SMs x whole waves)) is within
-    DECODE_WAVE_EFFICIENCY of the best, with every split at least DECODE_MIN_BLOCKS_PER_SPLIT blocks
-    of BLOCK_N keys and at most DECODE_MAX_SPLITS splits. A partly filled last wave is what costs:
-    2.4 waves run as long as 3.
+    generation loop runs. flash-attn's rule for when: no split once the programs fill the SMs
+    (DECODE_FULL_GRID). How many: the most splits that still run in one wave, SMs // programs, with
+    every split at least DECODE_MIN_BLOCKS_PER_SPLIT blocks of BLOCK_N keys and at most
+    DECODE_MAX_SPLITS splits. Measured on an H200 (results/nvidia-h200/tune_decode.csv: batch 1 and
+    8, 8 KV heads, caches of 4096 to 65536, the Hopper config): one full wave (16 splits at batch 1,
+    2 at batch 8) was the best split count or within 2% of it at every shape; a second, partial
+    wave costs more than the shorter splits save (the old wave-efficiency rule's 15 splits at batch 1
+    ran 2-4% slower).
     """
     if is_interpreter() or device.type != "cuda":
         sm_count = INTERPRETER_SM_COUNT
@@ -183,10 +185,5 @@ def decode_num_splits(programs: int, seqlen_cache: int, block_n: int, device: to
     programs = max(programs, 1)
     if programs >= DECODE_FULL_GRID * sm_count:
         return 1
-    max_splits = min(DECODE_MAX_SPLITS, sm_count, max(1, seqlen_cache // (block_n * DECODE_MIN_BLOCKS_PER_SPLIT)))
-    efficiency = []
-    for splits in range(1, max_splits + 1):
-        waves = programs * splits / sm_count
-        efficiency.append(waves / -(-waves // 1))  # waves / ceil(waves)
-    best = max(efficiency)
-    return next(s for s, eff in enumerate(efficiency, 1) if eff >= DECODE_WAVE_EFFICIENCY * best)
+    max_splits = min(DECODE_MAX_SPLITS, max(1, seqlen_cache // (block_n * DECODE_MIN_BLOCKS_PER_SPLIT)))
+    return max(1, min(max_splits, sm_count // programs))

@@ -37,7 +37,7 @@ a (B, H_KV, S, D) buffer seen through .transpose(1, 2)); paged pools (NUM_BLOCKS
 any strides and a contiguous last dim (including a (NUM_BLOCKS, H_KV, P, D) pool seen through
 .transpose(1, 2)) and any page size P >= 1 (tested: 1, 2, 8, 16, 48, 64, 256); caches beyond 2^31
 elements (int64 offsets). Not supported (yet): cache_batch_idx, rotary embedding, alibi, sliding
-windows, softcapping. All K/V row addresses go through `_kv_row_offsets`.
+windows, softcapping. All K/V row addresses go through `kv_row_offsets` (kernels/_common.py).
 
 [Note] Fused append without hazards. The new keys/values are read from the k/v inputs, not from
 the cache, by the program that owns them (the last split of each (request, KV head), first row
@@ -57,8 +57,25 @@ j <= t + N_b - M. With an append every cached key is visible to every token and 
 are masked (token t sees new keys 0..t); without one, the last M - 1 cached keys are masked per row.
 
 [Note] Host overhead. A decode step is a few microseconds of GPU time, so the wrapper caches all
-it can: the launch plan per shape (`_plan`), the int -> tensor conversion of cache_seqlens, and the
-compiled kernels, launched through their handles without Triton's per-call dispatch (`_LaunchCache`).
+it can: the validation of a call's tensors per signature (shapes, strides, dtypes, devices:
+`_signature`; values and pointers are still checked every call), the launch plan per shape
+(`_plan`), the int -> tensor conversion of cache_seqlens, and the compiled kernels, launched
+through their handles without Triton's per-call dispatch (`_LaunchCache`, keyed by the signature,
+the plan, the flags and the inputs' 16-byte alignment: what Triton specialises on). The split
+scratch (partial outputs and their LSEs) is one allocation.
+
+[Note] Chunked prefill. A call with many new tokens per request (seqlen_q >= 128, num_splits=0)
+is a chunk of a long prompt: each chunk's queries attend to the request's cache plus the chunk,
+bottom-right causal. The decode kernel would serve it (its row blocks tile the G * M query rows),
+but it streams the whole cache once per row block of at most 64 rows: at M = 2048 and G = 4 that
+is 128 passes over the cache with small tiles. Instead the call runs the prefill kernel family:
+`_append_kernel` writes the chunk's k/v into the cache (dense or paged, exactly as the decode
+kernel's fused append does, through `_store_new_rows`), then prefill's `_fwd_kernel` in its cache
+mode (IS_KVCACHE, see kernels/prefill.py) attends over each request's min(L_b + M, N_CACHE) keys,
+read from the cache: BLOCK_M x BLOCK_N tiles on tensor cores, tensor-descriptor loads on Hopper
+for dense caches and for pools whose page size is a multiple of BLOCK_N. Two launches, both free of
+host syncs, so a chunk step can be captured in a CUDA graph too. The threshold is where the
+prefill tiles stop wasting rows: below it the decode kernel's GQA read-once wins.
 
 [Note] Lengths on the device. cache_seqlens is read by the kernel, clamped to [0, N_CACHE]: a bad
 device length can give wrong results but never a read or write outside the buffers; appends past
@@ -66,7 +83,7 @@ N_CACHE are dropped. Lengths known on the host (an int, a CPU tensor, KVCache, P
 checked before launch and overflow raises ValueError.
 
 [Note] Paged caches. Logical key j of request b lives in row j % P of physical block
-Block_table[b, j // P]; `_kv_row_offsets` turns (block, row) into an int64 offset with the pool's
+Block_table[b, j // P]; `kv_row_offsets` (kernels/_common.py) turns (block, row) into an int64 offset with the pool's
 block and row strides, so pool views with any strides work. Paging is a constexpr: with
 PAGED=False the paging arguments are passed as None (Triton makes them constexprs) and every paged
 branch is compiled out, so the dense kernel is the very code it was before paging existed (its
@@ -76,7 +93,7 @@ heuristic see a paged request as a dense one of N_CACHE = max_blocks_per_seq * P
 [Note] BLOCK_N vs page size. A key block of BLOCK_N rows may span several pages (P < BLOCK_N) or a
 page several key blocks (P >= BLOCK_N). Rather than tie BLOCK_N to P (48 would force BLOCK_N = 16,
 P = 8 a block of 8 rows, too small for `tl.dot`, and a decode tuned at BLOCK_N = 64 would lose its
-tuning), the kernel keeps the dense BLOCK_N and finds each key's physical row (`_physical_blocks`):
+tuning), the kernel keeps the dense BLOCK_N and finds each key's physical row (`physical_blocks`):
 - P % BLOCK_N == 0 (e.g. 64 and 256 at BLOCK_N 64): key blocks start at multiples of BLOCK_N
   (splits are whole blocks), so a block lies in one page: one table entry per block, a scalar load.
 - otherwise (P = 16 or 48 at BLOCK_N 64, and P < 16): each key gathers its own table entry
@@ -123,7 +140,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import finalize, load_rows, mask_scores, merge_partials, online_softmax, store_rows
+from ._common import (
+    finalize,
+    kv_row_offsets,
+    load_rows,
+    mask_scores,
+    merge_partials,
+    online_softmax,
+    physical_blocks,
+    store_rows,
+)
 from ._configs import decode_config, decode_num_splits
 from ._utils import (
     SUPPORTED_DTYPES,
@@ -136,44 +162,72 @@ from ._utils import (
     default_device,
     is_interpreter,
 )
+from .prefill import _flash_attn_kvcache_forward
 
 LOG2E = math.log2(math.e)
+# From this many new tokens per request on (with num_splits=0), flash_attn_with_kvcache runs the
+# prefill kernel family instead of the decode kernel, see [Note] Chunked prefill.
+CHUNKED_PREFILL_MIN_SEQLEN_Q = 128
 
 
 # ============================================================================================
 # Kernels
 # ============================================================================================
 @triton.jit
-def _kv_row_offsets(blocks, rows, stride_b, stride_n, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr):
-    """int64 element offsets of the logical cache rows `rows` [BLOCK] (the KV head's offset is added
-    by the caller): the one place that maps (request, position) to memory.
-
-    Dense: `blocks` is the request index b and row j lives at b * stride_b + j * stride_n.
-    Paged: `blocks` holds the physical block of each row ([BLOCK] int64, or one scalar when the
-    rows lie in one page, see `_physical_blocks`), stride_b is the stride of a block, and logical
-    row j lives at row j % PAGE_SIZE of its block.
-    """
+def _store_new_rows(k_head, v_head, kn, vn, us, seqlen, M, n_write, table, NUM_BLOCKS, off_b,
+                    stride_kb, stride_kn, stride_vb, stride_vn, offs_d,
+                    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """Write new rows kn, vn [BLOCK, D_PAD] (token indices `us`) of one (request, KV head) into its
+    cache at rows seqlen + us; rows at or past n_write (they would pass the buffer) are dropped.
+    Paged, each row looks up its own page (an append may cross page boundaries) and a row whose
+    table entry lies outside the pool is dropped, see [Note] Bad block-table entries."""
+    dst = seqlen + us  # [BLOCK] cache rows
     if PAGED:
-        return blocks * stride_b + (rows % PAGE_SIZE).to(tl.int64) * stride_n
+        raw = tl.load(table + dst // PAGE_SIZE, mask=us < n_write, other=-1)  # [BLOCK]
+        blocks = tl.minimum(tl.maximum(raw, 0), NUM_BLOCKS - 1).to(tl.int64)
+        us_write = tl.where((raw >= 0) & (raw < NUM_BLOCKS), us, M)  # bad page: row dropped
     else:
-        return blocks * stride_b + rows.to(tl.int64) * stride_n
+        blocks = off_b
+        us_write = us
+    store_rows(k_head + kv_row_offsets(blocks, dst, stride_kb, stride_kn, PAGE_SIZE, PAGED)[:, None]
+               + offs_d[None, :], kn, us_write, n_write, offs_d, HEAD_DIM, HEAD_DIM_PAD)
+    store_rows(v_head + kv_row_offsets(blocks, dst, stride_vb, stride_vn, PAGE_SIZE, PAGED)[:, None]
+               + offs_d[None, :], vn, us_write, n_write, offs_d, HEAD_DIM, HEAD_DIM_PAD)
 
 
 @triton.jit
-def _physical_blocks(Table, start_n, rows, n_rows, NUM_BLOCKS, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Physical blocks holding the logical rows `rows` = start_n + [0, BLOCK_N) of one request, whose
-    block-table row starts at `Table`; entries of rows >= n_rows are not read (0 instead), and every
-    entry is clamped into [0, NUM_BLOCKS), see [Note] Bad block-table entries.
-
-    When PAGE_SIZE is a multiple of BLOCK_N the key block lies in one page (start_n is a multiple of
-    BLOCK_N): one table entry, a scalar. Otherwise each row looks up its own page (a gather of BLOCK_N
-    entries, as vLLM does). See [Note] BLOCK_N vs page size.
-    """
-    if PAGE_SIZE % BLOCK_N == 0:
-        blocks = tl.load(Table + start_n // PAGE_SIZE, mask=start_n < n_rows, other=0)  # scalar
+def _append_kernel(
+    K_cache, V_cache, K_new, V_new, Cache_seqlens,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_knb, stride_knm, stride_knh,
+    stride_vnb, stride_vnm, stride_vnh,
+    H_KV, M, N_CACHE,
+    Block_table, stride_btb, NUM_BLOCKS,  # paged only; None (compiled out) for a dense cache
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+):
+    """Append BLOCK of the M new tokens of one (request, KV head) to the cache (chunked prefill's
+    first launch; the decode kernel fuses its appends instead, see [Note] Chunked prefill)."""
+    pid_u = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    off_b = (pid_bh // H_KV).to(tl.int64)
+    off_hk = (pid_bh % H_KV).to(tl.int64)
+    seqlen = tl.minimum(tl.maximum(tl.load(Cache_seqlens + off_b), 0), N_CACHE)
+    n_write = tl.minimum(M, N_CACHE - seqlen)  # new rows that fit in the buffer
+    us = pid_u * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    kn = load_rows(K_new + off_b * stride_knb + off_hk * stride_knh + us[:, None].to(tl.int64) * stride_knm
+                   + offs_d[None, :], us, M, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+    vn = load_rows(V_new + off_b * stride_vnb + off_hk * stride_vnh + us[:, None].to(tl.int64) * stride_vnm
+                   + offs_d[None, :], us, M, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+    if PAGED:
+        table = Block_table + off_b * stride_btb
     else:
-        blocks = tl.load(Table + rows // PAGE_SIZE, mask=rows < n_rows, other=0)  # [BLOCK_N]
-    return tl.minimum(tl.maximum(blocks, 0), NUM_BLOCKS - 1).to(tl.int64)
+        table = Block_table  # None: never read
+    _store_new_rows(K_cache + off_hk * stride_kh, V_cache + off_hk * stride_vh, kn, vn, us, seqlen, M, n_write,
+                    table, NUM_BLOCKS, off_b, stride_kb, stride_kn, stride_vb, stride_vn, offs_d,
+                    HEAD_DIM, HEAD_DIM_PAD, PAGED, PAGE_SIZE)
 
 
 @triton.jit
@@ -234,7 +288,9 @@ def _decode_kernel(
     v_head = V_cache + off_hk * stride_vh
     if PAGED:  # this request's row of the block table, and the pages of the split's first key block
         table = Block_table + off_b * stride_btb
-        next_blocks = _physical_blocks(table, lo, lo + offs_n, hi, NUM_BLOCKS, PAGE_SIZE, BLOCK_N)
+        next_blocks = physical_blocks(table, lo, lo + offs_n, hi, NUM_BLOCKS, PAGE_SIZE, BLOCK_N)
+    else:
+        table = Block_table  # None: never read
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -245,15 +301,15 @@ def _decode_kernel(
         rows = start_n + offs_n
         if PAGED:  # this block's pages were fetched one iteration ahead, see [Note] Paged pipelining
             blocks = next_blocks
-            next_blocks = _physical_blocks(table, start_n + BLOCK_N, rows + BLOCK_N, hi, NUM_BLOCKS, PAGE_SIZE,
+            next_blocks = physical_blocks(table, start_n + BLOCK_N, rows + BLOCK_N, hi, NUM_BLOCKS, PAGE_SIZE,
                                            BLOCK_N)
         else:
             blocks = off_b
-        k = load_rows(k_head + _kv_row_offsets(blocks, rows, stride_kb, stride_kn, PAGE_SIZE, PAGED)[:, None]
+        k = load_rows(k_head + kv_row_offsets(blocks, rows, stride_kb, stride_kn, PAGE_SIZE, PAGED)[:, None]
                       + offs_d[None, :], rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD, False)  # [BLOCK_N, D_PAD]
         qk = tl.dot(q, tl.trans(k))  # [BLOCK_H, BLOCK_N]
         p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, False)
-        v = load_rows(v_head + _kv_row_offsets(blocks, rows, stride_vb, stride_vn, PAGE_SIZE, PAGED)[:, None]
+        v = load_rows(v_head + kv_row_offsets(blocks, rows, stride_vb, stride_vn, PAGE_SIZE, PAGED)[:, None]
                       + offs_d[None, :], rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD, False)
         acc = tl.dot(p.to(v.dtype), v, acc)
     # stage 2: the ragged tail of the split (and, without an append, the causal band), masked
@@ -261,16 +317,16 @@ def _decode_kernel(
         rows = start_n + offs_n
         if PAGED:  # this block's pages were fetched one iteration ahead, see [Note] Paged pipelining
             blocks = next_blocks
-            next_blocks = _physical_blocks(table, start_n + BLOCK_N, rows + BLOCK_N, hi, NUM_BLOCKS, PAGE_SIZE,
+            next_blocks = physical_blocks(table, start_n + BLOCK_N, rows + BLOCK_N, hi, NUM_BLOCKS, PAGE_SIZE,
                                            BLOCK_N)
         else:
             blocks = off_b
-        k = load_rows(k_head + _kv_row_offsets(blocks, rows, stride_kb, stride_kn, PAGE_SIZE, PAGED)[:, None]
+        k = load_rows(k_head + kv_row_offsets(blocks, rows, stride_kb, stride_kn, PAGE_SIZE, PAGED)[:, None]
                       + offs_d[None, :], rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
         qk = tl.dot(q, tl.trans(k))
         qk = mask_scores(qk, rows, hi, row_limit, IS_CAUSAL)
         p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, True)
-        v = load_rows(v_head + _kv_row_offsets(blocks, rows, stride_vb, stride_vn, PAGE_SIZE, PAGED)[:, None]
+        v = load_rows(v_head + kv_row_offsets(blocks, rows, stride_vb, stride_vn, PAGE_SIZE, PAGED)[:, None]
                       + offs_d[None, :], rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
         acc = tl.dot(p.to(v.dtype), v, acc)
 
@@ -292,18 +348,9 @@ def _decode_kernel(
                                us, M, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
                 acc = tl.dot(p.to(vn.dtype), vn, acc)
                 if pid_rb == 0:  # one row block writes the cache
-                    dst = seqlen + us  # [BLOCK_NEW] cache rows
-                    if PAGED:  # each new row looks up its own page: an append may cross page boundaries
-                        raw = tl.load(table + dst // PAGE_SIZE, mask=us < n_write, other=-1)  # [BLOCK_NEW]
-                        blocks = tl.minimum(tl.maximum(raw, 0), NUM_BLOCKS - 1).to(tl.int64)
-                        us_write = tl.where((raw >= 0) & (raw < NUM_BLOCKS), us, M)  # bad page: row dropped
-                    else:
-                        blocks = off_b
-                        us_write = us
-                    store_rows(k_head + _kv_row_offsets(blocks, dst, stride_kb, stride_kn, PAGE_SIZE, PAGED)[:, None]
-                               + offs_d[None, :], kn, us_write, n_write, offs_d, HEAD_DIM, HEAD_DIM_PAD)
-                    store_rows(v_head + _kv_row_offsets(blocks, dst, stride_vb, stride_vn, PAGE_SIZE, PAGED)[:, None]
-                               + offs_d[None, :], vn, us_write, n_write, offs_d, HEAD_DIM, HEAD_DIM_PAD)
+                    _store_new_rows(k_head, v_head, kn, vn, us, seqlen, M, n_write, table, NUM_BLOCKS, off_b,
+                                    stride_kb, stride_kn, stride_vb, stride_vn, offs_d,
+                                    HEAD_DIM, HEAD_DIM_PAD, PAGED, PAGE_SIZE)
 
     # -- epilogue --------------------------------------------------------------------------------
     out, lse = finalize(acc, m_i, l_i)  # empty rows: 0 and +inf
@@ -486,6 +533,11 @@ def _resolve_cache_seqlens(cache_seqlens, batch: int, seqlen_new: int, seqlen_ca
             )
         if cache_seqlens.shape != (batch,):
             raise ValueError(f"Expected cache_seqlens of shape ({batch},), got {tuple(cache_seqlens.shape)}.")
+        if batch > 1 and cache_seqlens.stride(0) != 1:
+            raise ValueError(
+                f"Expected a contiguous cache_seqlens, got stride {cache_seqlens.stride(0)}; the kernel reads "
+                f"request b's length at offset b. Pass cache_seqlens.contiguous() (and advance that tensor)."
+            )
         if cache_seqlens.device.type == "cpu":  # host-known: check, then copy if the call runs on a GPU
             _check_host_lengths(cache_seqlens, seqlen_new, seqlen_cache, capacity)
             return cache_seqlens if device.type == "cpu" else cache_seqlens.to(device)
@@ -606,6 +658,50 @@ def _validate_kvcache_inputs(q, k_cache, v_cache, k, v, paged: bool = False) -> 
                 )
 
 
+_VALIDATED_SIGNATURES: set = set()  # `_signature`s of CUDA calls whose tensors passed _validate_kvcache_inputs
+
+
+def _signature(q, k_cache, v_cache, k, v, block_table) -> tuple:
+    """Shapes, strides, dtypes and devices of a call's tensors: what validation and the launch
+    depend on (besides values and pointers), so a repeated signature skips both, see [Note] Host
+    overhead. Raises AttributeError when an argument is not a tensor."""
+    sig = (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device,
+           v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device)
+    if k is not None:
+        sig += (k.shape, k.stride(), k.dtype, k.device, v.shape, v.stride(), v.dtype, v.device)
+    if block_table is not None:
+        sig += (block_table.shape, block_table.stride(), block_table.dtype, block_table.device)
+    return sig
+
+
+def _aligned(*tensors: torch.Tensor) -> int:
+    """Bit i set when tensors[i]'s data pointer is 16-byte aligned (Triton specialises on it)."""
+    bits = 0
+    for i, t in enumerate(tensors):
+        if t.data_ptr() % 16 == 0:
+            bits |= 1 << i
+    return bits
+
+
+def _launch_append(k_cache, v_cache, k, v, cache_seqlens, block_table) -> None:
+    """Write the new tokens k, v (B, M, H_KV, D) into the cache at cache_seqlens[b] (chunked prefill)."""
+    batch, seqlen_new, nheads_k, head_dim = k.shape
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    block = min(64, max(16, triton.next_power_of_2(seqlen_new)))
+    if block_table is None:
+        capacity, paging, paged, page_size = k_cache.shape[1], (None, None, None), False, 1
+    else:
+        capacity = block_table.shape[1] * k_cache.shape[1]
+        paging, paged, page_size = (block_table, block_table.stride(0), k_cache.shape[0]), True, k_cache.shape[1]
+    _append_kernel[(triton.cdiv(seqlen_new, block), batch * nheads_k)](
+        k_cache, v_cache, k, v, cache_seqlens,
+        *k_cache.stride()[:3], *v_cache.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        nheads_k, seqlen_new, capacity, *paging,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK=block, PAGED=paged, PAGE_SIZE=page_size,
+        num_warps=4,
+    )
+
+
 def _flash_attn_with_kvcache_launch(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -618,14 +714,26 @@ def _flash_attn_with_kvcache_launch(
     num_splits: int,
     return_softmax_lse: bool,
     block_table: Optional[torch.Tensor] = None,
+    sig: Optional[tuple] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Allocate and launch on validated inputs (cache_seqlens: int32 (batch,) on q's device;
-    block_table: None for a dense cache, else int32 (batch, max_blocks_per_seq) on q's device)."""
+    block_table: None for a dense cache, else int32 (batch, max_blocks_per_seq) on q's device;
+    sig: `_signature` of the call when the caller has it)."""
     batch, seqlen_q, nheads, head_dim = q.shape
+    device = q.device
+    append = k is not None
+    if batch > 0 and num_splits == 0 and seqlen_q >= CHUNKED_PREFILL_MIN_SEQLEN_Q:  # see [Note] Chunked prefill
+        ctx = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+        with ctx:
+            if append:
+                _launch_append(k_cache, v_cache, k, v, cache_seqlens, block_table)
+            out, lse = _flash_attn_kvcache_forward(q, k_cache, v_cache, cache_seqlens, append, block_table,
+                                                   softmax_scale, causal)
+        return out, (lse if return_softmax_lse else None)
+
     seqlen_cache, nheads_k = k_cache.shape[1], k_cache.shape[2]
     if block_table is not None:  # the logical capacity of a request; k_cache.shape[1] is the page size
         seqlen_cache = block_table.shape[1] * k_cache.shape[1]
-    device = q.device
     plan = _plan(batch, seqlen_q, nheads, nheads_k, head_dim, seqlen_cache, q.dtype, device, num_splits)
 
     out = torch.empty((batch, seqlen_q, nheads, head_dim), dtype=q.dtype, device=device)
@@ -633,28 +741,32 @@ def _flash_attn_with_kvcache_launch(
     if batch == 0:
         return out, lse
     split = plan.num_splits > 1
-    if split:
-        out_part = torch.empty((batch, nheads, seqlen_q, plan.num_splits, head_dim), dtype=torch.float32,
-                               device=device)
-        lse_part = torch.empty((batch, nheads, seqlen_q, plan.num_splits), dtype=torch.float32, device=device)
+    if split:  # one fp32 scratch allocation: partial outputs (B, H, M, splits, D), then their LSEs
+        rows = batch * nheads * seqlen_q * plan.num_splits
+        scratch = torch.empty(rows * (head_dim + 1), dtype=torch.float32, device=device)
+        out_part, lse_part = scratch[: rows * head_dim], scratch[rows * head_dim:]
     else:
         out_part = lse_part = out  # unused
-    append = k is not None
     if not append:
         k = v = k_cache  # unused pointers
     lse_arg = lse if lse is not None else out  # unused when STORE_LSE is False
     store_lse = lse is not None
 
-    tensors = (q, k_cache, v_cache, k, v, cache_seqlens, out, lse_arg, out_part, lse_part)
-    key = (plan, device, q.dtype, q.shape, k_cache.shape, causal, append, store_lse, q.stride(), k_cache.stride(),
-           v_cache.stride(), k.stride(), v.stride(), tuple(t.data_ptr() % 16 == 0 for t in tensors))
+    if sig is None:
+        sig = _signature(q, k_cache, v_cache, k if append else None, v if append else None, block_table)
+    # Kernels specialise on shapes/strides (sig), constexprs and 16-byte pointer alignment. The
+    # outputs and scratch are fresh allocations (always aligned), so only the inputs' alignment counts.
     if block_table is None:  # dense: the paging arguments are None, i.e. constexprs the kernel never reads
         paging, paged, page_size = (None, None, None), False, 1
+        aligned = _aligned(q, k_cache, v_cache, k, v, cache_seqlens)
     else:
         paging, paged, page_size = (block_table, block_table.stride(0), k_cache.shape[0]), True, k_cache.shape[1]
-        key += ("paged", block_table.shape, block_table.stride(), block_table.data_ptr() % 16 == 0)
+        aligned = _aligned(q, k_cache, v_cache, k, v, cache_seqlens, block_table)
+    key = (sig, plan, causal, append, store_lse, aligned)
+    if paged:  # the table on the device may be a copy of the caller's: its own stride
+        key += (block_table.stride(0),)
     args = (
-        *tensors,
+        q, k_cache, v_cache, k, v, cache_seqlens, out, lse_arg, out_part, lse_part,
         *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *k.stride()[:3], *v.stride()[:3],
         nheads_k, nheads // nheads_k, seqlen_q, seqlen_cache, plan.split_n, softmax_scale * LOG2E,
         *paging,
@@ -744,7 +856,10 @@ def flash_attn_with_kvcache(
             max_blocks_per_seq * page_size -- and the SM count, never from current lengths),
             1 = no split, n > 1 = split each cache into about n chunks processed in parallel and
             merged by log-sum-exp (capped at the number of BLOCK_N blocks of the cache). Splits past
-            a request's length exit at once.
+            a request's length exit at once. With 0 and seqlen_q >= CHUNKED_PREFILL_MIN_SEQLEN_Q
+            (128), the call is a chunk of a prompt: it runs the prefill kernel family instead (an
+            append launch, then a FlashAttention-2 forward over the cache; see [Note] Chunked
+            prefill); an explicit num_splits >= 1 keeps the decode kernel.
         return_softmax_lse: also return the log-sum-exp of each row.
 
     Returns:
@@ -757,7 +872,16 @@ def flash_attn_with_kvcache(
     the device. Not supported: cache_batch_idx, rotary embedding, alibi, sliding windows,
     softcapping.
     """
-    _validate_kvcache_inputs(q, k_cache, v_cache, k, v, block_table is not None)
+    try:
+        sig = _signature(q, k_cache, v_cache, k, v, block_table)
+    except AttributeError:  # not tensors: validation names the problem
+        sig = None
+    if sig is None or sig not in _VALIDATED_SIGNATURES or is_interpreter():
+        _validate_kvcache_inputs(q, k_cache, v_cache, k, v, block_table is not None)
+        if sig is not None and q.device.type == "cuda" and not is_interpreter():
+            if len(_VALIDATED_SIGNATURES) >= 4096:  # shapes churn: start over rather than grow without bound
+                _VALIDATED_SIGNATURES.clear()
+            _VALIDATED_SIGNATURES.add(sig)
     if not isinstance(num_splits, numbers.Integral) or num_splits < 0:
         raise ValueError(f"Expected num_splits to be an int >= 0 (0 = heuristic), got {num_splits!r}.")
     scale = _validate_softmax_scale(softmax_scale, q.shape[3])
@@ -767,7 +891,7 @@ def flash_attn_with_kvcache(
     else:
         seqlens, block_table = _resolve_paging(block_table, cache_seqlens, q.shape[0], seqlen_new, k_cache, q.device)
     out, lse = _flash_attn_with_kvcache_launch(
-        q, k_cache, v_cache, k, v, seqlens, scale, bool(causal), int(num_splits), return_softmax_lse, block_table
+        q, k_cache, v_cache, k, v, seqlens, scale, bool(causal), int(num_splits), return_softmax_lse, block_table, sig
     )
     return (out, lse) if return_softmax_lse else out
 
@@ -1222,6 +1346,11 @@ class PagedKVCache:
                              f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}.")
         if k is None or v is None:
             raise ValueError("PagedKVCache.decode appends: expected k and v (n, seqlen_q, nheads_k, head_dim).")
+        # everything that could still fail is checked before pages are taken: all or nothing per call
+        _validate_kvcache_inputs(q, self.k_cache, self.v_cache, k, v, paged=True)
+        _validate_softmax_scale(softmax_scale, q.shape[3])
+        if not isinstance(num_splits, numbers.Integral) or num_splits < 0:
+            raise ValueError(f"Expected num_splits to be an int >= 0 (0 = heuristic), got {num_splits!r}.")
         seqlen_q = q.shape[1]
         self._reserve(slots, seqlen_q)
         index = self._index(slots)

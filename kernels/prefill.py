@@ -46,6 +46,22 @@ tensor-descriptor path the descriptors start at the sequence's first row with sh
 D], so each sequence keeps zero-filled bounds. LSE and Delta are (H, total_q), flash-attn's packed
 layout. Every varlen argument defaults to None / False, and with IS_VARLEN=False all varlen code
 is compiled out: the dense kernels are exactly what they were before varlen was added.
+
+[Note] Chunked prefill over a cache. flash_attn_with_kvcache hands a long chunk (see kernels/decode.py
+[Note] Chunked prefill) to the forward kernel with IS_KVCACHE=True: K and V are then a KV cache, N
+is its capacity per request, and each program reads its request's key count from Cache_seqlens
+(clamped to the capacity; plus M when the chunk was appended just before, KV_APPEND), so lengths
+stay on the device and nothing recompiles as they grow. Bottom-right causal over those keys is the
+dense kernel's mask with diag = N_b - M. A dense cache (B, S, H_KV, D) is read like a dense K with
+per-request length (the descriptors are bounded by N_b). A paged pool (NUM_BLOCKS, P, H_KV, D)
+with PAGED=True is addressed through Block_table: when P is a multiple of BLOCK_N and the pool's
+rows are evenly spaced, one descriptor spans the whole pool as [NUM_BLOCKS * P, D] rows and each
+key block starts at row block * P + start_n % P (`_page_row`, looked up one block ahead as in the
+decode kernel's [Note] Paged pipelining); rows of the last block past N_b belong to the page's
+unused tail (stale data, possibly NaN bit patterns), so their scores are masked and their values
+zeroed. Otherwise (P = 16, 48, ...) each key gathers its page through `physical_blocks` and loads
+through masked pointers. Every cache argument defaults to None / False: with IS_KVCACHE=False the
+cache code is compiled out.
 """
 
 from __future__ import annotations
@@ -58,7 +74,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import finalize, load_rows, mask_scores, online_softmax, store_rows, tile_ptrs
+from ._common import (
+    finalize,
+    kv_row_offsets,
+    load_rows,
+    mask_scores,
+    online_softmax,
+    physical_blocks,
+    store_rows,
+    tile_ptrs,
+)
 from ._configs import AttnConfig, prefill_bwd_config, prefill_fwd_config
 from ._utils import (
     _validate_cu_seqlens,
@@ -82,6 +107,16 @@ LOG2E = math.log2(math.e)
 # Forward kernel
 # ============================================================================================
 @triton.jit
+def _page_row(Table, start_n, n_rows, NUM_BLOCKS, PAGE_SIZE: tl.constexpr):
+    """Row of the [NUM_BLOCKS * P, D] pool view where the key block starting at logical row start_n
+    begins (P a multiple of BLOCK_N: the block lies in one page). Entries at or past n_rows are not
+    read (block 0 instead) and every entry is clamped into the pool."""
+    block = tl.load(Table + start_n // PAGE_SIZE, mask=start_n < n_rows, other=0)
+    block = tl.minimum(tl.maximum(block, 0), NUM_BLOCKS - 1)
+    return block * PAGE_SIZE + start_n % PAGE_SIZE
+
+
+@triton.jit
 def _fwd_kernel(
     Q, K, V, Out, Lse,
     stride_qb, stride_qm, stride_qh,
@@ -93,6 +128,9 @@ def _fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
     Cu_seqlens_q=None, Cu_seqlens_k=None, stride_lseh=None, IS_VARLEN: tl.constexpr = False,
+    Cache_seqlens=None, Block_table=None, stride_btb=None, NUM_BLOCKS=None, stride_kblk=None, stride_vblk=None,
+    IS_KVCACHE: tl.constexpr = False, KV_APPEND: tl.constexpr = False, PAGED: tl.constexpr = False,
+    PAGE_SIZE: tl.constexpr = 1,
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
     # -- which query block and head ------------------------------------------------------------
@@ -117,6 +155,12 @@ def _fwd_kernel(
         V += k_start.to(tl.int64) * stride_vn
         Out += q_start.to(tl.int64) * stride_om
         Lse += q_start  # Lse is (H, total_q)
+    if IS_KVCACHE:  # K/V are a cache: N is its capacity, the request's key count lives on the device
+        n_cached = tl.minimum(tl.maximum(tl.load(Cache_seqlens + off_b), 0), N)
+        if KV_APPEND:  # the chunk's own keys were appended at [n_cached, n_cached + M) just before
+            N = tl.minimum(n_cached + M, N)
+        else:
+            N = n_cached
 
     q_base = Q + off_b * stride_qb + off_h.to(tl.int64) * stride_qh
     k_base = K + off_b * stride_kb + off_hk * stride_kh
@@ -146,23 +190,71 @@ def _fwd_kernel(
         # Hopper tensor descriptors bounded by this (batch, head)'s [rows, D] slice: out-of-range
         # rows and padded head dims read as zero and are never written.
         q_desc = tl.make_tensor_descriptor(q_base, [M, HEAD_DIM], [stride_qm, 1], [BLOCK_M, HEAD_DIM_PAD])
-        k_desc = tl.make_tensor_descriptor(k_base, [N, HEAD_DIM], [stride_kn, 1], [BLOCK_N, HEAD_DIM_PAD])
-        v_desc = tl.make_tensor_descriptor(v_base, [N, HEAD_DIM], [stride_vn, 1], [BLOCK_N, HEAD_DIM_PAD])
-        q = q_desc.load([start_m, 0])  # [BLOCK_M, D_PAD]
-        # stage 1: blocks every row sees whole, no mask
-        for start_n in tl.range(0, n_full, BLOCK_N):
-            k = k_desc.load([start_n, 0])  # [BLOCK_N, D_PAD]
-            qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N]
-            p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, False)
-            v = v_desc.load([start_n, 0])
-            acc = tl.dot(p.to(v.dtype), v, acc)
-        # stage 2: diagonal band and ragged tail, masked
-        for start_n in tl.range(n_full, n_end, BLOCK_N):
-            k = k_desc.load([start_n, 0])
+        if PAGED:  # the whole pool as [NUM_BLOCKS * P, D] rows; see [Note] Chunked prefill over a cache
+            k_desc = tl.make_tensor_descriptor(k_base, [NUM_BLOCKS * PAGE_SIZE, HEAD_DIM], [stride_kn, 1],
+                                               [BLOCK_N, HEAD_DIM_PAD])
+            v_desc = tl.make_tensor_descriptor(v_base, [NUM_BLOCKS * PAGE_SIZE, HEAD_DIM], [stride_vn, 1],
+                                               [BLOCK_N, HEAD_DIM_PAD])
+            q = q_desc.load([start_m, 0])  # [BLOCK_M, D_PAD]
+            table = Block_table + off_b * stride_btb
+            next_row = _page_row(table, 0, n_end, NUM_BLOCKS, PAGE_SIZE)
+            # stage 1: blocks every row sees whole, no mask; each page is looked up one block ahead
+            for start_n in tl.range(0, n_full, BLOCK_N):
+                row = next_row
+                next_row = _page_row(table, start_n + BLOCK_N, n_end, NUM_BLOCKS, PAGE_SIZE)
+                k = k_desc.load([row, 0])
+                qk = tl.dot(q, tl.trans(k))
+                p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, False)
+                v = v_desc.load([row, 0])
+                acc = tl.dot(p.to(v.dtype), v, acc)
+            # stage 2: diagonal band and ragged tail, masked; rows past N are another request's or
+            # stale: their scores are masked and their values zeroed (0 * NaN would poison acc)
+            for start_n in tl.range(n_full, n_end, BLOCK_N):
+                row = next_row
+                next_row = _page_row(table, start_n + BLOCK_N, n_end, NUM_BLOCKS, PAGE_SIZE)
+                k = k_desc.load([row, 0])
+                qk = tl.dot(q, tl.trans(k))
+                qk = mask_scores(qk, start_n + offs_n, n_end, row_limit, IS_CAUSAL)
+                p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, True)
+                v = v_desc.load([row, 0])
+                v = tl.where((start_n + offs_n)[:, None] < n_end, v, 0.0)
+                acc = tl.dot(p.to(v.dtype), v, acc)
+        else:
+            k_desc = tl.make_tensor_descriptor(k_base, [N, HEAD_DIM], [stride_kn, 1], [BLOCK_N, HEAD_DIM_PAD])
+            v_desc = tl.make_tensor_descriptor(v_base, [N, HEAD_DIM], [stride_vn, 1], [BLOCK_N, HEAD_DIM_PAD])
+            q = q_desc.load([start_m, 0])  # [BLOCK_M, D_PAD]
+            # stage 1: blocks every row sees whole, no mask
+            for start_n in tl.range(0, n_full, BLOCK_N):
+                k = k_desc.load([start_n, 0])  # [BLOCK_N, D_PAD]
+                qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N]
+                p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, False)
+                v = v_desc.load([start_n, 0])
+                acc = tl.dot(p.to(v.dtype), v, acc)
+            # stage 2: diagonal band and ragged tail, masked
+            for start_n in tl.range(n_full, n_end, BLOCK_N):
+                k = k_desc.load([start_n, 0])
+                qk = tl.dot(q, tl.trans(k))
+                qk = mask_scores(qk, start_n + offs_n, n_end, row_limit, IS_CAUSAL)
+                p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, True)
+                v = v_desc.load([start_n, 0])
+                acc = tl.dot(p.to(v.dtype), v, acc)
+    elif PAGED:  # pointer path over a paged pool: each key block finds its rows through the block table
+        q = load_rows(tile_ptrs(q_base, start_m, stride_qm, BLOCK_M, offs_d), offs_m, M, offs_d,
+                      HEAD_DIM, HEAD_DIM_PAD, True)
+        table = Block_table + off_b * stride_btb
+        next_blocks = physical_blocks(table, 0, offs_n, n_end, NUM_BLOCKS, PAGE_SIZE, BLOCK_N)
+        for start_n in tl.range(0, n_end, BLOCK_N):  # one loop: the masks are cheap next to the gathers
+            rows = start_n + offs_n
+            blocks = next_blocks
+            next_blocks = physical_blocks(table, start_n + BLOCK_N, rows + BLOCK_N, n_end, NUM_BLOCKS, PAGE_SIZE,
+                                          BLOCK_N)
+            k = load_rows(k_base + kv_row_offsets(blocks, rows, stride_kblk, stride_kn, PAGE_SIZE, True)[:, None]
+                          + offs_d[None, :], rows, n_end, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
             qk = tl.dot(q, tl.trans(k))
-            qk = mask_scores(qk, start_n + offs_n, n_end, row_limit, IS_CAUSAL)
+            qk = mask_scores(qk, rows, n_end, row_limit, IS_CAUSAL)
             p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, True)
-            v = v_desc.load([start_n, 0])
+            v = load_rows(v_base + kv_row_offsets(blocks, rows, stride_vblk, stride_vn, PAGE_SIZE, True)[:, None]
+                          + offs_d[None, :], rows, n_end, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
             acc = tl.dot(p.to(v.dtype), v, acc)
     else:
         q = load_rows(tile_ptrs(q_base, start_m, stride_qm, BLOCK_M, offs_d), offs_m, M, offs_d,
@@ -657,6 +749,64 @@ def _flash_attn_forward(
         lse.fill_(float("inf"))
         return out, lse
     _launch_forward(q, k, v, out, lse, batch, seqlen_q, seqlen_k, softmax_scale, causal, config, {})
+    return out, lse
+
+
+def _flash_attn_kvcache_forward(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    appended: bool,
+    block_table: Optional[torch.Tensor],
+    softmax_scale: float,
+    causal: bool,
+    config: Optional[AttnConfig] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Chunked prefill (see [Note] Chunked prefill over a cache): q (B, M, H, D) attends over each
+    request's cached keys, cache_seqlens[b] of them plus, when `appended`, the M keys just written
+    after them. The cache is dense (B, S, H_KV, D) or, with block_table (B, max_blocks) int32, a
+    paged pool (NUM_BLOCKS, P, H_KV, D). Inputs are validated (kernels.decode does it); returns
+    (out (B, M, H, D), lse (B, H, M) float32)."""
+    batch, seqlen_q, nheads, head_dim = q.shape
+    nheads_k = k_cache.shape[2]
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    if config is None:
+        config = prefill_fwd_config(head_dim_pad, q.dtype, causal, q.device)
+    out = torch.empty((batch, seqlen_q, nheads, head_dim), dtype=q.dtype, device=q.device)
+    lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        lse.fill_(float("inf"))
+        return out, lse
+    use_tma = _use_tma(config.use_tma, q, k_cache, v_cache, out)
+    cache_args = dict(Cache_seqlens=cache_seqlens, IS_KVCACHE=True, KV_APPEND=appended)
+    if block_table is None:
+        capacity = k_cache.shape[1]
+        k_strides, v_strides = k_cache.stride()[:3], v_cache.stride()[:3]
+    else:
+        num_blocks, page_size = k_cache.shape[0], k_cache.shape[1]
+        capacity = block_table.shape[1] * page_size
+        # descriptors see the pool as [NUM_BLOCKS * P, D] rows: whole key blocks per page, rows evenly spaced
+        use_tma = use_tma and page_size % config.block_n == 0 and all(
+            t.stride(0) == page_size * t.stride(1) for t in (k_cache, v_cache))
+        k_strides, v_strides = (0, *k_cache.stride()[1:3]), (0, *v_cache.stride()[1:3])  # no batch offset
+        cache_args.update(Block_table=block_table, stride_btb=block_table.stride(0), NUM_BLOCKS=num_blocks,
+                          stride_kblk=k_cache.stride(0), stride_vblk=v_cache.stride(0), PAGED=True,
+                          PAGE_SIZE=page_size)
+    if use_tma:
+        _ensure_tma_allocator()
+    grid = (triton.cdiv(seqlen_q, config.block_m), batch * nheads)
+    with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
+        _fwd_kernel[grid](
+            q, k_cache, v_cache, out, lse,
+            *q.stride()[:3], *k_strides, *v_strides, *out.stride()[:3],
+            nheads, seqlen_q, capacity, nheads // nheads_k, softmax_scale * LOG2E,
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+            IS_CAUSAL=causal, USE_TMA=use_tma,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+            **cache_args,
+        )
     return out, lse
 
 

@@ -55,6 +55,31 @@ def host_overhead_us(fn, calls: int = 2000) -> float:
     return statistics.median(times) * 1e6
 
 
+def chunked_crossover() -> list:
+    """Decode kernel vs prefill path (see kernels.decode [Note] Chunked prefill) as seqlen_q grows:
+    where CHUNKED_PREFILL_MIN_SEQLEN_Q should sit. Append + causal over 4096 cached tokens."""
+    rows = []
+    threshold = decode.CHUNKED_PREFILL_MIN_SEQLEN_Q
+    for B in (1, 8):
+        kc = torch.randn(B, 8192, HK, D, device="cuda", dtype=torch.bfloat16)
+        vc = torch.randn_like(kc)
+        for M in (16, 32, 64, 128, 256, 512):
+            q = torch.randn(B, M, H, D, device="cuda", dtype=torch.bfloat16)
+            kn = torch.randn(B, M, HK, D, device="cuda", dtype=torch.bfloat16)
+            vn = torch.randn_like(kn)
+            times = {}
+            for path, thr in (("decode_kernel", 1 << 30), ("prefill_path", 1)):
+                decode.CHUNKED_PREFILL_MIN_SEQLEN_Q = thr
+                times[path] = time_cuda_graph(
+                    lambda: flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=4096, causal=True))
+                rows.append(make_row(kernel="chunked_" + path, batch=B, seqlen_cache=4096, seqlen_q=M,
+                                     ms=times[path]))
+            print(f"chunked B={B} M={M}: decode kernel {times['decode_kernel'] * 1e3:.1f} us, "
+                  f"prefill path {times['prefill_path'] * 1e3:.1f} us", flush=True)
+    decode.CHUNKED_PREFILL_MIN_SEQLEN_Q = threshold
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="results", help="results root; rows go to <out>/<gpu-slug>/")
@@ -133,6 +158,9 @@ def main() -> int:
     us = host_overhead_us(lambda: flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens))
     rows.append(make_row(kernel="ours_append_tensor_lens_no_fast_launch", batch=1, seqlen_cache=4096, host_us=us))
     print(f"host overhead without fast launch: {us:.1f} us", flush=True)
+    os.environ["KERNELS_FAST_LAUNCH"] = "1"
+    decode._launch_decode.enabled = True
+    rows += chunked_crossover()
     path = write_csv(rows, "tune_decode", args.out)
     print("wrote", path)
     return 0

@@ -581,3 +581,14 @@ def test_cpu_block_table_with_device_lengths_checks_every_entry():
     with pytest.raises(ValueError, match="every entry"):
         flash_attn_with_kvcache(q, k_pool, v_pool, k, v, cache_seqlens=i32([1, 1]), block_table=bad)
     flash_attn_with_kvcache(q, k_pool, v_pool, k, v, cache_seqlens=i32([1, 1]).cpu(), block_table=bad)  # host-known
+
+
+def test_paged_kvcache_decode_takes_no_pages_on_bad_input():
+    """A decode call that fails validation leaves the pool as it was (all or nothing per call)."""
+    cache = PagedKVCache(8, 16, 2, 32, max_batch=2, max_blocks_per_seq=4, dtype=torch.float16, device=DEVICE)
+    slot = cache.add_request()
+    q = randn(1, 20, 4, 32, dtype=torch.float16)
+    k_bad = randn(1, 20, 2, 32, dtype=torch.float32)  # wrong dtype
+    with pytest.raises(ValueError, match="dtype"):
+        cache.decode(q, k_bad, k_bad, slots=[slot])
+    assert cache.num_free_blocks == 8 and cache.pages(slot) == [] and cache.seqlens[slot] == 0
