@@ -1072,7 +1072,10 @@ def build(name: str, cells: List[Cell]) -> nbformat.NotebookNode:
 
 
 def notebooks() -> dict:
-    return {"00_hardening": hardening(), "01_gqa": gqa(), "02_decode": decode()}
+    # Later notebooks live in their own builder modules, which import this one: import them here.
+    from nb_serving import serving
+
+    return {"00_hardening": hardening(), "01_gqa": gqa(), "02_decode": decode(), "04_serving": serving()}
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,689 @@
+"""Continuous batching over a PagedKVCache: a small serving engine for one attention layer.
+
+What a serving system does with an attention kernel, in ~one screen of scheduling code, with no model
+around it: requests with different prompt lengths arrive over time; each engine step admits new
+requests while the page pool can hold them, prefills waiting prompts in chunks under a per-step token
+budget, decodes every running request together in one batched call, retires finished requests and
+returns their pages to the pool. Every attention output can be checked against the eager reference.
+
+There is no model: request `rid` is a stream of random q/k/v tokens drawn from a generator seeded
+with (seed, rid), as if from one attention layer whose inputs did not depend on its outputs. Its
+token `t` attends to its tokens `0..t`, so the output of a prefill chunk covering tokens [a, b) (or
+of a decode step, b = a + 1) must equal `attention_ref(q[a:b], k[:b], v[:b], causal=True)`:
+bottom-right causal, GQA. And all of a request's outputs together must equal one-shot causal
+attention over its whole stream.
+
+Scheduler (vLLM's chunked prefill, TensorRT-LLM's "guaranteed no evict" capacity policy):
+- Admission, first come first served: the oldest arrived request is admitted when a request slot is
+  free and the pool's free pages, minus the pages already promised to running requests, cover its
+  whole length (prompt + new tokens). Pages are still taken on demand (`PagedKVCache` takes them as
+  tokens are appended), but a promised page is never given to anybody else, so no running request
+  ever has to be preempted. A request that waits blocks the ones behind it (no overtaking).
+- Token budget per step: decode tokens first (one per request in the decode phase), then prefill
+  chunks of at most `chunk_size` tokens for the prompts in admission order, until the budget is
+  spent. Long prompts thus share steps with decoding requests instead of stalling them.
+- Execution: one `PagedKVCache.decode` call for all decoding requests (seqlen_q = 1), and one call
+  per chunk length for the prefill chunks (`flash_attn_with_kvcache` with seqlen_q = chunk, which
+  appends the chunk's K/V to the request's pages and attends, bottom-right causal, to everything
+  cached so far plus the chunk itself).
+- Retirement: a request that has produced all its tokens is freed (`PagedKVCache.free`): its pages
+  go back to the pool and its slot to the free slots, in the same step.
+
+Not modelled: preemption (the admission policy makes it unnecessary), prefix sharing, sampling (the
+stream is fixed in advance), several layers (multiply the memory by the layer count).
+
+Memory accounting per step: the pool's pages in use (what paging costs) against a dense cache that
+reserves `max_seqlen` tokens for every running request, and against a dense cache allocated for
+`max_batch` requests up front (what a static batch needs), plus the live K/V (the tokens actually
+cached: the gap to the pool is paging's internal fragmentation, less than one page per request).
+
+Notation: H q heads, H_KV KV heads, D head dim, P page size, bytes per token = 2 (K and V) * H_KV *
+D * element size.
+"""
+
+from __future__ import annotations
+
+import bisect
+import datetime
+import itertools
+import math
+import numbers
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+
+from . import bench
+from ._utils import is_interpreter
+from .decode import PagedKVCache
+from .notebook_utils import ATOL_FLOOR, FP32_RTOL_GPU, FP32_RTOL_INTERPRET, FWD_FACTOR
+from .reference import attention_ref, rel_err
+
+VERIFY_MODES = ("all", "sample", "none")
+
+
+class VerificationError(AssertionError):
+    """An attention output of the engine broke the error rule against the reference."""
+
+
+@dataclass(frozen=True)
+class Request:
+    """A request: `prompt_len` prompt tokens, then `max_new_tokens` decode steps of one token each,
+    visible to the scheduler from engine step `arrival_step` on. Its K/V take prompt_len +
+    max_new_tokens cache rows in the end."""
+
+    prompt_len: int
+    max_new_tokens: int
+    arrival_step: int = 0
+
+    @property
+    def total_len(self) -> int:
+        return self.prompt_len + self.max_new_tokens
+
+
+@dataclass
+class _Active:
+    """An admitted request: its slot in the cache, its token stream, its progress."""
+
+    rid: int
+    request: Request
+    slot: int
+    q: torch.Tensor  # (total_len, H, D)
+    k: torch.Tensor  # (total_len, H_KV, D)
+    v: torch.Tensor
+    admitted_step: int
+    prefilled: int = 0  # prompt tokens in the cache
+    generated: int = 0  # decode steps done
+    prefill_done_step: Optional[int] = None
+    out: Optional[torch.Tensor] = None  # (total_len, H, D) when keep_outputs
+
+    @property
+    def cached(self) -> int:
+        return self.prefilled + self.generated
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.prefilled < self.request.prompt_len
+
+    @property
+    def finished(self) -> bool:
+        return not self.in_prefill and self.generated >= self.request.max_new_tokens
+
+
+def error_bound(dtype: torch.dtype, eager_err: float) -> float:
+    """The largest relative error the tests' rule accepts for a kernel output in `dtype`: 2x PyTorch's
+    own same-dtype error plus a floor for fp16/bf16; plain bounds for fp32 (exact under the
+    interpreter, tf32 on a GPU). See tests/helpers.py."""
+    if dtype == torch.float32:
+        return FP32_RTOL_INTERPRET if is_interpreter() else FP32_RTOL_GPU
+    return FWD_FACTOR * eager_err + ATOL_FLOOR[dtype]
+
+
+def check_attention(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Tuple[float, float]:
+    """(err, bound) of `out` (M, H, D), the causal attention of q (M, H, D) over k, v (N, H_KV, D)
+    aligned bottom-right, against the fp32 reference; err is inf when out is not finite."""
+    q, k, v = q[None], k[None], v[None]
+    ref32, _ = attention_ref(q.float(), k.float(), v.float(), causal=True)
+    eager = 0.0
+    if q.dtype != torch.float32:
+        same, _ = attention_ref(q, k, v, causal=True, upcast=False)
+        eager = rel_err(same, ref32)
+    err = rel_err(out[None], ref32) if bool(torch.isfinite(out).all()) else math.inf
+    return err, error_bound(q.dtype, eager)
+
+
+def _positive_int(name: str, value, minimum: int = 1) -> int:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"Expected {name} to be an int >= {minimum}, got {value!r}.")
+    return int(value)
+
+
+# ============================================================================================
+# The engine
+# ============================================================================================
+class ServingEngine:
+    """Continuous batching of `Request`s over a `PagedKVCache` (see the module docstring).
+
+        engine = ServingEngine(nheads=4, nheads_k=2, head_dim=32, page_size=16, num_blocks=16, max_batch=4,
+                               max_seqlen=96, chunk_size=32, token_budget=40, dtype=torch.float16)
+        engine.submit([Request(70, 5, 0), Request(20, 8, 2)])
+        engine.run()                                      # steps until every request has finished
+        engine.stats_frame(), engine.checks_frame(), engine.requests_frame()
+
+    Args:
+        nheads, nheads_k, head_dim: the attention layer (nheads % nheads_k == 0).
+        page_size, num_blocks: the pool: num_blocks pages of page_size tokens.
+        max_batch: request slots, i.e. the most requests running at once.
+        max_seqlen: the longest request (prompt + new tokens) the engine accepts; also the length a
+            dense cache would reserve per request. Requests get ceil(max_seqlen / page_size) block-table
+            columns.
+        chunk_size: the most prompt tokens of one request processed in one step.
+        token_budget: tokens per step, decode tokens first, then prefill chunks; at least max_batch
+            so that every running request can decode in every step.
+        dtype, device: of the pool and of the token streams (default: cuda if present, else cpu).
+        seed: the token streams' seed; request rid draws from a generator seeded with (seed, rid).
+        verify: "all" checks every output against the reference; "sample" the first and last
+            prefill chunk of each request and its first, middle and last decode step; "none" nothing.
+            Default: "all" under the Triton interpreter, "sample" on a GPU.
+        strict: raise VerificationError at the first output that breaks the rule (else record it).
+        keep_outputs: keep each request's outputs (total_len, H, D) in `outputs[rid]`.
+        num_splits: passed to the decode calls (0 = the kernel's heuristic).
+
+    Raises ValueError for a bad configuration; `submit` raises ValueError for a request that can
+    never run (longer than max_seqlen, or needing more pages than the whole pool).
+    """
+
+    def __init__(self, *, nheads: int, nheads_k: int, head_dim: int, page_size: int, num_blocks: int,
+                 max_batch: int, max_seqlen: int, chunk_size: int, token_budget: int,
+                 dtype: torch.dtype = torch.float16, device: Union[str, torch.device, None] = None, seed: int = 0,
+                 verify: Optional[str] = None, strict: bool = True, keep_outputs: bool = False,
+                 num_splits: int = 0):
+        nheads, nheads_k = _positive_int("nheads", nheads), _positive_int("nheads_k", nheads_k)
+        if nheads % nheads_k:
+            raise ValueError(f"Expected nheads ({nheads}) to be divisible by nheads_k ({nheads_k}); GQA needs "
+                             f"whole groups.")
+        page_size, max_batch = _positive_int("page_size", page_size), _positive_int("max_batch", max_batch)
+        self.max_seqlen = _positive_int("max_seqlen", max_seqlen)
+        self.chunk_size = _positive_int("chunk_size", chunk_size)
+        self.token_budget = _positive_int("token_budget", token_budget)
+        if self.token_budget < max_batch:
+            raise ValueError(f"Expected token_budget ({token_budget}) >= max_batch ({max_batch}): every running "
+                             f"request decodes one token per step; raise the budget or lower max_batch.")
+        if verify is None:
+            verify = "all" if is_interpreter() else "sample"
+        if verify not in VERIFY_MODES:
+            raise ValueError(f"Expected verify to be one of {VERIFY_MODES}, got {verify!r}.")
+        self.verify, self.strict, self.keep_outputs, self.num_splits = verify, bool(strict), keep_outputs, num_splits
+        self.nheads, self.seed = nheads, int(seed)
+        self.cache = PagedKVCache(num_blocks, page_size, nheads_k, head_dim, max_batch=max_batch,
+                                  max_blocks_per_seq=-(-self.max_seqlen // page_size), dtype=dtype, device=device)
+        self.device, self.dtype = self.cache.device, dtype
+        self.bytes_per_token = 2 * nheads_k * head_dim * torch.empty((), dtype=dtype).element_size()
+
+        self.clock = 0  # the engine step
+        self.requests: List[Request] = []  # by rid
+        self._waiting: List[Tuple[int, int]] = []  # (arrival_step, rid), sorted: FCFS
+        self._running: Dict[int, _Active] = {}  # rid -> state, in admission order
+        self.outputs: Dict[int, torch.Tensor] = {}
+        self.request_log: Dict[int, Dict[str, Any]] = {}
+        self.stats: List[Dict[str, Any]] = []
+        self.checks: List[Dict[str, Any]] = []
+
+    # -- requests ---------------------------------------------------------------------------------
+    def pages_for(self, num_tokens: int) -> int:
+        """Pages holding num_tokens tokens."""
+        return -(-int(num_tokens) // self.cache.page_size)
+
+    def submit(self, requests: Union[Request, Sequence[Request]]) -> List[int]:
+        """Queue requests (first come, first served by arrival step, then submission order); returns
+        their ids. All are checked before any is queued."""
+        if isinstance(requests, Request):
+            requests = [requests]
+        for i, r in enumerate(requests):
+            if not isinstance(r, Request):
+                raise TypeError(f"Expected kernels.serving.Request objects, got {type(r).__name__} at index {i}.")
+            _positive_int(f"prompt_len of request {i}", r.prompt_len)
+            _positive_int(f"max_new_tokens of request {i}", r.max_new_tokens, minimum=0)
+            _positive_int(f"arrival_step of request {i}", r.arrival_step, minimum=0)
+            if r.total_len > self.max_seqlen:
+                raise ValueError(
+                    f"Request {i} needs {r.prompt_len} prompt + {r.max_new_tokens} new = {r.total_len} tokens > "
+                    f"max_seqlen = {self.max_seqlen}; build the engine with a larger max_seqlen or shorten it.")
+            if self.pages_for(r.total_len) > self.cache.num_blocks:
+                raise ValueError(
+                    f"Request {i} needs {self.pages_for(r.total_len)} pages of {self.cache.page_size} tokens for "
+                    f"{r.total_len} tokens, but the pool has only {self.cache.num_blocks}: it could never be admitted; "
+                    f"allocate a larger pool.")
+        ids = []
+        for r in requests:
+            rid = len(self.requests)
+            self.requests.append(r)
+            bisect.insort(self._waiting, (r.arrival_step, rid))
+            ids.append(rid)
+        return ids
+
+    @property
+    def done(self) -> bool:
+        """No request is waiting or running."""
+        return not self._waiting and not self._running
+
+    @property
+    def running(self) -> List[int]:
+        """Ids of the running requests, in admission order."""
+        return list(self._running)
+
+    @property
+    def slots(self) -> Dict[int, int]:
+        """{rid: cache slot} of the running requests."""
+        return {rid: a.slot for rid, a in self._running.items()}
+
+    @property
+    def waiting(self) -> List[int]:
+        """Ids of the queued requests (arrived or not), in queue order."""
+        return [rid for _, rid in self._waiting]
+
+    def pages_promised(self) -> int:
+        """Pages the running requests will still take (their full length minus the pages they hold)."""
+        return sum(self.pages_for(a.request.total_len) - len(self.cache.pages(a.slot)) for a in self._running.values())
+
+    def _stream(self, rid: int, total: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(self.seed * 1_000_003 + rid)
+        nheads_k, head_dim = self.cache.nheads_k, self.cache.head_dim
+
+        def randn(*shape):
+            return torch.randn(*shape, generator=gen, device=self.device, dtype=torch.float32).to(self.dtype)
+
+        return randn(total, self.nheads, head_dim), randn(total, nheads_k, head_dim), randn(total, nheads_k, head_dim)
+
+    def token_stream(self, rid: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Request rid's q (total_len, H, D), k and v (total_len, H_KV, D): the same tensors the engine uses."""
+        return self._stream(rid, self.requests[rid].total_len)
+
+    def _admit(self) -> List[int]:
+        admitted = []
+        while self._waiting and self._waiting[0][0] <= self.clock:
+            rid = self._waiting[0][1]
+            request = self.requests[rid]
+            if len(self._running) >= self.cache.max_batch:
+                break
+            if self.cache.num_free_blocks - self.pages_promised() < self.pages_for(request.total_len):
+                break  # FCFS: the head waits for pages, and so does everybody behind it
+            self._waiting.pop(0)
+            q, k, v = self._stream(rid, request.total_len)
+            active = _Active(rid, request, self.cache.add_request(), q, k, v, admitted_step=self.clock)
+            if self.keep_outputs:
+                active.out = torch.full_like(q, float("nan"))
+            self._running[rid] = active
+            admitted.append(rid)
+        return admitted
+
+    # -- one step ---------------------------------------------------------------------------------
+    def _schedule(self) -> Tuple[List[_Active], List[Tuple[_Active, int]]]:
+        """Decode tokens first, then prefill chunks in admission order, within the token budget."""
+        decoding = sorted((a for a in self._running.values() if not a.in_prefill and not a.finished),
+                          key=lambda a: a.slot)  # ascending: a run of consecutive slots is passed as views
+        budget = self.token_budget - len(decoding)
+        chunks = []
+        for a in self._running.values():
+            if budget == 0:
+                break
+            if a.in_prefill:
+                n = min(self.chunk_size, a.request.prompt_len - a.prefilled, budget)
+                chunks.append((a, n))
+                budget -= n
+        return decoding, chunks
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def step(self) -> Optional[Dict[str, Any]]:
+        """Run one engine step (admit, schedule, attend, verify, retire); return its stats row, or None
+        when every request has finished. An idle engine jumps to the next arrival."""
+        if self.done:
+            return None
+        if not self._running and self._waiting[0][0] > self.clock:
+            self.clock = self._waiting[0][0]  # nothing to do until then
+        admitted = self._admit()
+        decoding, chunks = self._schedule()
+
+        # inputs, gathered before the clock starts (a model would produce them)
+        dec_inputs = [torch.stack([getattr(a, name)[a.cached] for a in decoding])[:, None]
+                      for name in ("q", "k", "v")] if decoding else None  # (n, 1, heads, D)
+        groups = []  # prefill chunks of one length go in one call
+        for n, group in itertools.groupby(sorted(chunks, key=lambda c: c[1]), key=lambda c: c[1]):
+            members = [a for a, _ in group]
+            inputs = [torch.stack([getattr(a, name)[a.prefilled : a.prefilled + n] for a in members])
+                      for name in ("q", "k", "v")]  # (m, n, heads, D)
+            groups.append((n, members, inputs))
+
+        # the step proper: page bookkeeping and attention
+        self._synchronize()
+        t0 = time.perf_counter()
+        dec_out = None
+        if decoding:
+            dec_out = self.cache.decode(*dec_inputs, slots=[a.slot for a in decoding], num_splits=self.num_splits)
+        chunk_outs = [self.cache.decode(*inputs, slots=[a.slot for a in members], num_splits=self.num_splits)
+                      for _, members, inputs in groups]
+        self._synchronize()
+        wall = time.perf_counter() - t0
+
+        # verify, advance, retire
+        for i, a in enumerate(decoding):
+            self._record(a, dec_out[i], a.cached, a.cached + 1, "decode")
+            a.generated += 1
+        for (n, members, _), out in zip(groups, chunk_outs):
+            for i, a in enumerate(members):
+                self._record(a, out[i], a.prefilled, a.prefilled + n, "prefill")
+                a.prefilled += n
+                if not a.in_prefill:
+                    a.prefill_done_step = self.clock
+        pages_in_use = self.cache.num_blocks - self.cache.num_free_blocks
+        live_tokens = sum(a.cached for a in self._running.values())
+        running = len(self._running)
+        finished = [a for a in self._running.values() if a.finished]
+        for a in finished:
+            self._retire(a)
+
+        mib = self.bytes_per_token / 2**20
+        row = {
+            "step": self.clock, "wall_ms": wall * 1e3,
+            "decode_tokens": len(decoding), "prefill_tokens": sum(n for _, n in chunks),
+            "prefill_chunks": len(chunks), "calls": (1 if decoding else 0) + len(groups),
+            "running": running, "admitted": len(admitted), "finished": len(finished),
+            "waiting": sum(1 for arrival, _ in self._waiting if arrival <= self.clock),
+            "pages_in_use": pages_in_use, "pages_promised": self.pages_promised(),
+            "live_kv_mib": live_tokens * mib,
+            "pool_in_use_mib": pages_in_use * self.cache.page_size * mib,
+            "pool_mib": self.cache.num_blocks * self.cache.page_size * mib,
+            "dense_running_mib": running * self.max_seqlen * mib,
+            "dense_max_batch_mib": self.cache.max_batch * self.max_seqlen * mib,
+        }
+        row["tokens"] = row["decode_tokens"] + row["prefill_tokens"]
+        row["tokens_per_s"] = row["tokens"] / wall if wall > 0 else math.nan
+        self.stats.append(row)
+        self.clock += 1
+        return row
+
+    def _sampled(self, a: _Active, start: int, end: int, kind: str) -> bool:
+        if self.verify == "all":
+            return True
+        if self.verify == "none":
+            return False
+        if kind == "prefill":
+            return start == 0 or end == a.request.prompt_len
+        g, n = a.generated, a.request.max_new_tokens
+        return g in (0, n // 2, n - 1)
+
+    def _record(self, a: _Active, out: torch.Tensor, start: int, end: int, kind: str) -> None:
+        """Keep and (if sampled) check the output (end - start, H, D) of a's tokens [start, end)."""
+        if a.out is not None:
+            a.out[start:end] = out
+        if not self._sampled(a, start, end, kind):
+            return
+        err, bound = check_attention(out, a.q[start:end], a.k[:end], a.v[:end])
+        ok = err <= bound
+        self.checks.append({"step": self.clock, "rid": a.rid, "kind": kind, "start": start, "end": end,
+                            "keys": end, "err": err, "bound": bound, "ok": ok})
+        if not ok and self.strict:
+            raise VerificationError(
+                f"step {self.clock}: request {a.rid} {kind} of tokens [{start}, {end}) over {end} keys: rel err "
+                f"{err:.3e} > bound {bound:.3e} against kernels.reference.attention_ref (causal bottom-right).")
+
+    def _retire(self, a: _Active) -> None:
+        self.cache.free(a.slot)
+        del self._running[a.rid]
+        if a.out is not None:
+            self.outputs[a.rid] = a.out
+        self.request_log[a.rid] = {
+            "rid": a.rid, "prompt_len": a.request.prompt_len, "max_new_tokens": a.request.max_new_tokens,
+            "arrival_step": a.request.arrival_step, "admitted_step": a.admitted_step,
+            "prefill_done_step": a.prefill_done_step, "finished_step": self.clock,
+            "queued_steps": a.admitted_step - a.request.arrival_step,
+            "pages": self.pages_for(a.request.total_len),
+        }
+
+    def run(self, max_steps: int = 100_000) -> List[Dict[str, Any]]:
+        """Step until every request has finished; returns the stats rows of this run."""
+        first = len(self.stats)
+        for _ in range(max_steps):
+            if self.step() is None:
+                return self.stats[first:]
+        raise RuntimeError(f"The engine did not finish within max_steps = {max_steps} steps.")
+
+    # -- tables ---------------------------------------------------------------------------------
+    def stats_frame(self):
+        """Per-step stats as a pandas DataFrame."""
+        import pandas as pd
+
+        return pd.DataFrame(self.stats)
+
+    def checks_frame(self):
+        """One row per checked output: step, rid, kind, token range, err, bound, ok."""
+        import pandas as pd
+
+        return pd.DataFrame(self.checks, columns=["step", "rid", "kind", "start", "end", "keys", "err", "bound", "ok"])
+
+    def requests_frame(self):
+        """One row per finished request: lengths, arrival, admission, end of prefill and finish steps."""
+        import pandas as pd
+
+        return pd.DataFrame([self.request_log[rid] for rid in sorted(self.request_log)])
+
+
+# ============================================================================================
+# Workloads and sizes
+# ============================================================================================
+def make_workload(num_requests: int, prompt_range: Tuple[int, int], new_tokens_range: Tuple[int, int],
+                  arrival_span: int, *, seed: int = 0) -> List[Request]:
+    """Seeded requests: prompt lengths uniform in prompt_range (the first request gets the longest),
+    new tokens uniform in new_tokens_range, arrival steps uniform in [0, arrival_span), sorted."""
+    num_requests = _positive_int("num_requests", num_requests)
+    (p_lo, p_hi), (g_lo, g_hi) = prompt_range, new_tokens_range
+    if not 1 <= p_lo <= p_hi or not 0 <= g_lo <= g_hi or arrival_span < 1:
+        raise ValueError(f"Expected 1 <= prompt_range[0] <= prompt_range[1], 0 <= new_tokens_range[0] <= "
+                         f"new_tokens_range[1] and arrival_span >= 1, got {prompt_range}, {new_tokens_range}, "
+                         f"{arrival_span}.")
+    rng = np.random.default_rng(seed)
+    prompts = rng.integers(p_lo, p_hi + 1, num_requests)
+    prompts[0] = p_hi
+    new_tokens = rng.integers(g_lo, g_hi + 1, num_requests)
+    arrivals = np.sort(rng.integers(0, arrival_span, num_requests))
+    arrivals[0] = 0
+    return [Request(int(p), int(g), int(t)) for p, g, t in zip(prompts, new_tokens, arrivals)]
+
+
+def serving_sizes(on_gpu: bool) -> SimpleNamespace:
+    """Sizes for notebook 04: realistic on a GPU, small enough for the Triton interpreter on a CPU.
+
+    GPU: bf16, 32 q heads over 8 KV heads, head dim 128, pages of 64 tokens, 32 requests with prompts of
+    100..4000 tokens and 16..256 new tokens arriving over 200 steps, 16 slots, a pool of 512 pages (a
+    dense cache for 16 requests of max_seqlen would need 1088), chunks of 512 tokens, 2048 tokens per step.
+    CPU: fp16, 4 q heads over 2 KV heads, head dim 32, pages of 16, 6 requests with prompts of 5..80
+    tokens and 2..8 new tokens, 4 slots, a pool of 14 pages (so admission has to wait), chunks of 32.
+    """
+    if on_gpu:
+        return SimpleNamespace(
+            dtype=torch.bfloat16, nheads=32, nheads_k=8, head_dim=128, page_size=64, num_blocks=512, max_batch=16,
+            max_seqlen=4352, chunk_size=512, token_budget=2048, num_requests=32, prompt_range=(100, 4000),
+            new_tokens_range=(16, 256), arrival_span=200, verify="sample", chunks=(5, 17, 1, 33, 700, 1000, 300),
+        )
+    return SimpleNamespace(
+        dtype=torch.float16, nheads=4, nheads_k=2, head_dim=32, page_size=16, num_blocks=14, max_batch=4,
+        max_seqlen=96, chunk_size=32, token_budget=40, num_requests=6, prompt_range=(5, 80),
+        new_tokens_range=(2, 8), arrival_span=6, verify="all", chunks=(5, 17, 1, 33),
+    )
+
+
+def engine_from_sizes(S: SimpleNamespace, device=None, **overrides) -> ServingEngine:
+    """A ServingEngine with the sizes of `serving_sizes` (keyword overrides win)."""
+    kwargs = dict(nheads=S.nheads, nheads_k=S.nheads_k, head_dim=S.head_dim, page_size=S.page_size,
+                  num_blocks=S.num_blocks, max_batch=S.max_batch, max_seqlen=S.max_seqlen, chunk_size=S.chunk_size,
+                  token_budget=S.token_budget, dtype=S.dtype, device=device, verify=S.verify)
+    kwargs.update(overrides)
+    return ServingEngine(**kwargs)
+
+
+# ============================================================================================
+# Chunked prefill against a cache, one request
+# ============================================================================================
+def chunked_prefill_table(chunks: Sequence[int], *, nheads: int, nheads_k: int, head_dim: int, page_size: int,
+                          dtype: torch.dtype, device=None, seed: int = 0):
+    """One prompt of sum(chunks) tokens prefilled chunk by chunk into a dense cache buffer and into a
+    PagedKVCache (flash_attn_with_kvcache with seqlen_q = chunk: append, then attend bottom-right
+    causal over the cache plus the chunk), against one-shot causal prefill (flash_attn_func) and the
+    fp32 reference. The dense buffer's rows past the prompt and the pool's unused pages hold NaN: a
+    read of a row that is not the request's poisons the output.
+
+    One row per chunk and cache: tokens [start, end), err (vs the reference), bound, diff_one_shot
+    (relative difference to the same rows of the one-shot prefill), ok.
+    """
+    import pandas as pd
+
+    from .decode import flash_attn_with_kvcache
+    from .prefill import flash_attn_func
+
+    device = torch.device(device) if device is not None else (torch.device("cuda") if torch.cuda.is_available()
+                                                              else torch.device("cpu"))
+    chunks = [_positive_int("chunk", c) for c in chunks]
+    total = sum(chunks)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
+
+    q = randn(1, total, nheads, head_dim)
+    k, v = randn(1, total, nheads_k, head_dim), randn(1, total, nheads_k, head_dim)
+    one_shot = flash_attn_func(q, k, v, causal=True)
+    k_dense = torch.full((1, total + 7, nheads_k, head_dim), float("nan"), dtype=dtype, device=device)
+    v_dense = k_dense.clone()
+    paged = PagedKVCache(-(-total // page_size) + 3, page_size, nheads_k, head_dim, max_batch=2,
+                         max_blocks_per_seq=-(-total // page_size), dtype=dtype, device=device)
+    paged.k_cache.fill_(float("nan"))
+    paged.v_cache.fill_(float("nan"))
+    paged.add_request()  # slot 0 takes nothing; slot 1's pages are then not simply blocks 0, 1, ...
+    paged.extend(0, page_size)
+    slot = paged.add_request()
+    rows, start = [], 0
+    agree = one_shot_tolerance(dtype)
+    for n in chunks:
+        end = start + n
+        part = (q[:, start:end], k[:, start:end], v[:, start:end])
+        outs = {
+            "dense": flash_attn_with_kvcache(part[0], k_dense, v_dense, part[1], part[2], cache_seqlens=start,
+                                             causal=True),
+            "paged": paged.decode(*part, slots=[slot]),
+        }
+        for cache, out in outs.items():
+            err, bound = check_attention(out[0], q[0, start:end], k[0, :end], v[0, :end])
+            diff = rel_err(out, one_shot[:, start:end])
+            rows.append({"cache": cache, "chunk": n, "start": start, "end": end, "err": err, "bound": bound,
+                         "diff_one_shot": diff, "ok": bool(err <= bound and diff <= agree)})
+        start = end
+    return pd.DataFrame(rows)
+
+
+def one_shot_tolerance(dtype: torch.dtype) -> float:
+    """Largest relative difference allowed between chunked and one-shot prefill of the same data: two
+    kernels summing in another order, each rounding its output once."""
+    if dtype == torch.float32:
+        return 2e-5 if is_interpreter() else 1e-2  # exact fp32 dots under the interpreter, tf32 on a GPU
+    return {torch.float16: 4e-3, torch.bfloat16: 3.2e-2}[dtype]
+
+
+# ============================================================================================
+# Summaries, results and plots
+# ============================================================================================
+def summary(stats) -> Dict[str, float]:
+    """Totals of a run from its stats rows (a list of dicts or a DataFrame)."""
+    import pandas as pd
+
+    df = pd.DataFrame(stats) if not isinstance(stats, pd.DataFrame) else stats
+    wall_s = df["wall_ms"].sum() / 1e3
+    decode_only = df[(df["prefill_tokens"] == 0) & (df["decode_tokens"] > 0)]
+    with_prefill = df[df["prefill_tokens"] > 0]
+    return {
+        "steps": int(len(df)), "tokens": int(df["tokens"].sum()), "prefill_tokens": int(df["prefill_tokens"].sum()),
+        "decode_tokens": int(df["decode_tokens"].sum()), "attention_s": wall_s,
+        "tokens_per_s": df["tokens"].sum() / wall_s if wall_s > 0 else math.nan,
+        "tokens_per_s_decode_only_steps": (decode_only["tokens"].sum() / (decode_only["wall_ms"].sum() / 1e3)
+                                           if len(decode_only) else math.nan),
+        "tokens_per_s_prefill_steps": (with_prefill["tokens"].sum() / (with_prefill["wall_ms"].sum() / 1e3)
+                                       if len(with_prefill) else math.nan),
+        "max_running": int(df["running"].max()),
+        "peak_pool_in_use_mib": float(df["pool_in_use_mib"].max()), "pool_mib": float(df["pool_mib"].max()),
+        "peak_live_kv_mib": float(df["live_kv_mib"].max()),
+        "peak_dense_running_mib": float(df["dense_running_mib"].max()),
+        "dense_max_batch_mib": float(df["dense_max_batch_mib"].max()),
+    }
+
+
+def save_stats(stats: Sequence[Dict[str, Any]], config: Dict[str, Any], name: str = "serving_steps",
+               results_dir: Union[str, Path] = "results") -> Path:
+    """Append a run's stats rows, tagged with the config, a run id and the environment
+    (kernels.bench.make_row), to results/<gpu>/<name>.csv."""
+    run = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S.%f")  # sorts by time
+    config = {key: (str(value).replace("torch.", "") if isinstance(value, torch.dtype) else value)
+              for key, value in config.items() if isinstance(value, (numbers.Number, str, torch.dtype))}
+    rows = [bench.make_row(**{**config, **row, "run": run}) for row in stats]
+    return bench.write_csv(rows, name, results_dir=results_dir)
+
+
+def load_stats(name: str = "serving_steps", results_dir: Union[str, Path] = "results"):
+    """The latest run per GPU of results/<gpu>/<name>.csv as a DataFrame, or None if there is none."""
+    try:
+        df = bench.read_csv(name, results_dir=results_dir)
+    except FileNotFoundError:
+        return None
+    latest = df.groupby("gpu")["run"].transform("max")
+    return df[df["run"] == latest].reset_index(drop=True)
+
+
+def figure_path(gpu: str, name: str, figures_dir: Union[str, Path] = "figures") -> Path:
+    """figures/<gpu-slug>/<name>.png (a relative figures_dir is taken from the repo root)."""
+    root = Path(figures_dir)
+    root = root if root.is_absolute() else bench.REPO_ROOT / root
+    return root / bench.gpu_slug(str(gpu)) / f"{name}.png"
+
+
+def plot_serving(stats, *, title: str, path: Optional[Union[str, Path]] = None):
+    """Four panels over the engine steps: tokens/s, tokens per step (prefill and decode), memory (pool in
+    use and live K/V against the dense reservations), running and waiting requests. Saved to `path`
+    when given; shown in a notebook; returns the figure (closed)."""
+    import matplotlib
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    df = pd.DataFrame(stats) if not isinstance(stats, pd.DataFrame) else stats
+    x = df["step"]
+    fig, axes = plt.subplots(4, 1, figsize=(13, 12), sharex=True)
+    mixed = df["prefill_tokens"] > 0
+    ax = axes[0]
+    ax.plot(x, df["tokens_per_s"], color="0.6", linewidth=0.8)
+    ax.scatter(x[mixed], df["tokens_per_s"][mixed], s=12, label="steps with prefill chunks", color="tab:orange")
+    ax.scatter(x[~mixed], df["tokens_per_s"][~mixed], s=12, label="decode-only steps", color="tab:blue")
+    ax.set_yscale("log")
+    ax.set_ylabel("tokens / s")
+    ax = axes[1]
+    ax.bar(x, df["decode_tokens"], width=1.0, label="decode tokens", color="tab:blue")
+    ax.bar(x, df["prefill_tokens"], width=1.0, bottom=df["decode_tokens"], label="prefill tokens", color="tab:orange")
+    ax.set_ylabel("tokens per step")
+    ax = axes[2]
+    unit, scale = ("MiB", 1.0) if df["dense_max_batch_mib"].max() >= 1 else ("KiB", 1024.0)
+    mem = {c: df[c] * scale for c in ("dense_running_mib", "dense_max_batch_mib", "pool_in_use_mib", "live_kv_mib",
+                                      "pool_mib")}
+    ax.plot(x, mem["dense_running_mib"], label="dense: max_seqlen reserved per running request", color="tab:red")
+    ax.axhline(mem["dense_max_batch_mib"].max(), color="tab:red", linestyle=":",
+               label="dense: max_seqlen x max_batch, allocated up front")
+    ax.plot(x, mem["pool_in_use_mib"], label="paged: pages in use", color="tab:green", linewidth=2)
+    ax.plot(x, mem["live_kv_mib"], label="live K/V (tokens cached)", color="black", linewidth=1, linestyle="--")
+    ax.axhline(mem["pool_mib"].max(), color="tab:green", linestyle=":", label="paged: whole pool")
+    ax.set_ylabel(f"K/V memory, one layer ({unit})")
+    ax.set_ylim(bottom=0)
+    ax = axes[3]
+    ax.step(x, df["running"], where="mid", label="running")
+    ax.step(x, df["waiting"], where="mid", label="arrived, waiting for admission")
+    ax.set_ylabel("requests")
+    ax.set_xlabel("engine step")
+    ax.yaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    if path is not None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=110, metadata={"Software": None})
+        shown = path.relative_to(bench.REPO_ROOT) if path.is_relative_to(bench.REPO_ROOT) else path
+        print(f"saved {shown}")
+    if "agg" not in matplotlib.get_backend().lower():
+        plt.show()
+    plt.close(fig)
+    return fig
