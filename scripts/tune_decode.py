@@ -84,6 +84,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="results", help="results root; rows go to <out>/<gpu-slug>/")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-sweep", action="store_true", help="only the host overhead and the chunked crossover")
     args = ap.parse_args()
     torch.manual_seed(0)
     dev = "cuda"
@@ -94,7 +95,7 @@ def main() -> int:
                if not (bn == 128 and s >= 6)]
     if args.quick:
         configs = [default_cfg, _configs.DecodeConfig(64, 4, 6), _configs.DecodeConfig(128, 8, 3)]
-    for B, L in shapes:
+    for B, L in [] if args.no_sweep else shapes:
         q = torch.randn(B, 1, H, D, device=dev, dtype=torch.bfloat16)
         kc = torch.randn(B, L, HK, D, device=dev, dtype=torch.bfloat16)
         vc = torch.randn(B, L, HK, D, device=dev, dtype=torch.bfloat16)
