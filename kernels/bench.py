@@ -7,12 +7,12 @@ FlashAttention / Triton tutorial conventions: forward FLOPs 4*B*H*M*N*D (two mat
 when causal, 2.5x for the backward; decode is judged by K/V bytes read per second.
 
 Importing this module needs no GPU and queries no device; the timing functions raise a RuntimeError
-without one. `python -m kernels.bench` is the (growing) command-line entry point.
+without one. `python -m kernels.bench` runs the benchmark suite (kernels/bench_suite.py: grids, peers,
+resumable CSVs, plots); `python -m kernels.bench --help` lists its options.
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
 import datetime
 import functools
@@ -21,10 +21,13 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Union
 
 import torch
+import triton
+import triton.language as tl
 
 from ._utils import env_summary, gpu_name, has_gpu
 
@@ -182,17 +185,38 @@ def _summary(times_ms: List[float]) -> Dict[str, float]:
     }
 
 
+@functools.lru_cache(maxsize=None)
+def l2_cache_bytes(index: int = 0) -> int:
+    """L2 cache size of CUDA device `index` in bytes (60 MB on an H200); 64 MiB if torch does not say."""
+    props = torch.cuda.get_device_properties(index)
+    return int(getattr(props, "L2_cache_size", 0) or 64 * 2**20)
+
+
+_FLUSH_BUFFERS: Dict[int, torch.Tensor] = {}
+
+
+def _l2_flush_buffer() -> torch.Tensor:
+    """A buffer of twice the L2 size on the current device; zeroing it evicts whatever L2 held."""
+    index = torch.cuda.current_device()
+    if index not in _FLUSH_BUFFERS:
+        _FLUSH_BUFFERS[index] = torch.empty(2 * l2_cache_bytes(index), dtype=torch.int8, device=f"cuda:{index}")
+    return _FLUSH_BUFFERS[index]
+
+
 def time_fn(
     fn: Callable[..., Any],
     *,
     warmup: int = 10,
     rep: int = 50,
     rotate: Optional[Sequence[tuple]] = None,
+    flush_l2: bool = False,
 ) -> Dict[str, float]:
     """Time fn with CUDA events per call after `warmup` calls; returns median_ms, p20_ms, p80_ms, min_ms.
 
     rotate: argument tuples cycled through call by call (fn(*args)), so that small shapes do not run
     from a warm L2; without it fn is called with no arguments.
+    flush_l2: zero a buffer of twice the L2 size before each call, outside the timed events (Triton's
+    do_bench does the same), so that no call finds its inputs in L2.
     """
     _require_gpu("time_fn")
     if rep < 1 or warmup < 0:
@@ -200,18 +224,48 @@ def time_fn(
     arg_sets = [tuple(a) for a in rotate] if rotate is not None else [()]
     if not arg_sets:
         raise ValueError("Expected rotate to hold at least one argument tuple, got an empty sequence.")
+    flush = _l2_flush_buffer() if flush_l2 else None
     for i in range(warmup):
+        if flush is not None:
+            flush.zero_()
         fn(*arg_sets[i % len(arg_sets)])
     torch.cuda.synchronize()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
     for i in range(rep):
         args = arg_sets[(warmup + i) % len(arg_sets)]
+        if flush is not None:
+            flush.zero_()  # enqueued before the start event: evicts L2 without being timed
         starts[i].record()
         fn(*args)
         ends[i].record()
     torch.cuda.synchronize()
     return _summary([s.elapsed_time(e) for s, e in zip(starts, ends)])
+
+
+def host_overhead_us(fn: Callable[[], Any], *, calls: int = 300, warmup: int = 20) -> Dict[str, float]:
+    """CPU wall time of one fn() call without synchronising (wrapper + launches), in microseconds.
+
+    The GPU is synchronised only before and after the loop, so each sample is what the Python caller
+    waits for before it can issue its next call. Returns host_us (median), host_p20_us, host_p80_us.
+    Meaningful for calls whose GPU time is shorter than their host time (small decode steps);
+    otherwise the launch queue fills and the samples include waiting for it.
+    """
+    _require_gpu("host_overhead_us")
+    if calls < 1 or warmup < 0:
+        raise ValueError(f"Expected calls >= 1 and warmup >= 0, got calls={calls}, warmup={warmup}.")
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    values = sorted(samples)
+    return {"host_us": _quantile(values, 0.5), "host_p20_us": _quantile(values, 0.2),
+            "host_p80_us": _quantile(values, 0.8)}
 
 
 def time_cuda_graph(fn: Callable[[], Any], *, rep: int = 100) -> float:
@@ -273,10 +327,57 @@ def _copy_gbps(gib: float) -> float:
     return gbps(2 * src.numel() * src.element_size(), ms)
 
 
+STREAM_BLOCK, STREAM_ITERS = 4096, 16  # elements per load, loads per program (128 KiB of bf16 per program)
+
+
+@triton.jit
+def _stream_read_kernel(X, Partial, n_elements, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    """Read-only streaming: program p sums elements [p * BLOCK * ITERS, (p + 1) * BLOCK * ITERS) of X."""
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * (BLOCK * ITERS) + tl.arange(0, BLOCK)  # [BLOCK]
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in range(ITERS):
+        cur = offs + i * BLOCK
+        acc += tl.load(X + cur, mask=cur < n_elements, other=0.0).to(tl.float32)
+    tl.store(Partial + pid, tl.sum(acc, axis=0))
+
+
+def stream_read(x: torch.Tensor, partial: Optional[torch.Tensor] = None, *, block: int = STREAM_BLOCK,
+                iters: int = STREAM_ITERS) -> torch.Tensor:
+    """Read every element of the contiguous tensor x once and return per-program fp32 partial sums.
+
+    The read-only bandwidth probe of `ceilings()` (the sum keeps the loads alive); partial.sum() is
+    x.sum(). Each program reads `iters` consecutive blocks of `block` elements. Runs under the
+    interpreter too (CPU tensors), which is how the CPU tests check it.
+    """
+    if not x.is_contiguous():
+        raise ValueError("stream_read expects a contiguous tensor; call .contiguous() first.")
+    n = x.numel()
+    programs = max(1, triton.cdiv(n, block * iters))
+    if partial is None:
+        partial = torch.empty(programs, dtype=torch.float32, device=x.device)
+    _stream_read_kernel[(programs,)](x, partial, n, BLOCK=block, ITERS=iters, num_warps=8)
+    return partial
+
+
+def _read_gbps(gib: float) -> float:
+    """Read-only streaming GB/s over a `gib` GiB bf16 buffer: the larger of a Triton read kernel
+    (stream_read) and torch.sum with fp32 accumulation."""
+    x = torch.empty(int(gib * 2**30) // 2, device="cuda", dtype=torch.bfloat16).uniform_()
+    partial = torch.empty(triton.cdiv(x.numel(), STREAM_BLOCK * STREAM_ITERS), device="cuda", dtype=torch.float32)
+    nbytes = x.numel() * x.element_size()
+    triton_ms = time_fn(lambda: stream_read(x, partial), warmup=3, rep=20)["median_ms"]
+    torch_ms = time_fn(lambda: torch.sum(x, dtype=torch.float32), warmup=3, rep=20)["median_ms"]
+    return gbps(nbytes, min(triton_ms, torch_ms))
+
+
 def ceilings(*, matmul_n: int = 8192, copy_gib: float = 2.0) -> Dict[str, float]:
-    """Measured roofs of this GPU: bf16 matmul TFLOP/s (n^3, random data) and device copy GB/s (read+write)."""
+    """Measured roofs of this GPU: bf16 matmul TFLOP/s (n^3, random data), device copy GB/s (read+write),
+    read-only streaming GB/s (read_gbps), and bandwidth_gbps = the larger of the two bandwidths."""
     _require_gpu("ceilings")
-    result = {"matmul_tflops": _matmul_tflops(matmul_n), "copy_gbps": _copy_gbps(copy_gib)}
+    result = {"matmul_tflops": _matmul_tflops(matmul_n), "copy_gbps": _copy_gbps(copy_gib),
+              "read_gbps": _read_gbps(copy_gib)}
+    result["bandwidth_gbps"] = max(result["copy_gbps"], result["read_gbps"])
     torch.cuda.empty_cache()
     return result
 
@@ -387,26 +488,10 @@ def read_csv(name: str, gpu: Optional[str] = None, results_dir: Union[str, Path]
 # Command line
 # --------------------------------------------------------------------------------------------
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """`python -m kernels.bench`: on a GPU, print the environment and its measured ceilings."""
-    parser = argparse.ArgumentParser(
-        prog="python -m kernels.bench",
-        description="Benchmarks of the Triton attention kernels (needs a CUDA GPU). For now this prints the "
-        "environment and the GPU's measured ceilings (bf16 matmul TFLOP/s, copy GB/s).",
-    )
-    parser.parse_args(argv)
-    if not has_gpu():
-        print(
-            "python -m kernels.bench needs a CUDA GPU, and torch.cuda.is_available() is False. "
-            "Run it on a GPU machine; on the CPU, tests (TRITON_INTERPRET=1) and the notebooks' plots of "
-            "results/ work.",
-            file=sys.stderr,
-        )
-        return 1
-    for key, value in env_summary().items():
-        print(f"{key:>18}: {value}")
-    for key, value in ceilings().items():
-        print(f"{key:>18}: {value:.1f}")
-    return 0
+    """`python -m kernels.bench`: the benchmark suite (kernels.bench_suite.main; --help for options)."""
+    from .bench_suite import main as suite_main  # imported here: bench_suite imports this module
+
+    return suite_main(argv)
 
 
 if __name__ == "__main__":

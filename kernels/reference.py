@@ -6,7 +6,8 @@ zeros (LSE +inf) for rows that see no key.
 
 Also the seed's two eager decode baselines, `decode_eager_slice` (a preallocated cache sliced to the
 current length) and `decode_eager_cat` (a cache grown with torch.cat every step): benchmark
-competitors for notebook 02, not ground truth.
+competitors for notebook 02, not ground truth. `attention_eager` is the same naive attention as a
+prefill competitor (the benchmark suite's "eager" peer).
 """
 
 from __future__ import annotations
@@ -200,6 +201,23 @@ def _eager_decode_attention(
         scores = scores.masked_fill(~causal_mask(seqlen_q, seqlen_k, q.device), float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     return torch.matmul(probs, v.transpose(1, 2)).transpose(1, 2)  # (b, m, h, d)
+
+
+def attention_eager(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+) -> torch.Tensor:
+    """Naive eager attention over (batch, seqlen, heads, headdim) tensors, in q's dtype: a benchmark
+    competitor (what an unfused model does), not ground truth.
+
+    KV heads expanded with repeat_interleave, the (b, h, m, n) scores materialised in q's dtype, softmax
+    in float32, causal bottom-right (as the kernels). Differentiable. Memory grows as b * h * m * n.
+    """
+    return _eager_decode_attention(q, k, v, softmax_scale, causal)
 
 
 def _check_decode_shapes(q, k_cache, v_cache, k, v, what: str) -> None:

@@ -1073,9 +1073,11 @@ def build(name: str, cells: List[Cell]) -> nbformat.NotebookNode:
 
 def notebooks() -> dict:
     # Later notebooks live in their own builder modules, which import this one: import them here.
+    from nb_benchmarks import benchmarks
     from nb_serving import serving
 
-    return {"00_hardening": hardening(), "01_gqa": gqa(), "02_decode": decode(), "04_serving": serving()}
+    return {"00_hardening": hardening(), "01_gqa": gqa(), "02_decode": decode(), "03_benchmarks": benchmarks(),
+            "04_serving": serving()}
 
 
 def main(argv=None) -> int:

@@ -113,6 +113,21 @@ def test_timing_raises_without_gpu():
         bench.peak_memory_delta(lambda: None)
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
         bench.ceilings()
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        bench.time_fn(lambda: None, flush_l2=True)
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        bench.host_overhead_us(lambda: None)
+
+
+def test_stream_read_sums_every_element(device):
+    """The read-only bandwidth probe reads each element once: its partial sums add up to x.sum()."""
+    block, iters = 128, 4
+    x = torch.randn(block * iters + 100, device=device, dtype=torch.float32)  # two programs, the second one masked
+    partial = bench.stream_read(x, block=block, iters=iters)
+    assert partial.shape == (2,)
+    torch.testing.assert_close(partial.sum(), x.sum(), rtol=1e-5, atol=1e-3)
+    with pytest.raises(ValueError, match="contiguous"):
+        bench.stream_read(x.view(2, -1)[:, :10])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CLI's exit without a GPU")
