@@ -74,6 +74,11 @@ DENSE_VALUES = {
     "NUM_BLOCKS": None,
     "PAGED": False,
     "PAGE_SIZE": 1,
+    "Cache_seqlens": None,
+    "stride_kblk": None,
+    "stride_vblk": None,
+    "IS_KVCACHE": False,
+    "KV_APPEND": False,
 }
 METADATA_KEYS = ("num_warps", "num_stages", "num_ctas", "shared", "global_scratch_size", "global_scratch_align",
                  "tmem_size")
