@@ -92,17 +92,18 @@ def decode_kv_bytes(
     return 2 * tokens * nheads_k * head_dim * itemsize
 
 
-# Ceilings of an NVIDIA H200 as measured on this project's H200 machines (the device docs'
-# KINDS.md: a device-to-device copy through PyTorch moves about 4.3 TB/s counting bytes read and
-# written; an 8192^3 bf16 matmul on random data runs at 769-798 TFLOP/s). Not yet re-measured into
-# results/; the datasheet says 4.8 TB/s and about 990 TFLOP/s dense bf16. On a GPU, prefer
-# `ceilings()` measured in the same run.
+# Ceilings of an NVIDIA H200 as measured by the benchmark suite (results/nvidia-h200/bench_ceilings.csv,
+# two runs on 2026-12-01: bf16 8192^3 matmul on random data 784-792 TFLOP/s, device copy 4.24-4.26
+# TB/s counting bytes read and written, read-only stream 4.48-4.57 TB/s). The datasheet says 4.8 TB/s
+# and about 990 TFLOP/s dense bf16. For plots made without a GPU; on a GPU, prefer `ceilings()`
+# measured in the same run.
 H200_MEASURED_CEILINGS: Dict[str, Any] = {
     "gpu": "NVIDIA H200",
-    "matmul_tflops": 790.0,
-    "copy_gbps": 4300.0,
-    "source": "measured on this project's H200 machines (device docs: bf16 8192^3 matmul on random data "
-    "769-798 TFLOP/s, device copy ~4.3 TB/s read+write); not yet in results/",
+    "matmul_tflops": 788.0,
+    "copy_gbps": 4254.0,
+    "read_gbps": 4523.0,
+    "source": "results/nvidia-h200/bench_ceilings.csv (2026-12-01, means of two runs: bf16 8192^3 matmul "
+    "784-792 TFLOP/s, device copy 4.24-4.26 TB/s read+write, read-only stream 4.48-4.57 TB/s)",
 }
 
 

@@ -754,8 +754,8 @@ def decode() -> List[Cell]:
             re-reads K/V per q head does `G` times the traffic) at full bandwidth (enough programs in flight:
             split-KV when the batch is small).
 
-            The table uses an H200's ceilings as measured on this project's H200 machines (noted with their
-            source below; not yet re-measured into `results/`). On a GPU the same table follows for the present
+            The table uses an H200's ceilings as measured by the benchmark suite (`results/nvidia-h200/
+            bench_ceilings.csv`, source printed below). On a GPU the same table follows for the present
             card, with its ceilings measured now (`kernels.bench.ceilings()`: a large bf16 matmul, a device copy
             counting bytes read and written).
             """

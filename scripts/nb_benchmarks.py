@@ -259,8 +259,8 @@ def benchmarks() -> List[Cell]:
                 if fractions is None:
                     continue
                 nbu.show(fractions, "{:.2f}")
-                values = fractions.stack()
-                assert ((values > 0) & (values < 1.2)).all(), (
+                values = fractions.stack().dropna()  # a shape some peer did not run is an empty cell
+                assert len(values) > 0 and ((values > 0) & (values < 1.2)).all(), (
                     f"{suite}: a fraction of the ceiling outside (0, 1.2) means a broken measurement (warm L2?)")
             """
         ),
