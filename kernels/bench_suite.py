@@ -613,13 +613,14 @@ def decode_config(batch: int, seqlen_q: int, nheads: int, nheads_k: int, head_di
 
 def kvcache_config(batch: int, seqlen_q: int, nheads: int, nheads_k: int, head_dim: int, seqlen_cache: int,
                    dtype: torch.dtype, device: torch.device, causal: bool) -> str:
-    """What flash_attn_with_kvcache runs for this shape (num_splits=0): the decode plan, or, for a chunk of
-    at least decode.CHUNKED_PREFILL_MIN_SEQLEN_Q new tokens, an append launch then the prefill forward."""
+    """What flash_attn_with_kvcache runs for this shape (num_splits=0): the decode plan, or, for a chunk
+    that decode._chunked_prefill_pays for, an append launch then the prefill forward."""
     try:
-        from .decode import CHUNKED_PREFILL_MIN_SEQLEN_Q as threshold
+        from .decode import _chunked_prefill_pays
     except ImportError:  # a kernels.decode without the chunked-prefill path
-        threshold = None
-    if threshold is not None and seqlen_q >= threshold:
+        _chunked_prefill_pays = None
+    if _chunked_prefill_pays is not None and _chunked_prefill_pays(batch, seqlen_q, nheads, head_dim, dtype, causal,
+                                                                   torch.device(device)):
         return "append + prefill " + prefill_config(dtype, head_dim, causal, device, "fwd")
     return "decode " + decode_config(batch, seqlen_q, nheads, nheads_k, head_dim, seqlen_cache, dtype, device)
 

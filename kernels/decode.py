@@ -74,8 +74,13 @@ kernel's fused append does, through `_store_new_rows`), then prefill's `_fwd_ker
 mode (IS_KVCACHE, see kernels/prefill.py) attends over each request's min(L_b + M, N_CACHE) keys,
 read from the cache: BLOCK_M x BLOCK_N tiles on tensor cores, tensor-descriptor loads on Hopper
 for dense caches and for pools whose page size is a multiple of BLOCK_N. Two launches, both free of
-host syncs, so a chunk step can be captured in a CUDA graph too. The threshold is where the
-prefill tiles stop wasting rows: below it the decode kernel's GQA read-once wins.
+host syncs, so a chunk step can be captured in a CUDA graph too. When (`_chunked_prefill_pays`):
+at least 128 new tokens, below which the decode kernel's GQA read-once wins, and a prefill grid
+(query blocks x batch x heads) of at least 0.8 x the SM count, since the prefill kernel does not
+split the keys and a small grid leaves SMs idle where the decode kernel splits. Measured on an H200
+(scripts/tune_decode.py, append + causal over 4096 cached keys, 32:8 heads, D = 128, CUDA-graph
+replay; decode kernel / prefill path): batch 1, 256 new tokens (64 programs) 61 / 98 us, 512
+tokens (128 programs) 125 / 104 us; batch 8, 64 tokens 111 / 152 us, 128 tokens 218 / 158 us.
 
 [Note] Lengths on the device. cache_seqlens is read by the kernel, clamped to [0, N_CACHE]: a bad
 device length can give wrong results but never a read or write outside the buffers; appends past
@@ -150,7 +155,7 @@ from ._common import (
     physical_blocks,
     store_rows,
 )
-from ._configs import decode_config, decode_num_splits
+from ._configs import INTERPRETER_SM_COUNT, decode_config, decode_num_splits, prefill_fwd_config
 from ._utils import (
     SUPPORTED_DTYPES,
     _validate_devices,
@@ -160,14 +165,17 @@ from ._utils import (
     _validate_softmax_scale,
     _validate_tensor,
     default_device,
+    device_sm_count,
     is_interpreter,
 )
 from .prefill import _flash_attn_kvcache_forward
 
 LOG2E = math.log2(math.e)
-# From this many new tokens per request on (with num_splits=0), flash_attn_with_kvcache runs the
-# prefill kernel family instead of the decode kernel, see [Note] Chunked prefill.
+# With num_splits=0, flash_attn_with_kvcache runs the prefill kernel family instead of the decode
+# kernel from this many new tokens per request on, when the prefill grid also fills this fraction of
+# the SMs (`_chunked_prefill_pays`, see [Note] Chunked prefill).
 CHUNKED_PREFILL_MIN_SEQLEN_Q = 128
+CHUNKED_PREFILL_MIN_WAVE = 0.8
 
 
 # ============================================================================================
@@ -683,6 +691,28 @@ def _aligned(*tensors: torch.Tensor) -> int:
     return bits
 
 
+def _chunked_prefill_pays(batch: int, seqlen_q: int, nheads: int, head_dim: int, dtype: torch.dtype, causal: bool,
+                          device: torch.device) -> bool:
+    """Whether a num_splits=0 call runs the prefill path (see [Note] Chunked prefill): at least
+    CHUNKED_PREFILL_MIN_SEQLEN_Q new tokens per request, and enough (query block, batch, head)
+    programs for the prefill grid to fill CHUNKED_PREFILL_MIN_WAVE of the SMs (the prefill kernel
+    does not split the keys, so a smaller grid leaves SMs idle while the decode kernel would split)."""
+    if seqlen_q < CHUNKED_PREFILL_MIN_SEQLEN_Q:
+        return False
+    return _prefill_programs_fill(batch, seqlen_q, nheads, head_dim, dtype, causal, device)
+
+
+@functools.lru_cache(maxsize=256)
+def _prefill_programs_fill(batch: int, seqlen_q: int, nheads: int, head_dim: int, dtype: torch.dtype, causal: bool,
+                           device: torch.device) -> bool:
+    block_m = prefill_fwd_config(max(16, triton.next_power_of_2(head_dim)), dtype, causal, device).block_m
+    if is_interpreter() or device.type != "cuda":
+        sm_count = INTERPRETER_SM_COUNT
+    else:
+        sm_count = device_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return triton.cdiv(seqlen_q, block_m) * batch * nheads >= CHUNKED_PREFILL_MIN_WAVE * sm_count
+
+
 def _launch_append(k_cache, v_cache, k, v, cache_seqlens, block_table) -> None:
     """Write the new tokens k, v (B, M, H_KV, D) into the cache at cache_seqlens[b] (chunked prefill)."""
     batch, seqlen_new, nheads_k, head_dim = k.shape
@@ -722,7 +752,8 @@ def _flash_attn_with_kvcache_launch(
     batch, seqlen_q, nheads, head_dim = q.shape
     device = q.device
     append = k is not None
-    if batch > 0 and num_splits == 0 and seqlen_q >= CHUNKED_PREFILL_MIN_SEQLEN_Q:  # see [Note] Chunked prefill
+    if batch > 0 and num_splits == 0 and _chunked_prefill_pays(batch, seqlen_q, nheads, head_dim, q.dtype, causal,
+                                                               device):
         ctx = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
         with ctx:
             if append:
@@ -856,8 +887,8 @@ def flash_attn_with_kvcache(
             max_blocks_per_seq * page_size -- and the SM count, never from current lengths),
             1 = no split, n > 1 = split each cache into about n chunks processed in parallel and
             merged by log-sum-exp (capped at the number of BLOCK_N blocks of the cache). Splits past
-            a request's length exit at once. With 0 and seqlen_q >= CHUNKED_PREFILL_MIN_SEQLEN_Q
-            (128), the call is a chunk of a prompt: it runs the prefill kernel family instead (an
+            a request's length exit at once. With 0, seqlen_q >= 128 and enough work to fill the
+            GPU, the call is a chunk of a prompt: it runs the prefill kernel family instead (an
             append launch, then a FlashAttention-2 forward over the cache; see [Note] Chunked
             prefill); an explicit num_splits >= 1 keeps the decode kernel.
         return_softmax_lse: also return the log-sum-exp of each row.

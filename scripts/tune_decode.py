@@ -59,7 +59,9 @@ def chunked_crossover() -> list:
     """Decode kernel vs prefill path (see kernels.decode [Note] Chunked prefill) as seqlen_q grows:
     where CHUNKED_PREFILL_MIN_SEQLEN_Q should sit. Append + causal over 4096 cached tokens."""
     rows = []
-    threshold = decode.CHUNKED_PREFILL_MIN_SEQLEN_Q
+    threshold, wave = decode.CHUNKED_PREFILL_MIN_SEQLEN_Q, decode.CHUNKED_PREFILL_MIN_WAVE
+    decode.CHUNKED_PREFILL_MIN_WAVE = 0.0  # the seqlen threshold alone picks the path below
+    decode._prefill_programs_fill.cache_clear()
     for B in (1, 8):
         kc = torch.randn(B, 8192, HK, D, device="cuda", dtype=torch.bfloat16)
         vc = torch.randn_like(kc)
@@ -76,7 +78,8 @@ def chunked_crossover() -> list:
                                      ms=times[path]))
             print(f"chunked B={B} M={M}: decode kernel {times['decode_kernel'] * 1e3:.1f} us, "
                   f"prefill path {times['prefill_path'] * 1e3:.1f} us", flush=True)
-    decode.CHUNKED_PREFILL_MIN_SEQLEN_Q = threshold
+    decode.CHUNKED_PREFILL_MIN_SEQLEN_Q, decode.CHUNKED_PREFILL_MIN_WAVE = threshold, wave
+    decode._prefill_programs_fill.cache_clear()
     return rows
 
 

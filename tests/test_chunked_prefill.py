@@ -10,6 +10,8 @@ interpreter the dispatch threshold is lowered so small shapes exercise the same 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -166,3 +168,38 @@ def test_prompt_in_uneven_chunks_equals_one_shot(page_size):
     else:
         dense_k = k_cache[table.long()].reshape(1, -1, nheads_k, HEAD_DIM)[:, :total]
         assert torch.equal(dense_k, k)
+
+
+def test_dispatch_needs_enough_tokens_and_a_full_grid(monkeypatch):
+    """num_splits=0 takes the prefill path only with >= CHUNKED_PREFILL_MIN_SEQLEN_Q new tokens AND a prefill
+    grid filling CHUNKED_PREFILL_MIN_WAVE of the SMs; otherwise (and with num_splits >= 1) the decode kernel."""
+    calls = []
+    forward = decode._flash_attn_kvcache_forward
+
+    def recording_forward(*args, **kwargs):
+        calls.append(args[0].shape)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(decode, "_flash_attn_kvcache_forward", recording_forward)
+    dtype, head_dim = torch.float16, HEAD_DIM
+    sm_count = decode.INTERPRETER_SM_COUNT if INTERPRET else decode.device_sm_count(torch.cuda.current_device())
+    block_m = decode.prefill_fwd_config(head_dim, dtype, True, DEVICE).block_m
+    threshold = decode.CHUNKED_PREFILL_MIN_SEQLEN_Q
+    # one query block per head: the grid is batch x nheads programs
+    small_heads = 1
+    full_heads = math.ceil(decode.CHUNKED_PREFILL_MIN_WAVE * sm_count)
+    assert small_heads < decode.CHUNKED_PREFILL_MIN_WAVE * sm_count <= full_heads
+    seqlen_q = min(block_m, max(threshold, 16))
+    for nheads, seqlen, num_splits, expect_prefill in [
+        (full_heads, seqlen_q, 0, True),
+        (full_heads, seqlen_q, 1, False),  # an explicit split count keeps the decode kernel
+        (small_heads, seqlen_q, 0, False),  # the grid would leave SMs idle
+        (full_heads, threshold - 1, 0, False),  # too few new tokens
+    ]:
+        calls.clear()
+        q = randn(1, seqlen, nheads, head_dim, dtype=dtype)
+        k_cache = randn(1, seqlen + 32, 1, head_dim, dtype=dtype)
+        v_cache = randn(1, seqlen + 32, 1, head_dim, dtype=dtype)
+        out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=32, causal=True, num_splits=num_splits)
+        assert torch.isfinite(out).all()
+        assert bool(calls) == expect_prefill, (nheads, seqlen, num_splits, calls)
