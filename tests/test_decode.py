@@ -557,3 +557,24 @@ def test_large_cache_int64_offsets():
     ref32, ref_lse, ref_same = decode_references(q, k_cache, v_cache, None, None, [101, seqlen_cache], causal=False)
     assert_close_to_ref(out, ref32, ref_same)
     assert_lse_close(lse, ref_lse, dtype)
+
+
+def test_validation_cache_never_hides_an_error():
+    """The per-signature validation cache (kernels.decode [Note] Host overhead; on a GPU, off under the
+    interpreter) skips checks only for a signature already validated: a changed dtype, shape or stride after a good call still raises, and
+    a repeated good signature with new values gives the right answer."""
+    dtype, batch, nheads, nheads_k, head_dim, seqlen_cache = torch.float16, 2, 8, 2, 64, 256
+    q, k_cache, v_cache, k, v = make_decode_inputs(batch, seqlen_cache, 1, nheads, nheads_k, head_dim, dtype)
+    flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=10)  # validated and cached
+    with pytest.raises(ValueError, match="dtype"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, k.float(), v, cache_seqlens=10)
+    with pytest.raises(ValueError, match="shape"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, k[:, :, :1], v[:, :, :1], cache_seqlens=10)
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        flash_attn_with_kvcache(q.transpose(2, 3).contiguous().transpose(2, 3), k_cache, v_cache, k, v,
+                                cache_seqlens=10)
+    q2, k2, v2 = (torch.randn_like(t) for t in (q, k, v))  # same signature, new values
+    lengths = [37, 200]
+    out = flash_attn_with_kvcache(q2, k_cache, v_cache, k2, v2, cache_seqlens=torch.tensor(lengths, dtype=torch.int32))
+    ref32, _, ref_same = decode_references(q2, k_cache, v_cache, None, None, [n + 1 for n in lengths], causal=False)
+    assert_close_to_ref(out, ref32, ref_same)
