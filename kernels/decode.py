@@ -78,9 +78,10 @@ host syncs, so a chunk step can be captured in a CUDA graph too. When (`_chunked
 at least 128 new tokens, below which the decode kernel's GQA read-once wins, and a prefill grid
 (query blocks x batch x heads) of at least 0.8 x the SM count, since the prefill kernel does not
 split the keys and a small grid leaves SMs idle where the decode kernel splits. Measured on an H200
-(scripts/tune_decode.py, append + causal over 4096 cached keys, 32:8 heads, D = 128, CUDA-graph
-replay; decode kernel / prefill path): batch 1, 256 new tokens (64 programs) 61 / 98 us, 512
-tokens (128 programs) 125 / 104 us; batch 8, 64 tokens 111 / 152 us, 128 tokens 218 / 158 us.
+(scripts/tune_decode.py; results/nvidia-h200/tune_decode.csv, rows chunked_*: append + causal over
+4096 cached keys, 32:8 heads, D = 128, CUDA-graph replay; decode kernel / prefill path): batch 1,
+256 new tokens (64 programs) 61 / 98 us, 512 tokens (128 programs) 125 / 104 us; batch 8, 64
+tokens 111 / 152 us, 128 tokens 218 / 158 us.
 
 [Note] Lengths on the device. cache_seqlens is read by the kernel, clamped to [0, N_CACHE]: a bad
 device length can give wrong results but never a read or write outside the buffers; appends past
