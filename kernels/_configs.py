@@ -131,9 +131,11 @@ DECODE_MAX_SPLITS = 64
 DECODE_FULL_GRID = 0.8  # this many programs per SM or more: no split (flash-attn's rule)
 
 # Hopper (227 KB smem): K and V tiles of 2-byte dtypes, num_stages deep. key: head_dim_pad.
-# Not swept yet. First H200 reading (bf16, 32 q / 8 KV heads, D=128, BLOCK_N 64, 4 stages): 4.2-4.4
-# TB/s for caches >= 2 GB (0.96-0.99x SDPA/cuDNN). A coarse sweep (BLOCK_N 32-128, 2-8 warps, 2-4
-# stages), read only to the nearest TB/s, showed no config clearly better; sweep it properly.
+# D=128 swept on an H200 (scripts/tune_decode.py -> results/nvidia-h200/tune_decode.csv: BLOCK_N 32/64/128
+# x 4/8 warps x 2-6 stages x split counts, bf16, 32 q / 8 KV heads, CUDA-graph timing): (64, 4 warps,
+# 4 stages) was the fastest at batch 1 x 16384/32768 and batch 8 x 16384, within 1% of the fastest at
+# batch 1 x 65536 and batch 32 x 4096, and 5% behind (BLOCK_N 32, 3 stages) at batch 1 x 4096, a
+# 13-us launch-bound step. The other head dims are not swept.
 _HOPPER_DECODE = {
     16: DecodeConfig(128, 4, 4),
     32: DecodeConfig(128, 4, 4),
