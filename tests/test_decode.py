@@ -561,8 +561,8 @@ def test_large_cache_int64_offsets():
 
 def test_validation_cache_never_hides_an_error():
     """The per-signature validation cache (kernels.decode [Note] Host overhead; on a GPU, off under the
-    interpreter) skips checks only for a signature already validated: a changed dtype, shape or stride after a good call still raises, and
-    a repeated good signature with new values gives the right answer."""
+    interpreter) skips checks only for a signature already validated: a changed dtype, shape or stride
+    after a good call still raises, and a repeated good signature with new values gives the right answer."""
     dtype, batch, nheads, nheads_k, head_dim, seqlen_cache = torch.float16, 2, 8, 2, 64, 256
     q, k_cache, v_cache, k, v = make_decode_inputs(batch, seqlen_cache, 1, nheads, nheads_k, head_dim, dtype)
     flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=10)  # validated and cached
