@@ -658,8 +658,11 @@ def _row_strides(t: torch.Tensor, packed: bool) -> Tuple[int, int, int]:
     return (0, t.stride(0), t.stride(1)) if packed else (t.stride(0), t.stride(1), t.stride(2))
 
 
-def _launch_forward(q, k, v, out, lse, batch, seqlen_q, seqlen_k, softmax_scale, causal, config, varlen):
-    """Launch _fwd_kernel; `varlen` holds the packed-mode kernel arguments ({} for dense tensors).
+def _launch_forward(q, k, v, out, lse, batch, seqlen_q, seqlen_k, softmax_scale, causal, config, extra, *,
+                    use_tma=None, kv_strides=None):
+    """Launch _fwd_kernel; `extra` holds the packed-mode or the cache-mode kernel arguments ({} for
+    dense tensors). The cache mode passes its own tensor-descriptor decision (`use_tma`) and K/V
+    (batch, row, head) strides (`kv_strides`); otherwise both follow from the tensors.
 
     One program per (query block, batch entry or sequence, head); in packed mode seqlen_q/k are the
     longest lengths and blocks past a shorter sequence's end exit at once.
@@ -668,21 +671,24 @@ def _launch_forward(q, k, v, out, lse, batch, seqlen_q, seqlen_k, softmax_scale,
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     if config is None:
         config = prefill_fwd_config(head_dim_pad, q.dtype, causal, q.device)
-    use_tma = _use_tma(config.use_tma, q, k, v, out)
+    if use_tma is None:
+        use_tma = _use_tma(config.use_tma, q, k, v, out)
     if use_tma:
         _ensure_tma_allocator()
-    packed = bool(varlen)
+    packed = extra.get("IS_VARLEN", False)
+    if kv_strides is None:
+        kv_strides = (_row_strides(k, packed), _row_strides(v, packed))
     grid = (triton.cdiv(seqlen_q, config.block_m), batch * nheads)
     with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
         _fwd_kernel[grid](
             q, k, v, out, lse,
-            *_row_strides(q, packed), *_row_strides(k, packed), *_row_strides(v, packed), *_row_strides(out, packed),
+            *_row_strides(q, packed), *kv_strides[0], *kv_strides[1], *_row_strides(out, packed),
             nheads, seqlen_q, seqlen_k, nheads // nheads_k, softmax_scale * LOG2E,
             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n,
             IS_CAUSAL=causal, USE_TMA=use_tma,
             num_warps=config.num_warps, num_stages=config.num_stages,
-            **varlen,
+            **extra,
         )
 
 
@@ -769,7 +775,6 @@ def _flash_attn_kvcache_forward(
     paged pool (NUM_BLOCKS, P, H_KV, D). Inputs are validated (kernels.decode does it); returns
     (out (B, M, H, D), lse (B, H, M) float32)."""
     batch, seqlen_q, nheads, head_dim = q.shape
-    nheads_k = k_cache.shape[2]
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     if config is None:
         config = prefill_fwd_config(head_dim_pad, q.dtype, causal, q.device)
@@ -793,20 +798,8 @@ def _flash_attn_kvcache_forward(
         cache_args.update(Block_table=block_table, stride_btb=block_table.stride(0), NUM_BLOCKS=num_blocks,
                           stride_kblk=k_cache.stride(0), stride_vblk=v_cache.stride(0), PAGED=True,
                           PAGE_SIZE=page_size)
-    if use_tma:
-        _ensure_tma_allocator()
-    grid = (triton.cdiv(seqlen_q, config.block_m), batch * nheads)
-    with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
-        _fwd_kernel[grid](
-            q, k_cache, v_cache, out, lse,
-            *q.stride()[:3], *k_strides, *v_strides, *out.stride()[:3],
-            nheads, seqlen_q, capacity, nheads // nheads_k, softmax_scale * LOG2E,
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-            BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-            IS_CAUSAL=causal, USE_TMA=use_tma,
-            num_warps=config.num_warps, num_stages=config.num_stages,
-            **cache_args,
-        )
+    _launch_forward(q, k_cache, v_cache, out, lse, batch, seqlen_q, capacity, softmax_scale, causal, config,
+                    cache_args, use_tma=use_tma, kv_strides=(k_strides, v_strides))
     return out, lse
 
 
