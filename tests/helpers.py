@@ -119,6 +119,23 @@ def references(q, k, v, *, causal: bool, softmax_scale: Optional[float] = None):
     return out_fp32, lse, out_same
 
 
+def per_request_references(q, k_cache, v_cache, k, v, lengths, *, causal: bool,
+                           softmax_scale: Optional[float] = None):
+    """`references` per request of a KV-cache call, concatenated over the batch: request b's queries
+    over cache[b, :lengths[b]] plus, when given, its new keys/values k[b], v[b] (dense caches, or
+    paged pools gathered to dense first)."""
+    outs32, lses, outs_same = [], [], []
+    for b, length in enumerate(lengths):
+        kk, vv = k_cache[b : b + 1, :length], v_cache[b : b + 1, :length]
+        if k is not None:
+            kk, vv = torch.cat([kk, k[b : b + 1]], 1), torch.cat([vv, v[b : b + 1]], 1)
+        out32, lse, out_same = references(q[b : b + 1], kk, vv, causal=causal, softmax_scale=softmax_scale)
+        outs32.append(out32)
+        lses.append(lse)
+        outs_same.append(out_same)
+    return torch.cat(outs32), torch.cat(lses), torch.cat(outs_same)
+
+
 def sdpa_references(q, k, v, *, causal: bool, softmax_scale: Optional[float] = None):
     """(out_fp32, out_same_dtype) from torch's scaled_dot_product_attention, in our (b, s, h, d)
     layout. Only valid where its conventions match ours: causal only with seqlen_q == seqlen_k

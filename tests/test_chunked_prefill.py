@@ -15,7 +15,16 @@ import math
 import pytest
 import torch
 
-from helpers import AGREE_TOL, DEVICE, INTERPRET, ON_GPU, assert_close_to_ref, assert_lse_close, references
+from helpers import (
+    AGREE_TOL,
+    DEVICE,
+    INTERPRET,
+    ON_GPU,
+    assert_close_to_ref,
+    assert_lse_close,
+    per_request_references,
+    references,
+)
 from kernels import decode, flash_attn_func, flash_attn_with_kvcache
 
 DTYPES = [torch.float16] + ([torch.bfloat16] if ON_GPU else [torch.float32])
@@ -60,19 +69,6 @@ def to_pool(k_dense, v_dense, page_size, seed=0):
     return pools[0], pools[1], table.to(DEVICE)
 
 
-def per_request_refs(q, k_cache, v_cache, k, v, lengths, causal):
-    outs32, lses, outs_same = [], [], []
-    for b, length in enumerate(lengths):
-        kk, vv = k_cache[b : b + 1, :length], v_cache[b : b + 1, :length]
-        if k is not None:
-            kk, vv = torch.cat([kk, k[b : b + 1]], 1), torch.cat([vv, v[b : b + 1]], 1)
-        out32, lse, out_same = references(q[b : b + 1], kk, vv, causal=causal)
-        outs32.append(out32)
-        lses.append(lse)
-        outs_same.append(out_same)
-    return torch.cat(outs32), torch.cat(lses), torch.cat(outs_same)
-
-
 @pytest.mark.parametrize("page_size", [None] + PAGE_SIZES)
 @pytest.mark.parametrize("group", [1, 4] + ([NHEADS] if ON_GPU else []))
 @pytest.mark.parametrize("append", [True, False])
@@ -90,7 +86,7 @@ def test_prefill_path_matches_decode_path_and_reference(dtype, causal, append, g
     v_cache = randn(batch, CAPACITY, nheads_k, HEAD_DIM, dtype=dtype)
     k = randn(batch, CHUNK, nheads_k, HEAD_DIM, dtype=dtype) if append else None
     v = randn(batch, CHUNK, nheads_k, HEAD_DIM, dtype=dtype) if append else None
-    ref32, ref_lse, ref_same = per_request_refs(q, k_cache, v_cache, k, v, lengths, causal)
+    ref32, ref_lse, ref_same = per_request_references(q, k_cache, v_cache, k, v, lengths, causal=causal)
     seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
 
     results = {}

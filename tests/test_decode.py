@@ -21,6 +21,7 @@ from helpers import (
     assert_splits_agree,
     make_qkv,
     needs_graph_capture,
+    per_request_references,
     references,
 )
 from kernels import KVCache, attention_ref, flash_attn_func, flash_attn_with_kvcache, rel_err
@@ -50,26 +51,6 @@ def make_decode_inputs(batch, seqlen_cache, seqlen_q, nheads, nheads_k, head_dim
     k = randn(batch, seqlen_q, nheads_k, head_dim, dtype=dtype)
     v = randn(batch, seqlen_q, nheads_k, head_dim, dtype=dtype)
     return q, k_cache, v_cache, k, v
-
-
-def decode_references(q, k_cache, v_cache, k, v, lengths, *, causal, softmax_scale=None):
-    """(out_fp32, lse, out_same_dtype) per request over cache[:L_b] (+ the new k/v), concatenated."""
-    outs32, lses, outs_same = [], [], []
-    for b, length in enumerate(lengths):
-        kk, vv = k_cache[b : b + 1, :length], v_cache[b : b + 1, :length]
-        if k is not None:
-            kk, vv = torch.cat([kk, k[b : b + 1]], 1), torch.cat([vv, v[b : b + 1]], 1)
-        out32, lse = attention_ref(q[b : b + 1].float(), kk.float(), vv.float(), causal=causal,
-                                   softmax_scale=softmax_scale)
-        if q.dtype == torch.float32:
-            out_same = out32
-        else:
-            out_same, _ = attention_ref(q[b : b + 1], kk, vv, causal=causal, softmax_scale=softmax_scale,
-                                        upcast=False)
-        outs32.append(out32)
-        lses.append(lse)
-        outs_same.append(out_same)
-    return torch.cat(outs32), torch.cat(lses), torch.cat(outs_same)
 
 
 def expected_caches(k_cache, v_cache, k, v, lengths):
@@ -133,7 +114,7 @@ def test_ragged_batch_against_reference(num_splits, append, dtype):
     q, k_cache, v_cache, k, v = make_decode_inputs(batch, seqlen_cache, 1, nheads, nheads_k, head_dim, dtype, append)
     seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
     k_exp, v_exp = expected_caches(k_cache, v_cache, k, v, lengths)
-    ref32, ref_lse, ref_same = decode_references(q, k_cache, v_cache, k, v, lengths, causal=False)
+    ref32, ref_lse, ref_same = per_request_references(q, k_cache, v_cache, k, v, lengths, causal=False)
 
     out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, num_splits=num_splits,
                                        return_softmax_lse=True)
@@ -178,7 +159,7 @@ def test_seqlen_q_causal_bottom_right(seqlen_q, group, append, dtype):
     nheads_k = nheads // group
     q, k_cache, v_cache, k, v = make_decode_inputs(batch, seqlen_cache, seqlen_q, nheads, nheads_k, head_dim, dtype,
                                                    append)
-    ref32, ref_lse, ref_same = decode_references(q, k_cache, v_cache, k, v, lengths, causal=True)
+    ref32, ref_lse, ref_same = per_request_references(q, k_cache, v_cache, k, v, lengths, causal=True)
     for num_splits in (1, 3):
         k_run, v_run = k_cache.clone(), v_cache.clone()
         out, lse = flash_attn_with_kvcache(q, k_run, v_run, k, v, cache_seqlens=torch.tensor(lengths, dtype=torch.int32,
@@ -194,7 +175,7 @@ def test_many_row_blocks():
     dtype, nheads, head_dim, seqlen_q = torch.float16, 8, 32, 12
     q, k_cache, v_cache, k, v = make_decode_inputs(3, 64, seqlen_q, nheads, 1, head_dim, dtype)
     k_exp, v_exp = expected_caches(k_cache, v_cache, k, v, lengths)
-    ref32, ref_lse, ref_same = decode_references(q, k_cache, v_cache, k, v, lengths, causal=True)
+    ref32, ref_lse, ref_same = per_request_references(q, k_cache, v_cache, k, v, lengths, causal=True)
     out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=torch.tensor(lengths, dtype=torch.int32,
                                        device=DEVICE), causal=True, num_splits=2, return_softmax_lse=True)
     assert_close_to_ref(out, ref32, ref_same)
@@ -221,7 +202,7 @@ def test_append_writes_exactly_the_new_slots(seqlen_q):
     k = randn(batch, seqlen_q, nheads_k, head_dim, dtype=dtype)
     v = randn(batch, seqlen_q, nheads_k, head_dim, dtype=dtype)
     k_buf_before, v_buf_before = k_buf.clone(), v_buf.clone()
-    ref32, _, ref_same = decode_references(q, k_cache.clone(), v_cache.clone(), k, v, lengths, causal=True)
+    ref32, _, ref_same = per_request_references(q, k_cache.clone(), v_cache.clone(), k, v, lengths, causal=True)
 
     out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=torch.tensor(lengths, dtype=torch.int32),
                                   causal=True, num_splits=3)
@@ -248,7 +229,7 @@ def test_transposed_cache_views():
     k = randn(batch, nheads_k, seqlen_q, head_dim, dtype=dtype).transpose(1, 2)
     v = randn(batch, seqlen_q, nheads_k, head_dim, dtype=dtype)
     k_exp, v_exp = expected_caches(k_cache, v_cache, k, v, lengths)
-    ref32, _, ref_same = decode_references(q, k_cache, v_cache, k, v, lengths, causal=True)
+    ref32, _, ref_same = per_request_references(q, k_cache, v_cache, k, v, lengths, causal=True)
     for num_splits in (1, 2):
         k_run, v_run = k_cache.clone().transpose(1, 2).contiguous().transpose(1, 2), v_cache.clone()
         assert k_run.stride() == k_cache.stride()
@@ -276,7 +257,7 @@ def test_softmax_lse_matches_reference(dtype):
     """return_softmax_lse gives the reference LSE, +inf for rows that see no key."""
     lengths = [0, 2, 60]  # request 0 sees nothing; with seqlen_q 3 causal and no append, rows of request 1 too
     q, k_cache, v_cache, _, _ = make_decode_inputs(3, 64, 3, NHEADS, 1, HEAD_DIM, dtype, append=False)
-    ref32, ref_lse, ref_same = decode_references(q, k_cache, v_cache, None, None, lengths, causal=True)
+    ref32, ref_lse, ref_same = per_request_references(q, k_cache, v_cache, None, None, lengths, causal=True)
     assert torch.isposinf(ref_lse).sum() > 0
     for num_splits in (1, 2):
         out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor(lengths, dtype=torch.int32),
@@ -290,7 +271,7 @@ def test_num_splits_larger_than_blocks():
     """num_splits far beyond the number of key blocks in the cache works (clamped; empty splits merge to 0)."""
     dtype, lengths = torch.float16, [0, 1, 40]
     q, k_cache, v_cache, k, v = make_decode_inputs(3, 48, 1, NHEADS, 2, HEAD_DIM, dtype)
-    ref32, _, ref_same = decode_references(q, k_cache, v_cache, k, v, lengths, causal=False)
+    ref32, _, ref_same = per_request_references(q, k_cache, v_cache, k, v, lengths, causal=False)
     out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=torch.tensor(lengths, dtype=torch.int32),
                                   num_splits=1000)
     assert_close_to_ref(out, ref32, ref_same)
@@ -461,7 +442,7 @@ def test_kvcache_prefill_decode_round_trip(dtype):
     assert cache.seqlens == [total, 4]
     qs, _, _, ks, vs = make_decode_inputs(batch, 1, 1, nheads, nheads_k, head_dim, dtype)
     out = cache.decode(qs, ks, vs)
-    ref32, _, ref_same = decode_references(
+    ref32, _, ref_same = per_request_references(
         qs, torch.stack([k_all[0, :total], torch.cat([k2[0], k_all[1, 4:total]])]),
         torch.stack([v_all[0, :total], torch.cat([v2[0], v_all[1, 4:total]])]), ks, vs, [total, 4], causal=True)
     assert_close_to_ref(out, ref32, ref_same)
@@ -512,7 +493,7 @@ def test_cuda_graph_replay_equals_eager(num_splits):
         assert torch.equal(out_s, out_eager), f"step {step}: graph and eager outputs differ"
         assert torch.equal(lens, lens_eager)
     assert torch.equal(k_cache, k_eager) and torch.equal(v_cache, v_eager)
-    ref32, _, ref_same = decode_references(q, k_cache, v_cache, None, None, lens_eager.tolist(), causal=False)
+    ref32, _, ref_same = per_request_references(q, k_cache, v_cache, None, None, lens_eager.tolist(), causal=False)
     assert_close_to_ref(out_eager, ref32, ref_same)
 
 
@@ -538,7 +519,7 @@ def test_kvcache_cuda_graph():
     assert cache.refresh_host_seqlens() == [15, 15]  # the device lengths: 10 + 5 replays
     k_ref, v_ref = cache.k_cache[:, :15].clone(), cache.v_cache[:, :15].clone()
     assert torch.equal(k_ref[:, 10:15], k_s.expand(batch, 5, nheads_k, head_dim))
-    ref32, _, ref_same = decode_references(q_s, k_ref, v_ref, None, None, [15, 15], causal=False)
+    ref32, _, ref_same = per_request_references(q_s, k_ref, v_ref, None, None, [15, 15], causal=False)
     assert_close_to_ref(out_s, ref32, ref_same)
 
 
@@ -554,7 +535,8 @@ def test_large_cache_int64_offsets():
         lengths, dtype=torch.int32, device=DEVICE), return_softmax_lse=True)
     assert torch.equal(k_cache[1, -1], k[1, 0]) and torch.equal(v_cache[1, -1], v[1, 0])
     assert torch.equal(k_cache[0, 100], k[0, 0])
-    ref32, ref_lse, ref_same = decode_references(q, k_cache, v_cache, None, None, [101, seqlen_cache], causal=False)
+    ref32, ref_lse, ref_same = per_request_references(q, k_cache, v_cache, None, None, [101, seqlen_cache],
+                                                      causal=False)
     assert_close_to_ref(out, ref32, ref_same)
     assert_lse_close(lse, ref_lse, dtype)
 
@@ -576,5 +558,6 @@ def test_validation_cache_never_hides_an_error():
     q2, k2, v2 = (torch.randn_like(t) for t in (q, k, v))  # same signature, new values
     lengths = [37, 200]
     out = flash_attn_with_kvcache(q2, k_cache, v_cache, k2, v2, cache_seqlens=torch.tensor(lengths, dtype=torch.int32))
-    ref32, _, ref_same = decode_references(q2, k_cache, v_cache, None, None, [n + 1 for n in lengths], causal=False)
+    ref32, _, ref_same = per_request_references(q2, k_cache, v_cache, None, None, [n + 1 for n in lengths],
+                                                causal=False)
     assert_close_to_ref(out, ref32, ref_same)

@@ -22,6 +22,7 @@ from helpers import (
     assert_splits_agree,
     make_qkv,
     needs_graph_capture,
+    per_request_references,
     references,
 )
 from kernels import PagedKVCache, PoolExhaustedError, attention_ref, flash_attn_with_kvcache, rel_err
@@ -68,20 +69,6 @@ def new_tokens(batch, seqlen_q, nheads, nheads_k, head_dim, dtype):
     k = randn(batch, seqlen_q, nheads_k, head_dim, dtype=dtype)
     v = randn(batch, seqlen_q, nheads_k, head_dim, dtype=dtype)
     return q, k, v
-
-
-def per_request_references(q, k_dense, v_dense, k, v, lengths, *, causal):
-    """(out_fp32, lse, out_same_dtype) per request over dense[:L_b] (+ the new k/v), concatenated."""
-    outs32, lses, outs_same = [], [], []
-    for b, length in enumerate(lengths):
-        kk, vv = k_dense[b : b + 1, :length], v_dense[b : b + 1, :length]
-        if k is not None:
-            kk, vv = torch.cat([kk, k[b : b + 1]], 1), torch.cat([vv, v[b : b + 1]], 1)
-        out32, lse, out_same = references(q[b : b + 1], kk, vv, causal=causal)
-        outs32.append(out32)
-        lses.append(lse)
-        outs_same.append(out_same)
-    return torch.cat(outs32), torch.cat(lses), torch.cat(outs_same)
 
 
 def assert_paged_equals_dense(out_paged, out_dense, dtype, msg=""):
