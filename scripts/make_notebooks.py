@@ -1080,25 +1080,31 @@ def notebooks() -> dict:
             "04_serving": serving()}
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check", action="store_true", help="only compare with the notebooks on disk")
-    args = parser.parse_args(argv)
+def write_notebooks(cells_by_name: dict, check: bool, script: str = "scripts/make_notebooks.py") -> int:
+    """Write notebooks/<name>.ipynb for each {name: cells}, or with `check` only compare them with the
+    files on disk; returns the exit status (1 when a notebook on disk is out of date)."""
     stale = []
     NOTEBOOKS.mkdir(exist_ok=True)
-    for name, cells in notebooks().items():
+    for name, cells in cells_by_name.items():
         text = nbformat.writes(build(name, cells)) + "\n"
         path = NOTEBOOKS / f"{name}.ipynb"
-        if args.check:
+        if check:
             if not path.exists() or path.read_text(encoding="utf-8") != text:
                 stale.append(str(path))
             continue
         path.write_text(text, encoding="utf-8")
         print(f"wrote {path.relative_to(REPO_ROOT)} ({len(cells)} cells)")
     if stale:
-        print("out of date (run python scripts/make_notebooks.py): " + ", ".join(stale), file=sys.stderr)
+        print(f"out of date (run python {script}): " + ", ".join(stale), file=sys.stderr)
         return 1
     return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="only compare with the notebooks on disk")
+    args = parser.parse_args(argv)
+    return write_notebooks(notebooks(), args.check)
 
 
 if __name__ == "__main__":

@@ -15,8 +15,7 @@ import argparse
 import sys
 from typing import List
 
-import nbformat
-from make_notebooks import NOTEBOOKS, REPO_ROOT, SETUP, Cell, badge, build, code, md
+from make_notebooks import SETUP, Cell, badge, code, md, write_notebooks
 
 NAME = "03_benchmarks"
 
@@ -289,18 +288,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="only compare with the notebook on disk")
     args = parser.parse_args(argv)
-    cells = benchmarks()
-    text = nbformat.writes(build(NAME, cells)) + "\n"
-    path = NOTEBOOKS / f"{NAME}.ipynb"
-    if args.check:
-        if not path.exists() or path.read_text(encoding="utf-8") != text:
-            print(f"out of date (run python scripts/nb_benchmarks.py): {path}", file=sys.stderr)
-            return 1
-        return 0
-    NOTEBOOKS.mkdir(exist_ok=True)
-    path.write_text(text, encoding="utf-8")
-    print(f"wrote {path.relative_to(REPO_ROOT)} ({len(cells)} cells)")
-    return 0
+    return write_notebooks({NAME: benchmarks()}, args.check, "scripts/nb_benchmarks.py")
 
 
 if __name__ == "__main__":

@@ -15,11 +15,9 @@ import sys
 from pathlib import Path
 from typing import List
 
-import nbformat
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from make_notebooks import NOTEBOOKS, REPO_ROOT, SETUP, Cell, badge, build, code, md  # noqa: E402
+from make_notebooks import SETUP, Cell, badge, code, md, write_notebooks  # noqa: E402
 
 NAME = "04_serving"
 
@@ -341,18 +339,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="only compare with the notebook on disk")
     args = parser.parse_args(argv)
-    cells = serving()
-    text = nbformat.writes(build(NAME, cells)) + "\n"
-    path = NOTEBOOKS / f"{NAME}.ipynb"
-    if args.check:
-        if not path.exists() or path.read_text(encoding="utf-8") != text:
-            print(f"out of date (run python scripts/nb_serving.py): {path}", file=sys.stderr)
-            return 1
-        return 0
-    NOTEBOOKS.mkdir(exist_ok=True)
-    path.write_text(text, encoding="utf-8")
-    print(f"wrote {path.relative_to(REPO_ROOT)} ({len(cells)} cells)")
-    return 0
+    return write_notebooks({NAME: serving()}, args.check, "scripts/nb_serving.py")
 
 
 if __name__ == "__main__":
