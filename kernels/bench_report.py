@@ -278,7 +278,10 @@ def _versions(sub) -> str:
     return versions + when
 
 
-def _save(fig, figures_dir: PathLike, gpu: str, name: str, log) -> Path:
+def save_figure(fig, figures_dir: PathLike, gpu: str, name: str, log: Callable[[str], None] = print) -> Path:
+    """Save `fig` as figures_dir/<gpu-slug>/<name>.png (a relative figures_dir is taken from the repo
+    root), show it under an interactive backend, close it; returns the path. Used by the benchmark
+    plots and the notebooks' plots alike."""
     import matplotlib
     import matplotlib.pyplot as plt
 
@@ -286,14 +289,15 @@ def _save(fig, figures_dir: PathLike, gpu: str, name: str, log) -> Path:
     path = root / bench.gpu_slug(str(gpu)) / f"{name}.png"
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, metadata={"Software": None})
-    log(f"saved {path}")
+    log(f"saved {path.relative_to(bench.REPO_ROOT) if path.is_relative_to(bench.REPO_ROOT) else path}")
     if "agg" not in matplotlib.get_backend().lower():
         plt.show()
     plt.close(fig)
     return path
 
 
-def _log2_axis(ax, values) -> None:
+def log2_axis(ax, values) -> None:
+    """A base-2 log x axis ticked at exactly `values`, plain numbers, light grid."""
     import matplotlib
 
     ax.set_xscale("log", base=2)
@@ -342,14 +346,14 @@ def plot_prefill(df, suite: str, figures_dir: PathLike = "figures", log: Callabl
                            label=f"bf16 matmul {part['ceiling_tflops'].median():.0f} (same run)")
             nh = int(part["nheads"].iloc[0])
             ax.set_title(f"{'MHA' if hk == nh else 'GQA'} {nh}:{hk}, {'causal' if causal else 'non-causal'}")
-            _log2_axis(ax, part["seqlen"])
+            log2_axis(ax, part["seqlen"])
             ax.set_xlabel(f"seqlen (batch x seqlen = {int(part['batch'].iloc[0] * part['seqlen'].iloc[0])})")
             ax.set_ylim(bottom=0)
         axes[0, 0].set_ylabel("TFLOP/s")
         axes[0, 0].legend(fontsize=7)
         fig.suptitle(f"Prefill {what}, {dtype}, D={hdim} on {gpu}\n({_versions(sub)})", fontsize=11)
         fig.tight_layout()
-        saved.append(_save(fig, figures_dir, gpu, f"bench_{suite}_{dtype}_d{hdim}", log))
+        saved.append(save_figure(fig, figures_dir, gpu, f"bench_{suite}_{dtype}_d{hdim}", log))
     return saved
 
 
@@ -383,14 +387,14 @@ def plot_decode(df, figures_dir: PathLike = "figures", log: Callable[[str], None
             axes[1, col].set_ylim(bottom=0)
             axes[1, col].set_xlabel("cache length (keys per request)")
             for row in range(2):
-                _log2_axis(axes[row, col], part["cache_len"])
+                log2_axis(axes[row, col], part["cache_len"])
         axes[0, 0].legend(fontsize=7)
         axes[1, 0].legend(fontsize=7)
         nh, nk = int(sub["nheads"].iloc[0]), int(sub["nheads_k"].iloc[0])
         fig.suptitle(f"Decode step (append + attend), {dtype}, {nh} q / {nk} KV heads, D={hdim} on {gpu}\n"
                      f"({_versions(sub)})", fontsize=11)
         fig.tight_layout()
-        saved.append(_save(fig, figures_dir, gpu, f"bench_decode_{dtype}_d{hdim}", log))
+        saved.append(save_figure(fig, figures_dir, gpu, f"bench_decode_{dtype}_d{hdim}", log))
     return saved
 
 
@@ -419,7 +423,7 @@ def plot_chunked(df, figures_dir: PathLike = "figures", log: Callable[[str], Non
         fig.suptitle(f"Chunked prefill against a KV cache, {dtype}, 32 q / 8 KV heads, D=128 on {gpu}\n"
                      f"({_versions(sub)})", fontsize=11)
         fig.tight_layout()
-        saved.append(_save(fig, figures_dir, gpu, f"bench_chunked_{dtype}", log))
+        saved.append(save_figure(fig, figures_dir, gpu, f"bench_chunked_{dtype}", log))
     return saved
 
 
@@ -459,7 +463,7 @@ def plot_roofline(frames: Mapping[str, Any], figures_dir: PathLike = "figures",
                 line = line.sort_values(x)
                 ax.plot(line[x], line["fraction"], label=line["label"].iloc[0], **_line_style(impl, page))
             if len(df):
-                _log2_axis(ax, df[x])
+                log2_axis(ax, df[x])
             ax.set_ylim(0, max(1.05, 1.05 * float(df["fraction"].max())) if len(df) else 1.05)
             ax.set_xlabel(x)
             if len(df):
@@ -471,7 +475,7 @@ def plot_roofline(frames: Mapping[str, Any], figures_dir: PathLike = "figures",
                 ax.legend(fontsize=7)
         fig.suptitle(f"Fractions of the ceilings on {gpu}", fontsize=11)
         fig.tight_layout()
-        saved.append(_save(fig, figures_dir, gpu, "bench_roofline", log))
+        saved.append(save_figure(fig, figures_dir, gpu, "bench_roofline", log))
     return saved
 
 

@@ -37,6 +37,7 @@ import torch
 
 from . import bench
 from ._utils import is_interpreter
+from .bench_report import log2_axis, save_figure
 from .decode import flash_attn_with_kvcache
 from .prefill import flash_attn_func
 from .reference import (
@@ -1535,31 +1536,6 @@ def _versions(sub) -> str:
     return versions + when
 
 
-def _save_figure(fig, gpu: str, name: str, figures_dir: Union[str, Path]) -> Path:
-    import matplotlib
-    import matplotlib.pyplot as plt
-
-    root = Path(figures_dir)
-    root = root if root.is_absolute() else bench.REPO_ROOT / root
-    path = root / bench.gpu_slug(str(gpu)) / f"{name}.png"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, metadata={"Software": None})
-    print(f"saved {path.relative_to(bench.REPO_ROOT) if path.is_relative_to(bench.REPO_ROOT) else path}")
-    if "agg" not in matplotlib.get_backend().lower():
-        plt.show()
-    plt.close(fig)
-    return path
-
-
-def _log2_axis(ax, values) -> None:
-    import matplotlib
-
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(sorted(values))
-    ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
-    ax.grid(True, alpha=0.3)
-
-
 def plot_decode(df, *, name: str = "decode", title: str, where: Optional[Mapping[str, Any]] = None,
                 figures_dir: Union[str, Path] = "figures") -> List[Path]:
     """Per GPU, one column per batch: latency per eager call, peak memory beyond the inputs, and K+V
@@ -1600,12 +1576,12 @@ def plot_decode(df, *, name: str = "decode", title: str, where: Optional[Mapping
             axes[2, col].set_ylim(bottom=0)
             axes[2, col].set_xlabel("cache length (keys per request)")
             for row in range(3):
-                _log2_axis(axes[row, col], part["cache_len"].unique())
+                log2_axis(axes[row, col], part["cache_len"].unique())
             axes[0, col].legend(fontsize=8)
             axes[2, col].legend(fontsize=8)
         fig.suptitle(f"{title} on {gpu}\n({_versions(sub)})", fontsize=11)
         fig.tight_layout()
-        saved.append(_save_figure(fig, gpu, name, figures_dir))
+        saved.append(save_figure(fig, figures_dir, gpu, name))
     return saved
 
 
@@ -1642,14 +1618,14 @@ def plot_decode_splits(df, *, name: str = "decode_splits", title: str, where: Op
             ax.axhline(sub["copy_gbps"].median(), color="black", linestyle=":",
                        label=f"device copy {sub['copy_gbps'].median():.0f} GB/s (same run)")
         if len(ours):
-            _log2_axis(ax, ours["num_splits"].unique())
+            log2_axis(ax, ours["num_splits"].unique())
         ax.set_xlabel("num_splits")
         ax.set_ylabel("K+V GB/s (CUDA-graph replay)")
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=7, ncol=2)
         fig.suptitle(f"{title} on {gpu}\n({_versions(sub)})", fontsize=11)
         fig.tight_layout()
-        saved.append(_save_figure(fig, gpu, name, figures_dir))
+        saved.append(save_figure(fig, figures_dir, gpu, name))
     return saved
 
 
