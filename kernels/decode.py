@@ -60,8 +60,9 @@ are masked (token t sees new keys 0..t); without one, the last M - 1 cached keys
 it can: the validation of a call's tensors per signature (shapes, strides, dtypes, devices:
 `_signature`; values and pointers are still checked every call), the launch plan per shape
 (`_plan`), the int -> tensor conversion of cache_seqlens, and the compiled kernels, launched
-through their handles without Triton's per-call dispatch (`_LaunchCache`, keyed by the signature,
-the plan, the flags and the inputs' 16-byte alignment: what Triton specialises on). The split
+through their C launchers without Triton's per-call dispatch (`LaunchCache`, kernels/_launch.py,
+keyed by the signature, the plan, the flags and the inputs' 16-byte alignment: what Triton
+specialises on). The split
 scratch (partial outputs and their LSEs) is one allocation.
 
 [Note] Chunked prefill. A call with many new tokens per request (seqlen_q >= 128, num_splits=0)
@@ -140,7 +141,6 @@ import contextlib
 import functools
 import math
 import numbers
-import os
 from typing import NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -159,6 +159,7 @@ from ._common import (
     store_rows,
 )
 from ._configs import INTERPRETER_SM_COUNT, decode_config, decode_num_splits, prefill_fwd_config
+from ._launch import LaunchCache
 from ._utils import (
     SUPPORTED_DTYPES,
     _validate_devices,
@@ -408,38 +409,8 @@ def _combine_kernel(
 # ============================================================================================
 # Launcher: validate, allocate, launch
 # ============================================================================================
-class _LaunchCache:
-    """Launch a `@triton.jit` kernel straight through its compiled handle after the first launch.
-
-    Triton's per-call dispatch (binding ~30 arguments, computing each one's specialisation, hashing
-    the key) costs tens of microseconds of host time: more than a whole decode step on a GPU. The
-    caller's key holds everything Triton specialises on (exact integer arguments and strides, the
-    dtypes, 16-byte alignment of every pointer, the constexprs and launch options, the device), so
-    a hit is the very kernel Triton's dispatcher would pick; a miss goes through the dispatcher,
-    which compiles if needed, and stores the compiled kernel. Off under the interpreter and with
-    KERNELS_FAST_LAUNCH=0; launch hooks (profilers) still run through CompiledKernel's own launcher.
-    """
-
-    enabled = os.environ.get("KERNELS_FAST_LAUNCH", "1") not in ("0", "") and not is_interpreter()
-
-    def __init__(self, fn):
-        self.fn = fn
-        self.kernels = {}
-
-    def __call__(self, key, grid, args, num_warps: int, num_stages: int = 1) -> None:
-        kernel = self.kernels.get(key)
-        if kernel is not None:
-            kernel[grid](*args)  # CompiledKernel.__getitem__: current device and stream, no re-binding
-            return
-        kernel = self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages)
-        if self.enabled and hasattr(kernel, "function") and hasattr(kernel, "packed_metadata"):
-            if len(self.kernels) > 1024:  # shapes churn: start over rather than grow without bound
-                self.kernels.clear()
-            self.kernels[key] = kernel
-
-
-_launch_decode = _LaunchCache(_decode_kernel)
-_launch_combine = _LaunchCache(_combine_kernel)
+_launch_decode = LaunchCache(_decode_kernel)
+_launch_combine = LaunchCache(_combine_kernel)
 
 
 class _Plan(NamedTuple):
@@ -670,6 +641,7 @@ def _validate_kvcache_inputs(q, k_cache, v_cache, k, v, paged: bool = False) -> 
 
 
 _VALIDATED_SIGNATURES: set = set()  # `_signature`s of CUDA calls whose tensors passed _validate_kvcache_inputs
+_INTERPRET = is_interpreter()  # fixed when Triton decorated the kernels, at import
 
 
 def _signature(q, k_cache, v_cache, k, v, block_table) -> tuple:
@@ -716,8 +688,12 @@ def _prefill_programs_fill(batch: int, seqlen_q: int, nheads: int, head_dim: int
     return triton.cdiv(seqlen_q, block_m) * batch * nheads >= CHUNKED_PREFILL_MIN_WAVE * sm_count
 
 
-def _launch_append(k_cache, v_cache, k, v, cache_seqlens, block_table) -> None:
-    """Write the new tokens k, v (B, M, H_KV, D) into the cache at cache_seqlens[b] (chunked prefill)."""
+_launch_append_kernel = LaunchCache(_append_kernel)
+
+
+def _launch_append(k_cache, v_cache, k, v, cache_seqlens, block_table, key) -> None:
+    """Write the new tokens k, v (B, M, H_KV, D) into the cache at cache_seqlens[b] (chunked prefill);
+    key: what the kernel specialises on (the call's signature and alignment)."""
     batch, seqlen_new, nheads_k, head_dim = k.shape
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     block = min(64, max(16, triton.next_power_of_2(seqlen_new)))
@@ -726,13 +702,11 @@ def _launch_append(k_cache, v_cache, k, v, cache_seqlens, block_table) -> None:
     else:
         capacity = block_table.shape[1] * k_cache.shape[1]
         paging, paged, page_size = (block_table, block_table.stride(0), k_cache.shape[0]), True, k_cache.shape[1]
-    _append_kernel[(triton.cdiv(seqlen_new, block), batch * nheads_k)](
-        k_cache, v_cache, k, v, cache_seqlens,
-        *k_cache.stride()[:3], *v_cache.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-        nheads_k, seqlen_new, capacity, *paging,
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK=block, PAGED=paged, PAGE_SIZE=page_size,
-        num_warps=4,
-    )
+    args = (k_cache, v_cache, k, v, cache_seqlens,
+            *k_cache.stride()[:3], *v_cache.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+            nheads_k, seqlen_new, capacity, *paging, head_dim, head_dim_pad, block, paged, page_size)
+    _launch_append_kernel(key, (triton.cdiv(seqlen_new, block), batch * nheads_k, 1), args, 4,
+                          device_index=k.device.index if k.device.index is not None else 0)
 
 
 def _flash_attn_with_kvcache_launch(
@@ -757,12 +731,17 @@ def _flash_attn_with_kvcache_launch(
     append = k is not None
     if batch > 0 and num_splits == 0 and _chunked_prefill_pays(batch, seqlen_q, nheads, head_dim, q.dtype, causal,
                                                                device):
+        if sig is None:
+            sig = _signature(q, k_cache, v_cache, k, v, block_table)
+        key = (sig, _aligned(q, k_cache, v_cache, k if append else q, v if append else q, cache_seqlens,
+                             block_table if block_table is not None else q),
+               block_table.stride(0) if block_table is not None else None)
         ctx = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
         with ctx:
             if append:
-                _launch_append(k_cache, v_cache, k, v, cache_seqlens, block_table)
+                _launch_append(k_cache, v_cache, k, v, cache_seqlens, block_table, key)
             out, lse = _flash_attn_kvcache_forward(q, k_cache, v_cache, cache_seqlens, append, block_table,
-                                                   softmax_scale, causal)
+                                                   softmax_scale, causal, launch_key=(key, append, causal))
         return out, (lse if return_softmax_lse else None)
 
     seqlen_cache, nheads_k = k_cache.shape[1], k_cache.shape[2]
@@ -807,17 +786,19 @@ def _flash_attn_with_kvcache_launch(
         head_dim, plan.head_dim_pad, plan.block_h, plan.block_n, plan.block_new,
         causal, append, split, store_lse, paged, page_size,
     )
+    device_index = device.index if device.index is not None or device.type != "cuda" else torch.cuda.current_device()
     ctx = contextlib.nullcontext()
-    if device.type == "cuda" and device.index != torch.cuda.current_device():
+    if device.type == "cuda" and device_index != torch.cuda.current_device():
         ctx = torch.cuda.device(device)
     with ctx:
-        _launch_decode(key, (plan.grid[0], plan.grid[1], 1), args, plan.num_warps, plan.num_stages)
+        _launch_decode(key, (plan.grid[0], plan.grid[1], 1), args, plan.num_warps, plan.num_stages,
+                       device_index=device_index)
         if split:
             _launch_combine(
                 key, (batch * nheads * seqlen_q, 1, 1),
                 (out_part, lse_part, out, lse_arg, nheads, seqlen_q, plan.num_splits,
                  head_dim, plan.head_dim_pad, plan.splits_pad, store_lse),
-                4 if plan.splits_pad * plan.head_dim_pad >= 4096 else 1,
+                4 if plan.splits_pad * plan.head_dim_pad >= 4096 else 1, device_index=device_index,
             )
     return out, lse
 
@@ -910,9 +891,9 @@ def flash_attn_with_kvcache(
         sig = _signature(q, k_cache, v_cache, k, v, block_table)
     except AttributeError:  # not tensors: validation names the problem
         sig = None
-    if sig is None or sig not in _VALIDATED_SIGNATURES or is_interpreter():
+    if sig is None or _INTERPRET or sig not in _VALIDATED_SIGNATURES:
         _validate_kvcache_inputs(q, k_cache, v_cache, k, v, block_table is not None)
-        if sig is not None and q.device.type == "cuda" and not is_interpreter():
+        if sig is not None and q.device.type == "cuda" and not _INTERPRET:
             if len(_VALIDATED_SIGNATURES) >= 4096:  # shapes churn: start over rather than grow without bound
                 _VALIDATED_SIGNATURES.clear()
             _VALIDATED_SIGNATURES.add(sig)

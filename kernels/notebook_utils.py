@@ -1386,9 +1386,11 @@ def _check_step(out: torch.Tensor, ref: torch.Tensor, same: torch.Tensor) -> Tup
 
 
 def _graph_ms(step: DecodeStep, states: Sequence[SimpleNamespace], rep: int, what: str) -> float:
-    """ms per step with CUDA-graph replay of one step on each state in turn (NaN if capture fails)."""
+    """ms per step with CUDA-graph replay of steps on each state in turn, at least 16 per graph so the
+    replay's launch is shared as in a captured model step (NaN if capture fails)."""
     try:
-        return bench.time_cuda_graph(lambda: [step(st) for st in states], rep=rep) / len(states)
+        repeat = -(-16 // len(states))
+        return bench.time_cuda_graph(lambda: [step(st) for st in states], rep=rep, repeat=repeat) / len(states)
     except (RuntimeError, NotImplementedError, ValueError, TypeError) as exc:
         print(f"note: {what}: no CUDA-graph timing ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})")
         torch.cuda.synchronize()

@@ -85,6 +85,7 @@ from ._common import (
     tile_ptrs,
 )
 from ._configs import AttnConfig, prefill_bwd_config, prefill_fwd_config
+from ._launch import LaunchCache
 from ._utils import (
     _validate_cu_seqlens,
     _validate_cu_seqlens_values,
@@ -658,11 +659,16 @@ def _row_strides(t: torch.Tensor, packed: bool) -> Tuple[int, int, int]:
     return (0, t.stride(0), t.stride(1)) if packed else (t.stride(0), t.stride(1), t.stride(2))
 
 
+_launch_fwd = LaunchCache(_fwd_kernel)  # the cache mode's fast launch (chunked prefill)
+
+
 def _launch_forward(q, k, v, out, lse, batch, seqlen_q, seqlen_k, softmax_scale, causal, config, extra, *,
-                    use_tma=None, kv_strides=None):
+                    use_tma=None, kv_strides=None, launch_key=None):
     """Launch _fwd_kernel; `extra` holds the packed-mode or the cache-mode kernel arguments ({} for
-    dense tensors). The cache mode passes its own tensor-descriptor decision (`use_tma`) and K/V
-    (batch, row, head) strides (`kv_strides`); otherwise both follow from the tensors.
+    dense tensors). The cache mode passes its own tensor-descriptor decision (`use_tma`), K/V
+    (batch, row, head) strides (`kv_strides`) and a `launch_key` for the fast launch (everything
+    the kernel specialises on, see kernels/_launch.py); otherwise the first two follow from the
+    tensors and the launch goes through Triton's dispatcher.
 
     One program per (query block, batch entry or sequence, head); in packed mode seqlen_q/k are the
     longest lengths and blocks past a shorter sequence's end exit at once.
@@ -678,18 +684,19 @@ def _launch_forward(q, k, v, out, lse, batch, seqlen_q, seqlen_k, softmax_scale,
     packed = extra.get("IS_VARLEN", False)
     if kv_strides is None:
         kv_strides = (_row_strides(k, packed), _row_strides(v, packed))
-    grid = (triton.cdiv(seqlen_q, config.block_m), batch * nheads)
-    with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
-        _fwd_kernel[grid](
-            q, k, v, out, lse,
+    grid = (triton.cdiv(seqlen_q, config.block_m), batch * nheads, 1)
+    args = (q, k, v, out, lse,
             *_row_strides(q, packed), *kv_strides[0], *kv_strides[1], *_row_strides(out, packed),
-            nheads, seqlen_q, seqlen_k, nheads // nheads_k, softmax_scale * LOG2E,
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-            BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-            IS_CAUSAL=causal, USE_TMA=use_tma,
-            num_warps=config.num_warps, num_stages=config.num_stages,
-            **extra,
-        )
+            nheads, seqlen_q, seqlen_k, nheads // nheads_k, softmax_scale * LOG2E)
+    kwargs = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                  IS_CAUSAL=causal, USE_TMA=use_tma, **extra)
+    device_index = q.device.index if q.device.index is not None else 0
+    with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
+        if launch_key is None:
+            _fwd_kernel[grid](*args, **kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
+        else:
+            _launch_fwd((launch_key, config, use_tma), grid, args, config.num_warps, config.num_stages, kwargs,
+                        device_index)
 
 
 def _launch_backward(dout, q, k, v, out, lse, dq, dk, dv, delta, batch, seqlen_q, seqlen_k, softmax_scale, causal,
@@ -768,11 +775,13 @@ def _flash_attn_kvcache_forward(
     softmax_scale: float,
     causal: bool,
     config: Optional[AttnConfig] = None,
+    launch_key=None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Chunked prefill (see [Note] Chunked prefill over a cache): q (B, M, H, D) attends over each
     request's cached keys, cache_seqlens[b] of them plus, when `appended`, the M keys just written
     after them. The cache is dense (B, S, H_KV, D) or, with block_table (B, max_blocks) int32, a
-    paged pool (NUM_BLOCKS, P, H_KV, D). Inputs are validated (kernels.decode does it); returns
+    paged pool (NUM_BLOCKS, P, H_KV, D). Inputs are validated (kernels.decode does it; its
+    `launch_key` holds the inputs' shapes, strides, dtypes and alignment, see _launch_forward); returns
     (out (B, M, H, D), lse (B, H, M) float32)."""
     batch, seqlen_q, nheads, head_dim = q.shape
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
@@ -799,7 +808,7 @@ def _flash_attn_kvcache_forward(
                           stride_kblk=k_cache.stride(0), stride_vblk=v_cache.stride(0), PAGED=True,
                           PAGE_SIZE=page_size)
     _launch_forward(q, k_cache, v_cache, out, lse, batch, seqlen_q, capacity, softmax_scale, causal, config,
-                    cache_args, use_tma=use_tma, kv_strides=(k_strides, v_strides))
+                    cache_args, use_tma=use_tma, kv_strides=(k_strides, v_strides), launch_key=launch_key)
     return out, lse
 
 

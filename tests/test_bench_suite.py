@@ -34,7 +34,7 @@ class FakeTimer:
         self.timed.append(fn)
         return {"median_ms": 2.0, "p20_ms": 1.9, "p80_ms": 2.1, "min_ms": 1.8}
 
-    def graph(self, fn, *, rep):
+    def graph(self, fn, *, rep, repeat=1):
         fn()
         return 1.0
 

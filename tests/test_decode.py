@@ -376,36 +376,77 @@ def test_validation_errors(case):
                                 kwargs.pop("v"), **kwargs)
 
 
-def test_fast_launch_reuses_kernel_only_for_the_same_key():
-    """The launch cache dispatches through Triton once per key and then reuses the compiled kernel."""
-    from kernels.decode import _LaunchCache
+def test_fast_launch_reuses_kernel_only_for_the_same_key(monkeypatch):
+    """The launch cache dispatches through Triton once per key, then calls the compiled kernel's C
+    launcher directly: every argument in signature order (keyword arguments and defaults placed),
+    tensors as raw pointers, the current stream, no launch hooks."""
+    import kernels._launch as launch
+    from kernels._launch import LaunchCache
 
     launches = []
 
-    class FakeCompiled:  # what JITFunction.run returns on a GPU
+    class FakeCompiled:  # what JITFunction.run returns on a GPU; run: a CudaLauncher without scratch
         function, packed_metadata = object(), object()
 
-        def __getitem__(self, grid):
-            return lambda *args: launches.append(("fast", grid, args))
+        class run:  # noqa: N801
+            launch_cooperative_grid, launch_pdl, global_scratch_size, profile_scratch_size = 0, 1, 0, 0
+
+            @staticmethod
+            def launch(gx, gy, gz, stream, function, cooperative, pdl, scratch, profile_scratch, packed_metadata,
+                       launch_metadata, enter, exit_, *args):
+                assert (function, packed_metadata) == (FakeCompiled.function, FakeCompiled.packed_metadata)
+                assert (cooperative, pdl, scratch, profile_scratch, launch_metadata, enter, exit_) == (
+                    0, 1, None, None, None, None, None)
+                launches.append(("fast", (gx, gy, gz), stream, args))
+
+    def kernel(X, n, Y=None, BLOCK=16):  # the Python function a JITFunction wraps
+        pass
 
     class FakeJit:
+        fn = staticmethod(kernel)
+
         def __getitem__(self, grid):
             def run(*args, **options):
-                launches.append(("dispatch", grid, args))
+                launches.append(("dispatch", grid, args, options))
                 return FakeCompiled()
             return run
 
-    cache = _LaunchCache(FakeJit())
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 1000 + index, raising=False)
+    monkeypatch.setattr(launch, "launch_hooks_active", lambda: False)
+    x = torch.arange(4)
+    cache = LaunchCache(FakeJit())
     cache.enabled = True
-    cache("a", (4, 2, 1), (1, 2), num_warps=4)
-    cache("a", (4, 2, 1), (3, 4), num_warps=4)
-    cache("b", (8, 1, 1), (5,), num_warps=4)
+    cache("a", (4, 2, 1), (x, 2), num_warps=4)
+    cache("a", (4, 2, 1), (x, 3), num_warps=4, kwargs={"BLOCK": 32}, device_index=1)
+    cache("b", (8, 1, 1), (x, 5), num_warps=4)
     assert [entry[0] for entry in launches] == ["dispatch", "fast", "dispatch"]
-    assert launches[1] == ("fast", (4, 2, 1), (3, 4))
+    assert launches[1] == ("fast", (4, 2, 1), 1001, (x.data_ptr(), 3, None, 32))
+    monkeypatch.setattr(launch, "launch_hooks_active", lambda: True)  # a profiler sees every launch
+    cache("a", (4, 2, 1), (x, 2), num_warps=4)
+    assert launches[-1][0] == "dispatch"
     cache.enabled = False
-    cache("c", (1, 1, 1), (), num_warps=4)
-    cache("c", (1, 1, 1), (), num_warps=4)
-    assert [entry[0] for entry in launches[3:]] == ["dispatch", "dispatch"]
+    cache("c", (1, 1, 1), (x, 1), num_warps=4)
+    cache("c", (1, 1, 1), (x, 1), num_warps=4)
+    assert [entry[0] for entry in launches[-2:]] == ["dispatch", "dispatch"]
+
+
+def test_launch_hooks_detected():
+    """A Triton launch hook switches the fast path off (HookChain in Triton >= 3.5, a callable before)."""
+    import triton
+
+    from kernels._launch import launch_hooks_active
+
+    knobs = getattr(triton, "knobs", None)
+    if knobs is None or not hasattr(knobs.runtime.launch_enter_hook, "add"):
+        pytest.skip("this Triton has no launch-hook chain")
+    assert not launch_hooks_active()
+    hook = lambda metadata: None  # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        assert launch_hooks_active()
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert not launch_hooks_active()
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,108 @@
+"""Launching compiled Triton kernels without Triton's per-call dispatch.
+
+A decode step or a small prefill chunk runs for a few microseconds on the GPU, less than Triton's
+Python dispatch takes to launch it: `JITFunction.run` binds every argument, computes each one's
+specialisation, builds a string key, then `CompiledKernel`'s runner asks for the current device and
+stream, builds launch metadata for the (empty) launch hooks, and the C launcher calls `data_ptr()`
+and `cuPointerGetAttribute` for every tensor. `LaunchCache` keeps the compiled kernel per caller key
+after the first launch and then calls its C launcher directly, with raw pointers and the current
+stream (see [Note] Host overhead in kernels/decode.py).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Any, Dict, Hashable, Optional, Sequence, Tuple
+
+import torch
+
+from ._utils import is_interpreter
+
+
+def _hook_active(hook) -> bool:
+    """A Triton launch hook that would run: a non-empty HookChain (Triton >= 3.5) or a callable (older)."""
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return calls is None or len(calls) > 0
+
+
+def launch_hooks_active() -> bool:
+    """True when a profiler or a user installed Triton launch hooks; the fast path then steps aside."""
+    import triton
+
+    knobs = getattr(triton, "knobs", None)
+    if knobs is None:  # Triton < 3.4: hooks live on CompiledKernel
+        from triton.compiler import CompiledKernel
+
+        return _hook_active(getattr(CompiledKernel, "launch_enter_hook", None)) or _hook_active(
+            getattr(CompiledKernel, "launch_exit_hook", None))
+    runtime = knobs.runtime
+    return _hook_active(runtime.launch_enter_hook) or _hook_active(runtime.launch_exit_hook)
+
+
+class LaunchCache:
+    """Launch a `@triton.jit` kernel straight through its compiled handle after the first launch.
+
+    The caller's key must hold everything Triton specialises on: exact integer arguments and
+    strides (or what determines them), dtypes, 16-byte alignment of every pointer, constexprs,
+    launch options and the device. A hit is then the very kernel Triton's dispatcher would pick,
+    launched with the same arguments; a miss (or key None) goes through the dispatcher, which
+    compiles if needed, and stores the compiled kernel. Off under the interpreter, with
+    KERNELS_FAST_LAUNCH=0, and while Triton launch hooks are installed (profilers see every launch).
+    """
+
+    enabled = os.environ.get("KERNELS_FAST_LAUNCH", "1") not in ("0", "") and not is_interpreter()
+    max_entries = 1024
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.kernels: Dict[Hashable, Tuple[Any, Tuple[int, ...]]] = {}
+        params = list(inspect.signature(getattr(fn, "fn", fn)).parameters.values())
+        self.names = [p.name for p in params]
+        self.defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+
+    def _positional(self, args: Sequence[Any], kwargs: Optional[Dict[str, Any]]) -> list:
+        full = list(args)
+        if kwargs:
+            full.extend(kwargs[name] if name in kwargs else self.defaults[name] for name in self.names[len(args):])
+        return full
+
+    def __call__(self, key: Optional[Hashable], grid: Tuple[int, int, int], args: Sequence[Any], num_warps: int,
+                 num_stages: int = 1, kwargs: Optional[Dict[str, Any]] = None, device_index: int = 0) -> None:
+        entry = self.kernels.get(key) if key is not None else None
+        if entry is not None and not launch_hooks_active():
+            kernel, pointers, launch = entry
+            full = self._positional(args, kwargs)
+            for i in pointers:  # raw pointers: no data_ptr() / cuPointerGetAttribute in the C launcher
+                full[i] = full[i].data_ptr()
+            stream = torch._C._cuda_getCurrentRawStream(device_index)
+            if launch is not None:  # the C launcher itself: no scratch to allocate, no hooks
+                run = kernel.run
+                launch(grid[0], grid[1], grid[2], stream, kernel.function, run.launch_cooperative_grid,
+                       run.launch_pdl, None, None, kernel.packed_metadata, None, None, None, *full)
+            else:
+                kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, None, None,
+                           None, *full)
+            return
+        kernel = self.fn[grid](*args, **(kwargs or {}), num_warps=num_warps, num_stages=num_stages)
+        if (self.enabled and key is not None and hasattr(kernel, "run") and hasattr(kernel, "function")
+                and hasattr(kernel, "packed_metadata")):
+            if len(self.kernels) >= self.max_entries:  # shapes churn: start over rather than grow without bound
+                self.kernels.clear()
+            full = self._positional(args, kwargs)
+            pointers = tuple(i for i, arg in enumerate(full) if isinstance(arg, torch.Tensor))
+            self.kernels[key] = (kernel, pointers, _direct_launch(kernel.run))
+
+
+def _direct_launch(run):
+    """The C launch function behind a CudaLauncher (Triton 3.6) when calling it directly is what
+    CudaLauncher.__call__ would do: no global or profile scratch to allocate. Else None."""
+    launch = getattr(run, "launch", None)
+    needed = ("launch_cooperative_grid", "launch_pdl", "global_scratch_size", "profile_scratch_size")
+    if launch is None or not all(hasattr(run, name) for name in needed):
+        return None
+    if run.global_scratch_size or run.profile_scratch_size:
+        return None
+    return launch
