@@ -8,7 +8,8 @@ Suites (one CSV each, results/<gpu-slug>/bench_<suite>.csv; figures/<gpu-slug>/b
     decode           one decode step (append one token, attend) of flash_attn_with_kvcache over a dense
                      cache and paged caches (page 16, 64, 256) vs SDPA with a length-1 query,
                      FlexAttention and the seed's two eager baselines; GB/s = K+V bytes read / time,
-                     CUDA-graph replay below 0.5 GB of K+V (eager call latency always reported too),
+                     CUDA-graph replay below 0.5 GB of K+V, >= 16 steps per graph (eager call
+                     latency always reported too),
                      and the host overhead of one eager step (batch 1 x cache 4096) as its own rows.
     chunked          chunked prefill against a cache holding L tokens (flash_attn_with_kvcache with a
                      q chunk and causal=True, dense and paged) vs flash_attn_func on the same shapes.

@@ -124,8 +124,8 @@ Hopper config) show no spills; the gathering path (P % BLOCK_N != 0) uses 152 re
 append) against the dense kernel's 112 (148), the per-block path 92 (146). Both kernels use 102 KB
 of shared memory for their 4-stage buffers, which caps them at 2 programs per SM, and 2 x 128
 threads x 198 registers still fit, so paging costs no occupancy. Timed on an H200
-(results/nvidia-h200/bench_decode.csv, bf16, 32:8 heads, D = 128): paged / dense 0.92-1.01 for
-P = 64 and 256, 0.80-0.98 for P = 16 (the gathering path), the gap largest at batch 1-8.
+(results/nvidia-h200/bench_decode.csv, bf16, 32:8 heads, D = 128, commit 0f7f43c): paged / dense
+0.92-1.06 for P = 64 and 256, 0.79-0.99 for P = 16 (the gathering path), the gap largest at batch 1-8.
 
 [Note] Bad block-table entries. A CPU block_table is checked on the host (ValueError for an entry
 outside [0, NUM_BLOCKS) among those the call uses). A device block_table cannot be checked without
