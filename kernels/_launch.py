@@ -58,7 +58,7 @@ class LaunchCache:
 
     def __init__(self, fn):
         self.fn = fn
-        self.kernels: Dict[Hashable, Tuple[Any, Tuple[int, ...]]] = {}
+        self.kernels: Dict[Hashable, Tuple[Any, Tuple[int, ...], Any]] = {}  # key -> (kernel, tensor slots, C launch)
         params = list(inspect.signature(getattr(fn, "fn", fn)).parameters.values())
         self.names = [p.name for p in params]
         self.defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}

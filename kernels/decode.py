@@ -62,8 +62,7 @@ it can: the validation of a call's tensors per signature (shapes, strides, dtype
 (`_plan`), the int -> tensor conversion of cache_seqlens, and the compiled kernels, launched
 through their C launchers without Triton's per-call dispatch (`LaunchCache`, kernels/_launch.py,
 keyed by the signature, the plan, the flags and the inputs' 16-byte alignment: what Triton
-specialises on). The split
-scratch (partial outputs and their LSEs) is one allocation.
+specialises on). The split scratch (partial outputs and their LSEs) is one allocation.
 
 [Note] Chunked prefill. A call with many new tokens per request (seqlen_q >= 128, num_splits=0)
 is a chunk of a long prompt: each chunk's queries attend to the request's cache plus the chunk,
