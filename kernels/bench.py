@@ -269,6 +269,9 @@ def host_overhead_us(fn: Callable[[], Any], *, calls: int = 300, warmup: int = 2
             "host_p80_us": _quantile(values, 0.8)}
 
 
+GRAPH_MIN_CALLS = 16  # decode steps per captured graph in the suite and notebooks: one replay's launch is shared
+
+
 def time_cuda_graph(fn: Callable[[], Any], *, rep: int = 100, repeat: int = 1) -> float:
     """Capture fn() `repeat` times back to back in one CUDA graph; return the median ms per fn() call
     (graph replay time / repeat).

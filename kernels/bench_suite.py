@@ -98,7 +98,6 @@ CHUNK_BATCHES = (1, 4)
 CHUNK_PAGE_SIZES = (64, 256)
 
 GRAPH_MAX_BYTES = 0.5e9  # decode: below this many K+V bytes the headline time is the CUDA-graph replay
-GRAPH_MIN_CALLS = 16  # decode steps per captured graph (rotating the copies), so one replay's launch is shared
 MAX_KV_BYTES = 40e9  # decode shapes whose K+V cache exceeds this are skipped
 MEMORY_HEADROOM = 0.85  # use at most this fraction of the free GPU memory for one measurement
 EAGER_MAX_SCORES = 2**32  # eager prefill materialises b*h*m*n scores (several copies): skip above this
@@ -1025,7 +1024,7 @@ def _decode_shape(ctx: Context, dtype: torch.dtype, shape: DecodeShape, peers: S
                 graph_ms, graph_note = math.nan, ""
                 if kv_bytes < GRAPH_MAX_BYTES or peer.graph_big:
                     try:
-                        repeat = -(-GRAPH_MIN_CALLS // len(states))  # whole rotations of the copies
+                        repeat = -(-bench.GRAPH_MIN_CALLS // len(states))  # whole rotations of the copies
                         graph_ms = ctx.timer.graph(lambda: [step(st) for st in states], rep=ctx.settings.graph_rep,
                                                    repeat=repeat) / len(states)
                     except Exception as exc:

@@ -1386,10 +1386,10 @@ def _check_step(out: torch.Tensor, ref: torch.Tensor, same: torch.Tensor) -> Tup
 
 
 def _graph_ms(step: DecodeStep, states: Sequence[SimpleNamespace], rep: int, what: str) -> float:
-    """ms per step with CUDA-graph replay of steps on each state in turn, at least 16 per graph so the
-    replay's launch is shared as in a captured model step (NaN if capture fails)."""
+    """ms per step with CUDA-graph replay of steps on each state in turn, at least
+    bench.GRAPH_MIN_CALLS per graph as in the benchmark suite (NaN if capture fails)."""
     try:
-        repeat = -(-16 // len(states))
+        repeat = -(-bench.GRAPH_MIN_CALLS // len(states))
         return bench.time_cuda_graph(lambda: [step(st) for st in states], rep=rep, repeat=repeat) / len(states)
     except (RuntimeError, NotImplementedError, ValueError, TypeError) as exc:
         print(f"note: {what}: no CUDA-graph timing ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})")

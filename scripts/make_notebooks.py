@@ -1100,11 +1100,17 @@ def write_notebooks(cells_by_name: dict, check: bool, script: str = "scripts/mak
     return 0
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def cli(make_cells, doc: str, script: str, argv=None) -> int:
+    """The command line of every notebook builder: write the notebooks make_cells() returns
+    ({name: cells}), or with --check only compare them with the files on disk."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="only compare with the notebooks on disk")
     args = parser.parse_args(argv)
-    return write_notebooks(notebooks(), args.check)
+    return write_notebooks(make_cells(), args.check, script)
+
+
+def main(argv=None) -> int:
+    return cli(notebooks, __doc__, "scripts/make_notebooks.py", argv)
 
 
 if __name__ == "__main__":

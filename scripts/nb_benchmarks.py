@@ -11,11 +11,10 @@ and kernels.bench_report (load, tables, figures).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from typing import List
 
-from make_notebooks import SETUP, Cell, badge, code, md, write_notebooks
+from make_notebooks import SETUP, Cell, badge, cli, code, md
 
 NAME = "03_benchmarks"
 
@@ -285,10 +284,7 @@ def benchmarks() -> List[Cell]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check", action="store_true", help="only compare with the notebook on disk")
-    args = parser.parse_args(argv)
-    return write_notebooks({NAME: benchmarks()}, args.check, "scripts/nb_benchmarks.py")
+    return cli(lambda: {NAME: benchmarks()}, __doc__, "scripts/nb_benchmarks.py", argv)
 
 
 if __name__ == "__main__":

@@ -10,14 +10,13 @@ circular: this file imports make_notebooks).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import List
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from make_notebooks import SETUP, Cell, badge, code, md, write_notebooks  # noqa: E402
+from make_notebooks import SETUP, Cell, badge, cli, code, md  # noqa: E402
 
 NAME = "04_serving"
 
@@ -336,10 +335,7 @@ def serving() -> List[Cell]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check", action="store_true", help="only compare with the notebook on disk")
-    args = parser.parse_args(argv)
-    return write_notebooks({NAME: serving()}, args.check, "scripts/nb_serving.py")
+    return cli(lambda: {NAME: serving()}, __doc__, "scripts/nb_serving.py", argv)
 
 
 if __name__ == "__main__":
