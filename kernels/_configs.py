@@ -9,6 +9,7 @@ L4 has 99 KB) get tiles that fit it. Under the interpreter one small config is u
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -129,6 +130,7 @@ INTERPRETER_SM_COUNT = 4  # what the split heuristic assumes when there is no GP
 DECODE_MIN_BLOCKS_PER_SPLIT = 1  # a split streams at least this many BLOCK_N blocks (see decode_num_splits)
 DECODE_MAX_SPLITS = 64
 DECODE_FULL_GRID = 0.8  # this many programs per SM or more: no split (flash-attn's rule)
+DECODE_PAGED_WAVES = 2  # a paged cache's splits fill this many programs per SM (see decode_num_splits)
 
 # Hopper (227 KB smem): K and V tiles of 2-byte dtypes, num_stages deep. key: head_dim_pad.
 # D=128 swept on an H200 (scripts/tune_decode.py -> results/nvidia-h200/tune_decode.csv: BLOCK_N 32/64/128
@@ -166,7 +168,8 @@ def decode_config(head_dim_pad: int, dtype: torch.dtype, device: torch.device) -
     return config
 
 
-def decode_num_splits(programs: int, seqlen_cache: int, block_n: int, device: torch.device) -> int:
+def decode_num_splits(programs: int, seqlen_cache: int, block_n: int, device: torch.device,
+                      paged: bool = False) -> int:
     """num_splits=0 heuristic: how many chunks to split each request's cache into.
 
     Depends only on `programs` (batch x nheads_k x row blocks), the *allocated* seqlen_cache and the
@@ -181,13 +184,34 @@ def decode_num_splits(programs: int, seqlen_cache: int, block_n: int, device: to
     ran 2-4% slower). Short caches split down to one block per split: at batch 1 x 1024 (bf16, 32:8
     heads, D = 128, append, 16 steps per CUDA graph) 16 one-block splits took 8.1 us against 11.6 us
     for the 4 four-block splits of the earlier rule (a split must stream >= 4 blocks).
+
+    Paged caches fill DECODE_PAGED_WAVES programs per SM instead of one (both rules count the SMs
+    times the waves: no split from 0.8 of that, else as many splits as fit in it). Their pages lie
+    anywhere in the pool, so a program's loads wait longer than on a dense cache's one stream, and
+    twice the programs in flight hide it: on an H200 (bf16, 32:8 heads, D = 128, append, random
+    block tables, CUDA-graph timing; .ab A/B of this change) twice the dense split count took
+    batch 8 x 65536 from 621 / 558 / 547 us to 500 / 510 / 509 us for P = 16 / 64 / 256 (dense 497),
+    batch 1 x 65536 from 86.0 / 76.4 / 75.0 to 72.8 / 71.8 / 71.6 (dense 69.5); on the dense cache
+    itself the second wave changed nothing (70.3 against 69.5 us at batch 1 x 65536).
     """
     if is_interpreter() or device.type != "cuda":
         sm_count = INTERPRETER_SM_COUNT
     else:
         sm_count = device_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    slots = sm_count * (DECODE_PAGED_WAVES if paged else 1)  # programs the splits may fill
     programs = max(programs, 1)
-    if programs >= DECODE_FULL_GRID * sm_count:
+    if programs >= DECODE_FULL_GRID * slots:
         return 1
     max_splits = min(DECODE_MAX_SPLITS, max(1, seqlen_cache // (block_n * DECODE_MIN_BLOCKS_PER_SPLIT)))
-    return max(1, min(max_splits, sm_count // programs))
+    return max(1, min(max_splits, slots // programs))
+
+
+def decode_use_pdl(device: torch.device) -> bool:
+    """Whether the split merge is launched with programmatic dependent launch (PDL): the combine
+    kernel's programs start while the decode grid runs and wait in `griddepcontrol.wait` for its
+    results, hiding the second launch's latency. Hopper and newer only (sm_90+: `griddepcontrol`);
+    off under the interpreter and with KERNELS_PDL=0."""
+    if is_interpreter() or device.type != "cuda" or os.environ.get("KERNELS_PDL", "1") in ("0", ""):
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return device_capability(index)[0] >= 9

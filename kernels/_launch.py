@@ -70,7 +70,8 @@ class LaunchCache:
         return full
 
     def __call__(self, key: Optional[Hashable], grid: Tuple[int, int, int], args: Sequence[Any], num_warps: int,
-                 num_stages: int = 1, kwargs: Optional[Dict[str, Any]] = None, device_index: int = 0) -> None:
+                 num_stages: int = 1, kwargs: Optional[Dict[str, Any]] = None, device_index: int = 0,
+                 launch_pdl: bool = False) -> None:
         entry = self.kernels.get(key) if key is not None else None
         if entry is not None and not launch_hooks_active():
             kernel, pointers, launch = entry
@@ -86,7 +87,8 @@ class LaunchCache:
                 kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, None, None,
                            None, *full)
             return
-        kernel = self.fn[grid](*args, **(kwargs or {}), num_warps=num_warps, num_stages=num_stages)
+        options = {"launch_pdl": True} if launch_pdl else {}  # programmatic dependent launch (sm_90+)
+        kernel = self.fn[grid](*args, **(kwargs or {}), num_warps=num_warps, num_stages=num_stages, **options)
         if (self.enabled and key is not None and hasattr(kernel, "run") and hasattr(kernel, "function")
                 and hasattr(kernel, "packed_metadata")):
             if len(self.kernels) >= self.max_entries:  # shapes churn: start over rather than grow without bound
@@ -94,6 +96,33 @@ class LaunchCache:
             full = self._positional(args, kwargs)
             pointers = tuple(i for i, arg in enumerate(full) if isinstance(arg, torch.Tensor))
             self.kernels[key] = (kernel, pointers, _direct_launch(kernel.run))
+
+
+    def direct(self, key: Hashable) -> Optional["DirectLaunch"]:
+        """The cached kernel of `key` as a `DirectLaunch`, if it has one that needs no scratch; None
+        when the key was never launched, the fast path is off, or launch hooks are installed."""
+        entry = self.kernels.get(key)
+        if entry is None or entry[2] is None or not self.enabled or launch_hooks_active():
+            return None
+        kernel, pointers, launch = entry
+        run = kernel.run
+        head = (kernel.function, run.launch_cooperative_grid, run.launch_pdl, None, None, kernel.packed_metadata,
+                None, None, None)
+        return DirectLaunch(launch, head, pointers)
+
+
+class DirectLaunch:
+    """A compiled kernel's C launch with everything but the grid, stream and arguments bound:
+    `launch(grid, stream, args)` is what `LaunchCache` does on a hit, minus the key lookup.
+    `pointers` are the positions of the tensor arguments (pass raw data_ptr ints there)."""
+
+    __slots__ = ("_launch", "_head", "pointers")
+
+    def __init__(self, launch, head: tuple, pointers: Tuple[int, ...]):
+        self._launch, self._head, self.pointers = launch, head, pointers
+
+    def launch(self, grid: Tuple[int, int, int], stream: int, args: Sequence[Any]) -> None:
+        self._launch(grid[0], grid[1], grid[2], stream, *self._head, *args)
 
 
 def _direct_launch(run):

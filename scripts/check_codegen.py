@@ -74,6 +74,7 @@ DENSE_VALUES = {
     "NUM_BLOCKS": None,
     "PAGED": False,
     "PAGE_SIZE": 1,
+    "USE_PDL": False,  # decode / combine: programmatic dependent launch off (as on sm_89)
     "Cache_seqlens": None,
     "stride_kblk": None,
     "stride_vblk": None,

@@ -28,6 +28,7 @@ from kernels import (  # noqa: E402
     decode,
     flash_attn_with_kvcache,  # noqa: E402
 )
+from kernels._launch import LaunchCache  # noqa: E402
 from kernels.bench import decode_kv_bytes, make_row, time_cuda_graph, write_csv  # noqa: E402
 from kernels.reference import attention_ref, rel_err  # noqa: E402
 
@@ -156,14 +157,12 @@ def main() -> int:
         us = host_overhead_us(fn)
         rows.append(make_row(kernel=name, batch=1, seqlen_cache=4096, host_us=us))
         print(f"host overhead {name}: {us:.1f} us", flush=True)
-    os.environ["KERNELS_FAST_LAUNCH"] = "0"
-    decode._launch_decode.enabled = False
-    decode._launch_decode.kernels.clear()
+    LaunchCache.enabled = False  # every launch through Triton's dispatcher, no replays
+    decode._REPLAYS.clear()
     us = host_overhead_us(lambda: flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens))
     rows.append(make_row(kernel="ours_append_tensor_lens_no_fast_launch", batch=1, seqlen_cache=4096, host_us=us))
     print(f"host overhead without fast launch: {us:.1f} us", flush=True)
-    os.environ["KERNELS_FAST_LAUNCH"] = "1"
-    decode._launch_decode.enabled = True
+    LaunchCache.enabled = True
     rows += chunked_crossover()
     path = write_csv(rows, "tune_decode", args.out)
     print("wrote", path)

@@ -565,6 +565,43 @@ def test_kvcache_cuda_graph():
 
 
 @pytest.mark.gpu
+def test_replayed_calls_match_the_full_path():
+    """A repeat of a validated call with device lengths replays its recorded launches (kernels.decode
+    [Note] Host overhead): fresh values and lengths, a misaligned q (takes the full path), split scratch
+    shared by calls of different sizes, and another stream all give the reference's answer and append."""
+    import kernels.decode as decode
+
+    dtype, nheads, nheads_k, head_dim = torch.bfloat16, 32, 8, 128
+
+    def check(batch, seqlen_cache, lengths, num_splits=0, stream=None, misalign=False):
+        q, k_cache, v_cache, k, v = make_decode_inputs(batch, seqlen_cache, 1, nheads, nheads_k, head_dim, dtype)
+        if misalign:  # same shape and strides, data 8 bytes past a 16-byte boundary
+            q = torch.empty(q.numel() + 8, dtype=dtype, device=DEVICE)[4 : 4 + q.numel()].view(q.shape).copy_(q)
+            assert q.data_ptr() % 16 == 8
+        lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+        ref32, ref_lse, ref_same = per_request_references(q, k_cache, v_cache, k, v, lengths, causal=False)
+        with torch.cuda.stream(stream if stream is not None else torch.cuda.current_stream()):
+            out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens, num_splits=num_splits,
+                                               return_softmax_lse=True)
+        torch.cuda.synchronize()
+        assert_close_to_ref(out, ref32, ref_same)
+        assert_lse_close(lse, ref_lse, dtype)
+        rows = torch.arange(batch, device=DEVICE), lens.long()
+        assert torch.equal(k_cache[rows], k[:, 0]) and torch.equal(v_cache[rows], v[:, 0])
+
+    decode._REPLAYS.clear()
+    check(1, 4096, [3000])  # the full path, recorded
+    assert len(decode._REPLAYS) == 1
+    for lengths in ([17], [4095], [0]):
+        check(1, 4096, lengths)  # replayed with new pointers, values and lengths
+    check(1, 4096, [2000], misalign=True)  # compiled for aligned pointers: not replayed
+    check(2, 8192, [8000, 5], num_splits=32)  # a larger split scratch...
+    check(1, 4096, [100])  # ... that the smaller call then shares
+    check(1, 4096, [4000], stream=torch.cuda.Stream())  # another stream: its own scratch
+    assert len(decode._REPLAYS) == 2  # the misaligned call was not recorded
+
+
+@pytest.mark.gpu
 @pytest.mark.slow
 def test_large_cache_int64_offsets():
     """Caches of more than 2^31 elements: rows at the end of the buffer are read and written correctly."""

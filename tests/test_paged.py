@@ -223,6 +223,24 @@ def test_seqlen_q_causal_bottom_right(group, append):
         assert_lse_close(lse, ref_lse, dtype, msg=msg)
 
 
+def test_split_heuristic_fills_more_programs_for_paged_caches():
+    """num_splits=0 (kernels._configs.decode_num_splits): a paged cache's splits fill DECODE_PAGED_WAVES
+    programs per SM, a dense cache's one, and neither splits once the programs fill 0.8 of that."""
+    from kernels._configs import DECODE_MAX_SPLITS, DECODE_PAGED_WAVES, INTERPRETER_SM_COUNT, decode_num_splits
+    from kernels._utils import device_sm_count
+
+    device = torch.device(DEVICE)
+    sms = device_sm_count(torch.cuda.current_device()) if ON_GPU else INTERPRETER_SM_COUNT
+    capacity, block_n = 1 << 20, 64  # long enough that no split is capped by the block count
+    programs = max(1, sms // 8)
+    assert decode_num_splits(programs, capacity, block_n, device) == min(DECODE_MAX_SPLITS, sms // programs)
+    assert decode_num_splits(programs, capacity, block_n, device, paged=True) == min(
+        DECODE_MAX_SPLITS, DECODE_PAGED_WAVES * sms // programs)
+    assert decode_num_splits(sms, capacity, block_n, device) == 1
+    assert decode_num_splits(sms, capacity, block_n, device, paged=True) == DECODE_PAGED_WAVES
+    assert decode_num_splits(DECODE_PAGED_WAVES * sms, capacity, block_n, device, paged=True) == 1
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_split_and_unsplit_agree(dtype):
     """num_splits 1, 3 and 0 (heuristic) over a paged cache give the same output and LSE up to rounding."""
