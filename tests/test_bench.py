@@ -130,6 +130,24 @@ def test_stream_read_sums_every_element(device):
         bench.stream_read(x.view(2, -1)[:, :10])
 
 
+@pytest.mark.gpu
+def test_hide_host_times_the_gpu_work_alone():
+    """time_fn(hide_host=True) excludes a call's host work: 200 us of Python before a tiny kernel is
+    timed without it (the GPU idles between the events) and not with it."""
+    import time
+
+    x = torch.zeros(1024, device="cuda")
+
+    def slow_host_call():
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 200e-6:
+            pass
+        x.add_(1)
+
+    assert bench.time_fn(slow_host_call, warmup=2, rep=20)["median_ms"] > 0.15
+    assert bench.time_fn(slow_host_call, warmup=2, rep=20, hide_host=True)["median_ms"] < 0.1
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CLI's exit without a GPU")
 def test_cli_exits_nonzero_without_gpu(capsys):
     """`python -m kernels.bench` without a GPU prints why and exits 1."""

@@ -29,7 +29,7 @@ class FakeTimer:
     def __init__(self):
         self.timed = []
 
-    def time(self, fn, *, warmup, rep, rotate=None, flush_l2=False):
+    def time(self, fn, *, warmup, rep, rotate=None, flush_l2=False, hide_host=False):
         fn(*(rotate[0] if rotate else ()))
         self.timed.append(fn)
         return {"median_ms": 2.0, "p20_ms": 1.9, "p80_ms": 2.1, "min_ms": 1.8}
