@@ -17,7 +17,8 @@ Suites (one CSV each, results/<gpu-slug>/bench_<suite>.csv; figures/<gpu-slug>/b
 Method: fixed seeds; warm-up calls excluded; median of N CUDA-event-timed calls with p20/p80/min;
 L2 flushed before every timed call (prefill, chunked) or inputs rotated over copies exceeding twice
 the L2 (decode); chunked calls are timed behind a GPU sleep that covers their host work
-(bench.time_fn's hide_host), so its ratios compare kernels, not Python wrappers; peak memory as the increment over what was allocated before the call. The ceilings
+(bench.time_fn's hide_host), so its ratios compare kernels, not Python wrappers; peak memory as
+the increment over what was allocated before the call. The ceilings
 (bf16 matmul TFLOP/s, device copy and read-only streaming GB/s) are measured in the same invocation
 and stored on every row (and in bench_ceilings.csv), with each row's fraction of them. Each of our
 kernels is checked against kernels.reference once per shape before timing (flash-attn's rule:

@@ -756,16 +756,21 @@ _REPLAYS_MAX = 1024
 
 def _replay_template(direct: Optional[DirectLaunch], grid, args: Sequence, sources: Sequence):
     """(direct launch, grid, argument template, pointer slots) for a launch made with `args`, whose
-    tensors are among `sources` (by identity); None when the kernel has no direct launch."""
+    tensors are among `sources` (by identity); None when the kernel has no direct launch. The
+    template holds no tensor (its slots are 0 until a call fills them), so a recorded call keeps
+    none of its tensors alive."""
     if direct is None:
         return None
-    slots = []
+    template, slots = list(args), []
     for i in direct.pointers:
         j = next((j for j, t in enumerate(sources) if t is args[i]), None)
         if j is None:
             return None
+        template[i] = 0
         slots.append((i, j))
-    return direct, grid, list(args), tuple(slots)
+    if any(isinstance(arg, torch.Tensor) for arg in template):
+        return None
+    return direct, grid, template, tuple(slots)
 
 
 def _replay(r: _Replay, q, k_cache, v_cache, k, v, cache_seqlens, block_table):

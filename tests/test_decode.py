@@ -8,6 +8,9 @@ and bf16 on a GPU.
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -599,6 +602,15 @@ def test_replayed_calls_match_the_full_path():
     check(1, 4096, [100])  # ... that the smaller call then shares
     check(1, 4096, [4000], stream=torch.cuda.Stream())  # another stream: its own scratch
     assert len(decode._REPLAYS) == 2  # the misaligned call was not recorded
+    # a recorded call keeps none of its tensors alive
+    q, k_cache, v_cache, k, v = make_decode_inputs(1, 2048, 1, nheads, nheads_k, head_dim, dtype)
+    lens = torch.tensor([5], dtype=torch.int32, device=DEVICE)
+    flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens)
+    assert len(decode._REPLAYS) == 3
+    alive = [weakref.ref(t) for t in (q, k_cache, v_cache, k, v, lens)]
+    del q, k_cache, v_cache, k, v, lens
+    gc.collect()
+    assert all(ref() is None for ref in alive)
 
 
 @pytest.mark.gpu
