@@ -189,10 +189,12 @@ def decode_num_splits(programs: int, seqlen_cache: int, block_n: int, device: to
     times the waves: no split from 0.8 of that, else as many splits as fit in it). Their pages lie
     anywhere in the pool, so a program's loads wait longer than on a dense cache's one stream, and
     twice the programs in flight hide it: on an H200 (bf16, 32:8 heads, D = 128, append, random
-    block tables, CUDA-graph timing; .ab A/B of this change) twice the dense split count took
-    batch 8 x 65536 from 621 / 558 / 547 us to 500 / 510 / 509 us for P = 16 / 64 / 256 (dense 497),
-    batch 1 x 65536 from 86.0 / 76.4 / 75.0 to 72.8 / 71.8 / 71.6 (dense 69.5); on the dense cache
-    itself the second wave changed nothing (70.3 against 69.5 us at batch 1 x 65536).
+    block tables, CUDA-graph timing; results/nvidia-h200/decode_replay_pdl_paged_ab.log) twice
+    the dense split count took batch 8 x 65536 from 621 / 558 / 547 us to 500 / 510 / 509 us for
+    P = 16 / 64 / 256 (dense 497) and batch 1 x 65536 from 86.0 / 76.4 / 75.0 to 72.8 / 71.8 / 71.6
+    us (dense 69.5), while three or four times it was slower than twice at every shape tried (a
+    partial third wave); on the dense cache itself a second wave changed nothing (70.3 against 69.5
+    us at batch 1 x 65536).
     """
     if is_interpreter() or device.type != "cuda":
         sm_count = INTERPRETER_SM_COUNT

@@ -57,12 +57,31 @@ j <= t + N_b - M. With an append every cached key is visible to every token and 
 are masked (token t sees new keys 0..t); without one, the last M - 1 cached keys are masked per row.
 
 [Note] Host overhead. A decode step is a few microseconds of GPU time, so the wrapper caches all
-it can: the validation of a call's tensors per signature (shapes, strides, dtypes, devices:
-`_signature`; values and pointers are still checked every call), the launch plan per shape
-(`_plan`), the int -> tensor conversion of cache_seqlens, and the compiled kernels, launched
+it can. The full path: the validation of a call's tensors per signature (shapes, strides, dtypes,
+devices: `_signature`; values and pointers are still checked every call), the launch plan per
+shape (`_plan`), the int -> tensor conversion of cache_seqlens, and the compiled kernels, launched
 through their C launchers without Triton's per-call dispatch (`LaunchCache`, kernels/_launch.py,
 keyed by the signature, the plan, the flags and the inputs' 16-byte alignment: what Triton
-specialises on). The split scratch (partial outputs and their LSEs) is one allocation.
+specialises on). A call that repeats a validated one -- same signature, cache_seqlens (and
+block_table) already on the GPU with the same layout, the same scale, flags and num_splits --
+replays it (`_Replay`): the recorded argument lists of its decode and combine launches get this
+call's pointers and go straight to the C launchers; a pointer that is not 16-byte aligned (the
+kernels were compiled for aligned ones), another current device or installed launch hooks send
+the call down the full path instead. Lengths given as an int or on the CPU are checked on the
+host every call, so those calls are never replayed. What a replay still does: the signature,
+the output allocation, the two launches. The split scratch (partial outputs and their LSEs) is one
+fp32 buffer per (device, stream), reused by the next call on that stream (stream order makes that
+safe) and allocated afresh while a CUDA graph is captured. Measured on an H200 (batch 1 x 4096,
+append, device lengths, median CPU time of an eager call without syncs): 20-22 us replayed against
+38 us on the full path and 26 us for SDPA in the same run (results/nvidia-h200/decode_replay_pdl_paged_ab.log).
+
+[Note] Combine launch. With a split, the combine kernel is launched with programmatic dependent
+launch on Hopper and newer (`decode_use_pdl`, kernels/_configs.py): the decode kernel lets its
+dependents launch as soon as each of its programs starts (`gdc_launch_dependents`), and the
+combine programs, resident early, wait in `gdc_wait` until the decode grid has finished and its
+writes are visible. The combine's launch latency overlaps the decode grid: 0.5-1.2 us per step at
+batch 1-8 on an H200 (e.g. batch 1 x 16384: 24.7 -> 24.1 us). Without PDL (sm_89, the interpreter,
+KERNELS_PDL=0) both instructions are compiled out and the launches are ordinary stream-ordered ones.
 
 [Note] Chunked prefill. A call with many new tokens per request (seqlen_q >= 128, num_splits=0)
 is a chunk of a long prompt: each chunk's queries attend to the request's cache plus the chunk,
@@ -122,9 +141,15 @@ table load has a whole iteration to land. Offline sm_90 compiles (ptxas -v, bf16
 Hopper config) show no spills; the gathering path (P % BLOCK_N != 0) uses 152 registers (198 with an
 append) against the dense kernel's 112 (148), the per-block path 92 (146). Both kernels use 102 KB
 of shared memory for their 4-stage buffers, which caps them at 2 programs per SM, and 2 x 128
-threads x 198 registers still fit, so paging costs no occupancy. Timed on an H200
-(results/nvidia-h200/bench_decode.csv, bf16, 32:8 heads, D = 128, commit 0f7f43c): paged / dense
-0.92-1.06 for P = 64 and 256, 0.79-0.99 for P = 16 (the gathering path), the gap largest at batch 1-8.
+threads x 198 registers still fit, so paging costs no occupancy. What the pipeline does not hide
+is the scatter itself: with one program per SM (the dense split rule) a paged request streamed
+8-21% slower than a dense one at batch 1-8 (P = 16: 621 against 497 us at batch 8 x 65536), so
+paged caches split over two programs per SM (DECODE_PAGED_WAVES in kernels/_configs.py). Timed on
+an H200 (results/nvidia-h200/bench_decode.csv, bf16, 32:8 heads, D = 128, commit cb53430): paged /
+dense 0.89-1.07 for P = 64 and 256 and 0.78-1.04 for P = 16; within 5% from 0.5 GB of K+V up,
+except P = 16 at four batch 32-128 shapes (0.93-0.95); below that, the launch-bound steps (7-40 us)
+pay ~1 us for the first page lookup (P = 64 and 256: 0.89-0.94 at batch 1 x 1024-16384 and batch
+8 x 1024; P = 16: 0.78-0.87 at batch 1).
 
 [Note] Bad block-table entries. A CPU block_table is checked on the host (ValueError for an entry
 outside [0, NUM_BLOCKS) among those the call uses). A device block_table cannot be checked without
