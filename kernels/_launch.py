@@ -97,7 +97,6 @@ class LaunchCache:
             pointers = tuple(i for i, arg in enumerate(full) if isinstance(arg, torch.Tensor))
             self.kernels[key] = (kernel, pointers, _direct_launch(kernel.run))
 
-
     def direct(self, key: Hashable) -> Optional["DirectLaunch"]:
         """The cached kernel of `key` as a `DirectLaunch`, if it has one that needs no scratch; None
         when the key was never launched, the fast path is off, or launch hooks are installed."""

@@ -70,8 +70,8 @@ kernels were compiled for aligned ones), another current device or installed lau
 the call down the full path instead. Lengths given as an int or on the CPU are checked on the
 host every call, so those calls are never replayed. What a replay still does: the signature,
 the output allocation, the two launches. The split scratch (partial outputs and their LSEs) is one
-fp32 buffer per (device, stream), reused by the next call on that stream (stream order makes that
-safe) and allocated afresh while a CUDA graph is captured. Measured on an H200 (batch 1 x 4096,
+fp32 buffer per (device, stream, thread), reused by that thread's next call on that stream
+(stream order makes that safe) and allocated afresh while a CUDA graph is captured. Measured on an H200 (batch 1 x 4096,
 append, device lengths, median CPU time of an eager call without syncs): 20-22 us replayed against
 38 us on the full path and 26 us for SDPA in the same run (results/nvidia-h200/decode_replay_pdl_paged_ab.log).
 
@@ -165,6 +165,7 @@ import contextlib
 import functools
 import math
 import numbers
+import threading
 from typing import NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -739,23 +740,33 @@ def _launch_append(k_cache, v_cache, k, v, cache_seqlens, block_table, key) -> N
                           device_index=k.device.index if k.device.index is not None else 0)
 
 
-def _split_scratch(numel: int, device: torch.device, device_index: int) -> torch.Tensor:
-    """fp32 scratch of at least `numel` elements for the split partials, reused per (device, stream).
+def _scratch_slot(device_index: int) -> Tuple[int, int, int]:
+    """Who may share a split scratch: one (device, current stream, Python thread)."""
+    return device_index, torch._C._cuda_getCurrentRawStream(device_index), threading.get_ident()
 
-    Calls on one stream run in order, so the next call's decode kernel writes the scratch only after
-    the previous call's combine kernel has read it. While a CUDA graph is being captured a fresh
-    allocation is made (from the graph's pool), so replays never share scratch with eager calls.
+
+def _split_scratch(numel: int, device: torch.device, device_index: int) -> torch.Tensor:
+    """fp32 scratch of at least `numel` elements for the split partials, reused per `_scratch_slot`.
+
+    One thread's calls on one stream are issued one after the other and run in stream order, so a
+    call's decode kernel writes the scratch only after the previous call's combine kernel has read
+    it. Another thread may issue its launches between a call's two, so threads never share one.
+    While a CUDA graph is being captured a fresh allocation is made (from the graph's pool), so
+    replays never share scratch with eager calls.
     """
     if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return torch.empty(numel, dtype=torch.float32, device=device)
-    slot = (device_index, torch._C._cuda_getCurrentRawStream(device_index))
+    slot = _scratch_slot(device_index)
     scratch = _SPLIT_SCRATCH.get(slot)
     if scratch is None or scratch.numel() < numel:
+        if len(_SPLIT_SCRATCH) >= _SPLIT_SCRATCH_MAX:  # threads come and go: start over (the allocator
+            _SPLIT_SCRATCH.clear()  # reuses a dropped buffer only in its stream's order)
         scratch = _SPLIT_SCRATCH[slot] = torch.empty(numel, dtype=torch.float32, device=device)
     return scratch
 
 
-_SPLIT_SCRATCH: dict = {}  # (device index, raw stream) -> the largest split scratch used there
+_SPLIT_SCRATCH: dict = {}  # `_scratch_slot` -> the largest split scratch used there
+_SPLIT_SCRATCH_MAX = 64
 
 
 class _Replay(NamedTuple):
@@ -816,8 +827,9 @@ def _replay(r: _Replay, q, k_cache, v_cache, k, v, cache_seqlens, block_table):
         lse = torch.empty(r.lse_shape, dtype=torch.float32, device=r.device)
         lse_ptr = lse.data_ptr()
     part_ptr = lse_part_ptr = out_ptr
-    if r.scratch_numel:
-        part_ptr = _split_scratch(r.scratch_numel, r.device, r.device_index).data_ptr()
+    if r.scratch_numel:  # held in a local until both launches are issued
+        scratch = _split_scratch(r.scratch_numel, r.device, r.device_index)
+        part_ptr = scratch.data_ptr()
         lse_part_ptr = part_ptr + r.lse_part_offset
     ptrs = (q_ptr, kc_ptr, vc_ptr, k_ptr, v_ptr, lens_ptr, bt_ptr, out_ptr, lse_ptr, part_ptr, lse_part_ptr)
     stream = torch._C._cuda_getCurrentRawStream(r.device_index)

@@ -617,6 +617,53 @@ def test_replayed_calls_match_the_full_path():
 
 
 @pytest.mark.gpu
+def test_threads_sharing_a_stream_get_their_own_split_scratch():
+    """Threads issuing split decode calls on one stream (launches of different threads interleave)
+    each get the answer a lone call gives: the reused split scratch is per thread."""
+    import threading
+
+    dtype, nheads, nheads_k, head_dim, calls = torch.bfloat16, 32, 8, 128, 40
+    cases = []
+    for i in range(4):
+        q, k_cache, v_cache, _, _ = make_decode_inputs(1, 4096, 1, nheads, nheads_k, head_dim, dtype, append=False)
+        lens = torch.tensor([1000 + 700 * i], dtype=torch.int32, device=DEVICE)
+        cases.append((q, k_cache, v_cache, lens, flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens)))
+    torch.cuda.synchronize()
+    errors = []
+
+    def worker(q, k_cache, v_cache, lens, expected):
+        try:
+            outs = [flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens) for _ in range(calls)]
+            torch.cuda.synchronize()
+            errors.extend(f"call {n}" for n, out in enumerate(outs) if not torch.equal(out, expected))
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=worker, args=case) for case in cases]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:5]
+
+
+def test_split_scratch_is_per_stream_and_thread(monkeypatch):
+    """The reused split scratch is keyed by device, current stream and Python thread."""
+    import threading
+
+    import kernels.decode as decode
+
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 1000 + index, raising=False)
+    here = decode._scratch_slot(0)
+    other = []
+    thread = threading.Thread(target=lambda: other.append(decode._scratch_slot(0)))
+    thread.start()
+    thread.join()
+    assert here[:2] == other[0][:2] == (0, 1000) and here != other[0]
+    assert decode._scratch_slot(1)[:2] == (1, 1001)
+
+
+@pytest.mark.gpu
 @pytest.mark.slow
 def test_large_cache_int64_offsets():
     """Caches of more than 2^31 elements: rows at the end of the buffer are read and written correctly."""
