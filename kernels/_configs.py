@@ -131,6 +131,7 @@ DECODE_MIN_BLOCKS_PER_SPLIT = 1  # a split streams at least this many BLOCK_N bl
 DECODE_MAX_SPLITS = 64
 DECODE_FULL_GRID = 0.8  # this many programs per SM or more: no split (flash-attn's rule)
 DECODE_PAGED_WAVES = 2  # a paged cache's splits fill this many programs per SM (see decode_num_splits)
+DECODE_PDL = os.environ.get("KERNELS_PDL", "1") not in ("0", "")  # read once, at import (see decode_use_pdl)
 
 # Hopper (227 KB smem): K and V tiles of 2-byte dtypes, num_stages deep. key: head_dim_pad.
 # D=128 swept on an H200 (scripts/tune_decode.py -> results/nvidia-h200/tune_decode.csv: BLOCK_N 32/64/128
@@ -172,9 +173,9 @@ def decode_num_splits(programs: int, seqlen_cache: int, block_n: int, device: to
                       paged: bool = False) -> int:
     """num_splits=0 heuristic: how many chunks to split each request's cache into.
 
-    Depends only on `programs` (batch x nheads_k x row blocks), the *allocated* seqlen_cache and the
-    SM count, never on current lengths, so the grid and the compiled kernel stay fixed while a
-    generation loop runs. flash-attn's rule for when: no split once the programs fill the SMs
+    Depends only on `programs` (batch x nheads_k x row blocks), the *allocated* seqlen_cache, the
+    SM count and whether the cache is paged, never on current lengths, so the grid and the compiled
+    kernel stay fixed while a generation loop runs. flash-attn's rule for when: no split once the programs fill the SMs
     (DECODE_FULL_GRID). How many: the most splits that still run in one wave, SMs // programs, with
     every split at least DECODE_MIN_BLOCKS_PER_SPLIT blocks of BLOCK_N keys and at most
     DECODE_MAX_SPLITS splits. Measured on an H200 (results/nvidia-h200/tune_decode.csv: batch 1 and
@@ -212,8 +213,8 @@ def decode_use_pdl(device: torch.device) -> bool:
     """Whether the split merge is launched with programmatic dependent launch (PDL): the combine
     kernel's programs start while the decode grid runs and wait in `griddepcontrol.wait` for its
     results, hiding the second launch's latency. Hopper and newer only (sm_90+: `griddepcontrol`);
-    off under the interpreter and with KERNELS_PDL=0."""
-    if is_interpreter() or device.type != "cuda" or os.environ.get("KERNELS_PDL", "1") in ("0", ""):
+    off under the interpreter and with KERNELS_PDL=0 in the environment at import (DECODE_PDL)."""
+    if is_interpreter() or device.type != "cuda" or not DECODE_PDL:
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return device_capability(index)[0] >= 9

@@ -71,15 +71,16 @@ the call down the full path instead. Lengths given as an int or on the CPU are c
 host every call, so those calls are never replayed. What a replay still does: the signature,
 the output allocation, the two launches. The split scratch (partial outputs and their LSEs) is one
 fp32 buffer per (device, stream, thread), reused by that thread's next call on that stream
-(stream order makes that safe) and allocated afresh while a CUDA graph is captured. Measured on an H200 (batch 1 x 4096,
+(stream order makes that safe), allocated afresh while a CUDA graph is captured and for every call
+above 64 MiB. Measured on an H200 (batch 1 x 4096,
 append, device lengths, median CPU time of an eager call without syncs): 20-22 us replayed against
 38 us on the full path and 26 us for SDPA in the same run (results/nvidia-h200/decode_replay_pdl_paged_ab.log).
 
 [Note] Combine launch. With a split, the combine kernel is launched with programmatic dependent
-launch on Hopper and newer (`decode_use_pdl`, kernels/_configs.py): the decode kernel lets its
-dependents launch as soon as each of its programs starts (`gdc_launch_dependents`), and the
-combine programs, resident early, wait in `gdc_wait` until the decode grid has finished and its
-writes are visible. The combine's launch latency overlaps the decode grid: 0.5-1.2 us per step at
+launch on Hopper and newer (`decode_use_pdl`, kernels/_configs.py): every decode program signals
+at its start that dependents may launch (`gdc_launch_dependents`), so once all of them run the
+combine grid is launched too, and its programs wait in `gdc_wait` until the decode grid has
+finished and its writes are visible. The combine's launch latency overlaps the decode grid: 0.5-1.2 us per step at
 batch 1-8 on an H200 (e.g. batch 1 x 16384: 24.7 -> 24.1 us). Without PDL (sm_89, the interpreter,
 KERNELS_PDL=0) both instructions are compiled out and the launches are ordinary stream-ordered ones.
 
@@ -681,7 +682,7 @@ def _signature(q, k_cache, v_cache, k, v, block_table) -> tuple:
     overhead. Raises AttributeError when an argument is not a tensor."""
     sig = (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device,
            v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device)
-    if k is not None:
+    if k is not None or v is not None:  # one of them None: AttributeError, validation says both or neither
         sig += (k.shape, k.stride(), k.dtype, k.device, v.shape, v.stride(), v.dtype, v.device)
     if block_table is not None:
         sig += (block_table.shape, block_table.stride(), block_table.dtype, block_table.device)
@@ -740,33 +741,32 @@ def _launch_append(k_cache, v_cache, k, v, cache_seqlens, block_table, key) -> N
                           device_index=k.device.index if k.device.index is not None else 0)
 
 
-def _scratch_slot(device_index: int) -> Tuple[int, int, int]:
-    """Who may share a split scratch: one (device, current stream, Python thread)."""
-    return device_index, torch._C._cuda_getCurrentRawStream(device_index), threading.get_ident()
-
-
 def _split_scratch(numel: int, device: torch.device, device_index: int) -> torch.Tensor:
-    """fp32 scratch of at least `numel` elements for the split partials, reused per `_scratch_slot`.
+    """fp32 scratch of at least `numel` elements for the split partials, reused by the calling
+    thread's calls on the current stream of `device_index` (the current device).
 
     One thread's calls on one stream are issued one after the other and run in stream order, so a
     call's decode kernel writes the scratch only after the previous call's combine kernel has read
-    it. Another thread may issue its launches between a call's two, so threads never share one.
-    While a CUDA graph is being captured a fresh allocation is made (from the graph's pool), so
-    replays never share scratch with eager calls.
+    it. Another thread may issue its launches between a call's two, so each thread keeps its own
+    (thread-local: freed with the thread). Scratch above SPLIT_SCRATCH_CACHE_BYTES is allocated per
+    call, not kept. While a CUDA graph is being captured a fresh allocation is made (from the graph's
+    pool), so graph replays never share scratch with eager calls.
     """
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+    if (device.type != "cuda" or numel * 4 > SPLIT_SCRATCH_CACHE_BYTES
+            or torch.cuda.is_current_stream_capturing()):
         return torch.empty(numel, dtype=torch.float32, device=device)
-    slot = _scratch_slot(device_index)
-    scratch = _SPLIT_SCRATCH.get(slot)
+    buffers = getattr(_SCRATCH_LOCAL, "buffers", None)
+    if buffers is None:
+        buffers = _SCRATCH_LOCAL.buffers = {}
+    slot = (device_index, torch._C._cuda_getCurrentRawStream(device_index))
+    scratch = buffers.get(slot)
     if scratch is None or scratch.numel() < numel:
-        if len(_SPLIT_SCRATCH) >= _SPLIT_SCRATCH_MAX:  # threads come and go: start over (the allocator
-            _SPLIT_SCRATCH.clear()  # reuses a dropped buffer only in its stream's order)
-        scratch = _SPLIT_SCRATCH[slot] = torch.empty(numel, dtype=torch.float32, device=device)
+        scratch = buffers[slot] = torch.empty(numel, dtype=torch.float32, device=device)
     return scratch
 
 
-_SPLIT_SCRATCH: dict = {}  # `_scratch_slot` -> the largest split scratch used there
-_SPLIT_SCRATCH_MAX = 64
+SPLIT_SCRATCH_CACHE_BYTES = 64 * 2**20  # larger split scratch is allocated per call, not kept
+_SCRATCH_LOCAL = threading.local()  # .buffers: (device index, raw stream) -> the largest scratch used there
 
 
 class _Replay(NamedTuple):
@@ -790,16 +790,28 @@ _REPLAYS: dict = {}  # `_replay_key` -> _Replay
 _REPLAYS_MAX = 1024
 
 
-def _replay_template(direct: Optional[DirectLaunch], grid, args: Sequence, sources: Sequence):
-    """(direct launch, grid, argument template, pointer slots) for a launch made with `args`, whose
-    tensors are among `sources` (by identity); None when the kernel has no direct launch. The
-    template holds no tensor (its slots are 0 until a call fills them), so a recorded call keeps
-    none of its tensors alive."""
+# Where a replayed launch's pointer arguments come from: kernel parameter -> index into the call's
+# pointers (q, k_cache, v_cache, k, v, cache_seqlens, block_table, out, lse, out_part, lse_part; the
+# full path's stand-ins for unused ones: k_cache for k/v without an append, out for lse without
+# return_softmax_lse and for the partials without a split).
+_DECODE_SOURCES = {"Q": 0, "K_cache": 1, "V_cache": 2, "K_new": 3, "V_new": 4, "Cache_seqlens": 5,
+                   "Block_table": 6, "Out": 7, "Lse": 8, "Out_part": 9, "Lse_part": 10}
+_COMBINE_SOURCES = {"Out_part": 9, "Lse_part": 10, "Out": 7, "Lse": 8}
+
+
+def _replay_template(direct: Optional[DirectLaunch], grid, args: Sequence, names: Sequence[str],
+                     sources: dict):
+    """(direct launch, grid, argument template, pointer slots) for a launch made with `args` (the
+    kernel's parameters `names`): each tensor argument's position gets the call pointer that
+    `sources` names for its parameter, whatever tensor the recorded call passed there (so tensors
+    aliased in that call, e.g. k is v, are not frozen into the replay). The template holds no tensor
+    (its slots are 0 until a call fills them), so a recording keeps no tensor alive. None when the
+    kernel has no direct launch or a tensor parameter has no source."""
     if direct is None:
         return None
     template, slots = list(args), []
     for i in direct.pointers:
-        j = next((j for j, t in enumerate(sources) if t is args[i]), None)
+        j = sources.get(names[i])
         if j is None:
             return None
         template[i] = 0
@@ -812,7 +824,8 @@ def _replay_template(direct: Optional[DirectLaunch], grid, args: Sequence, sourc
 def _replay(r: _Replay, q, k_cache, v_cache, k, v, cache_seqlens, block_table):
     """Run a repeated call through its `_Replay`: (out, lse), or None when this call's pointers are
     not all 16-byte aligned (the kernels were compiled for aligned ones), the current device is not
-    the call's, or launch hooks are installed; the caller then takes the full path."""
+    the call's, the fast launch is off (KERNELS_FAST_LAUNCH=0, LaunchCache.enabled) or launch hooks
+    are installed; the caller then takes the full path."""
     q_ptr, kc_ptr, vc_ptr, lens_ptr = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), cache_seqlens.data_ptr()
     k_ptr, v_ptr = (k.data_ptr(), v.data_ptr()) if k is not None else (kc_ptr, kc_ptr)
     bt_ptr = block_table.data_ptr() if block_table is not None else 0
@@ -843,9 +856,11 @@ def _replay(r: _Replay, q, k_cache, v_cache, k, v, cache_seqlens, block_table):
 
 def _replay_key(sig: tuple, cache_seqlens, softmax_scale, causal, num_splits, return_softmax_lse) -> Optional[tuple]:
     """What a call must share with an earlier one to replay it: the tensors' signature, a device
-    cache_seqlens' layout, and the other arguments; None when the call cannot be replayed (lengths
-    given as an int or on the CPU are checked on the host every call)."""
-    if type(cache_seqlens) is not torch.Tensor:
+    cache_seqlens' layout, and the other arguments; None when the call cannot be replayed: lengths
+    given as an int or on the CPU (checked on the host every call), and arguments other than plain
+    Python values (a tensor scale could change in place; the full path converts and checks them)."""
+    if (type(cache_seqlens) is not torch.Tensor or type(causal) is not bool or type(num_splits) is not int
+            or type(return_softmax_lse) is not bool or not (softmax_scale is None or type(softmax_scale) is float)):
         return None
     return (sig, cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.device,
             softmax_scale, causal, num_splits, return_softmax_lse)
@@ -899,12 +914,16 @@ def _flash_attn_with_kvcache_launch(
     if batch == 0:
         return out, lse
     device_index = device.index if device.index is not None or device.type != "cuda" else torch.cuda.current_device()
+    ctx = contextlib.nullcontext()
+    if device.type == "cuda" and device_index != torch.cuda.current_device():
+        ctx = torch.cuda.device(device)
     split = plan.num_splits > 1
     scratch_numel = part_rows = 0
     if split:  # one fp32 scratch: partial outputs (B, H, M, splits, D), then their LSEs
         part_rows = batch * nheads * seqlen_q * plan.num_splits
         scratch_numel = part_rows * (head_dim + 1)
-        scratch = _split_scratch(scratch_numel, device, device_index)
+        with ctx:  # q's device current: its stream and capture state count
+            scratch = _split_scratch(scratch_numel, device, device_index)
         out_part, lse_part = scratch[: part_rows * head_dim], scratch[part_rows * head_dim: scratch_numel]
     else:
         out_part = lse_part = out  # unused
@@ -937,19 +956,17 @@ def _flash_attn_with_kvcache_launch(
     combine_grid = (batch * nheads * seqlen_q, 1, 1)
     combine_args = (out_part, lse_part, out, lse_arg, nheads, seqlen_q, plan.num_splits,
                     head_dim, plan.head_dim_pad, plan.splits_pad, store_lse, plan.pdl)
-    ctx = contextlib.nullcontext()
-    if device.type == "cuda" and device_index != torch.cuda.current_device():
-        ctx = torch.cuda.device(device)
     with ctx:
         _launch_decode(key, decode_grid, decode_args, plan.num_warps, plan.num_stages, device_index=device_index)
         if split:
             _launch_combine(key, combine_grid, combine_args, 4 if plan.splits_pad * plan.head_dim_pad >= 4096 else 1,
                             device_index=device_index, launch_pdl=plan.pdl)
     if replay_key is not None and aligned == (1 << (7 if paged else 6)) - 1:
-        sources = (q, k_cache, v_cache, k_arg, v_arg, cache_seqlens, block_table, out, lse_arg, out_part, lse_part)
-        launches = (_replay_template(_launch_decode.direct(key), decode_grid, decode_args, sources),)
+        launches = (_replay_template(_launch_decode.direct(key), decode_grid, decode_args, _launch_decode.names,
+                                     _DECODE_SOURCES),)
         if split:
-            launches += (_replay_template(_launch_combine.direct(key), combine_grid, combine_args, sources),)
+            launches += (_replay_template(_launch_combine.direct(key), combine_grid, combine_args,
+                                          _launch_combine.names, _COMBINE_SOURCES),)
         if all(launch is not None for launch in launches):
             if len(_REPLAYS) >= _REPLAYS_MAX:  # shapes churn: start over rather than grow without bound
                 _REPLAYS.clear()

@@ -38,6 +38,7 @@ H, HK, D = 32, 8, 128
 def _set_config(cfg: _configs.DecodeConfig) -> None:
     _configs._HOPPER_DECODE[D] = cfg
     decode._plan.cache_clear()
+    decode._REPLAYS.clear()  # replays hold the launches of the old plans
 
 
 def host_overhead_us(fn, calls: int = 2000) -> float:

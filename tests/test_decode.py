@@ -565,11 +565,16 @@ def test_kvcache_cuda_graph():
     assert_close_to_ref(out_s, ref32, ref_same)
 
 
+def _no_full_path(*args, **kwargs):
+    raise AssertionError("a replayable call took the full path")
+
+
 @pytest.mark.gpu
-def test_replayed_calls_match_the_full_path():
+def test_replayed_calls_match_the_full_path(monkeypatch):
     """A repeat of a validated call with device lengths replays its recorded launches (kernels.decode
-    [Note] Host overhead): fresh values and lengths, a misaligned q (takes the full path), split scratch
-    shared by calls of different sizes, and another stream all give the reference's answer and append."""
+    [Note] Host overhead): fresh values and lengths, a recording made with aliased tensors, a misaligned
+    q (takes the full path), split scratch shared by calls of different sizes, and another stream all
+    give the reference's answer and append."""
     import kernels.decode as decode
 
     dtype, nheads, nheads_k, head_dim = torch.bfloat16, 32, 8, 128
@@ -593,8 +598,18 @@ def test_replayed_calls_match_the_full_path():
     decode._REPLAYS.clear()
     check(1, 4096, [3000])  # the full path, recorded
     assert len(decode._REPLAYS) == 1
-    for lengths in ([17], [4095], [0]):
-        check(1, 4096, lengths)  # replayed with new pointers, values and lengths
+    with monkeypatch.context() as m:
+        m.setattr(decode, "_flash_attn_with_kvcache_launch", _no_full_path)
+        for lengths in ([17], [4095], [0]):
+            check(1, 4096, lengths)  # replayed with new pointers, values and lengths
+    decode._REPLAYS.clear()  # recorded with k is v and k_cache is v_cache: the replay must not alias them
+    q, k_cache, _, k, _ = make_decode_inputs(1, 4096, 1, nheads, nheads_k, head_dim, dtype)
+    flash_attn_with_kvcache(q, k_cache, k_cache, k, k, cache_seqlens=torch.tensor([9], dtype=torch.int32,
+                                                                                   device=DEVICE),
+                            return_softmax_lse=True)
+    with monkeypatch.context() as m:
+        m.setattr(decode, "_flash_attn_with_kvcache_launch", _no_full_path)
+        check(1, 4096, [1234])
     check(1, 4096, [2000], misalign=True)  # compiled for aligned pointers: not replayed
     check(2, 8192, [8000, 5], num_splits=32)  # a larger split scratch...
     check(1, 4096, [100])  # ... that the smaller call then shares
@@ -614,6 +629,89 @@ def test_replayed_calls_match_the_full_path():
             todo.extend(obj.values())
         elif isinstance(obj, DirectLaunch):
             todo.extend(getattr(obj, name) for name in DirectLaunch.__slots__)
+
+
+def _paged_copy(k_cache, v_cache, page_size):
+    """Pools holding the dense caches' rows behind a random permuted block table, and the table."""
+    batch, seqlen_cache, nheads_k, head_dim = k_cache.shape
+    pages = seqlen_cache // page_size
+    perm = torch.randperm(batch * pages, device=k_cache.device)
+    pools = []
+    for cache in (k_cache, v_cache):
+        pool = torch.empty(batch * pages, page_size, nheads_k, head_dim, dtype=cache.dtype, device=cache.device)
+        pool[perm] = cache.reshape(batch * pages, page_size, nheads_k, head_dim)
+        pools.append(pool)
+    return pools[0], pools[1], perm.view(batch, pages).to(torch.int32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("append,return_lse,causal,seqlen_q", [(True, False, False, 1), (False, True, False, 1),
+                                                               (True, True, True, 4), (False, False, True, 4)])
+def test_replay_variants(monkeypatch, paged, append, return_lse, causal, seqlen_q):
+    """Replays of dense and paged calls (a new block table each call), with and without an append, the
+    LSE, the causal mask and several new tokens, equal the reference; the second call is a replay."""
+    import kernels.decode as decode
+
+    dtype, batch, nheads, nheads_k, head_dim, seqlen_cache, page = torch.bfloat16, 2, 32, 8, 128, 2048, 64
+
+    def call(lengths):
+        q, k_cache, v_cache, k, v = make_decode_inputs(batch, seqlen_cache, seqlen_q, nheads, nheads_k, head_dim,
+                                                       dtype, append=append)
+        ref32, ref_lse, ref_same = per_request_references(q, k_cache, v_cache, k, v, lengths, causal=causal)
+        kwargs = dict(cache_seqlens=torch.tensor(lengths, dtype=torch.int32, device=DEVICE), causal=causal,
+                      return_softmax_lse=return_lse)
+        if paged:
+            k_pool, v_pool, table = _paged_copy(k_cache, v_cache, page)
+            result = flash_attn_with_kvcache(q, k_pool, v_pool, k, v, block_table=table, **kwargs)
+            k_after, v_after = (pool[table.long()].reshape(k_cache.shape) for pool in (k_pool, v_pool))
+        else:
+            result = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, **kwargs)
+            k_after, v_after = k_cache, v_cache
+        out, lse = result if return_lse else (result, None)
+        torch.cuda.synchronize()
+        assert_close_to_ref(out, ref32, ref_same)
+        if return_lse:
+            assert_lse_close(lse, ref_lse, dtype)
+        if append:
+            for b, n in enumerate(lengths):
+                assert torch.equal(k_after[b, n : n + seqlen_q], k[b])
+                assert torch.equal(v_after[b, n : n + seqlen_q], v[b])
+
+    decode._REPLAYS.clear()
+    call([1000, 7])  # the full path, recorded
+    assert len(decode._REPLAYS) == 1
+    monkeypatch.setattr(decode, "_flash_attn_with_kvcache_launch", _no_full_path)
+    call([seqlen_cache - seqlen_q, 5])
+
+
+def test_replay_templates_take_pointers_by_parameter():
+    """A recorded launch's pointer slots follow the kernel's parameter names, not the tensors the
+    recording passed (aliased there: k is v); the replay key takes plain Python arguments only."""
+    import kernels.decode as decode
+
+    for names, sources in ((decode._launch_decode.names, decode._DECODE_SOURCES),
+                           (decode._launch_combine.names, decode._COMBINE_SOURCES)):
+        assert set(sources) <= set(names)
+    names = decode._launch_decode.names
+    x, y = torch.zeros(4), torch.zeros(4)
+    args = [x if name in decode._DECODE_SOURCES else 1 for name in names]
+    args[names.index("K_new")] = args[names.index("V_new")] = y  # k is v in the recording
+    args[names.index("Block_table")] = None  # dense: not a pointer
+    pointers = tuple(i for i, arg in enumerate(args) if isinstance(arg, torch.Tensor))
+    direct, grid, template, slots = decode._replay_template(DirectLaunch(None, (), pointers), (1, 1, 1), args, names,
+                                                            decode._DECODE_SOURCES)
+    assert dict(slots) == {names.index(n): decode._DECODE_SOURCES[n] for n in decode._DECODE_SOURCES
+                           if n != "Block_table"}
+    assert not any(isinstance(arg, torch.Tensor) for arg in template)
+    assert decode._replay_template(DirectLaunch(None, (), pointers), (1, 1, 1), args, names, {}) is None
+
+    sig, lens = ("sig",), torch.zeros(2, dtype=torch.int32)
+    assert decode._replay_key(sig, lens, None, False, 0, False) is not None
+    assert decode._replay_key(sig, lens, 0.125, True, 3, True) is not None
+    for bad in ((5, None, False, 0, False), (lens, torch.tensor(0.1), False, 0, False), (lens, None, 1, 0, False),
+                (lens, None, False, 2.0, False), (lens, None, False, 0, 1)):
+        assert decode._replay_key(sig, *bad) is None
 
 
 @pytest.mark.gpu
@@ -648,19 +746,38 @@ def test_threads_sharing_a_stream_get_their_own_split_scratch():
 
 
 def test_split_scratch_is_per_stream_and_thread(monkeypatch):
-    """The reused split scratch is keyed by device, current stream and Python thread."""
+    """The reused split scratch is kept per (device, stream) in each Python thread, grows when a call
+    needs more, and is never the cached buffer while a graph is captured or above the size cap."""
     import threading
+    from types import SimpleNamespace
 
     import kernels.decode as decode
 
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 1000 + index, raising=False)
-    here = decode._scratch_slot(0)
+    monkeypatch.setattr(decode, "_SCRATCH_LOCAL", threading.local())  # this test's buffers go with it
+    real_empty, stream, capturing = torch.empty, [7], [False]
+    monkeypatch.setattr(torch, "empty", lambda n, dtype, device: real_empty(n, dtype=dtype))
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: stream[0], raising=False)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    cuda = SimpleNamespace(type="cuda")
+    first = decode._split_scratch(100, cuda, 0)
+    assert decode._split_scratch(50, cuda, 0) is first  # same thread and stream: reused
+    bigger = decode._split_scratch(200, cuda, 0)
+    assert bigger is not first and decode._split_scratch(100, cuda, 0) is bigger
+    assert decode._split_scratch(100, cuda, 1) is not bigger  # another device
+    stream[0] = 8
+    assert decode._split_scratch(100, cuda, 0) is not bigger  # another stream
+    stream[0] = 7
     other = []
-    thread = threading.Thread(target=lambda: other.append(decode._scratch_slot(0)))
+    thread = threading.Thread(target=lambda: other.append(decode._split_scratch(100, cuda, 0)))
     thread.start()
     thread.join()
-    assert here[:2] == other[0][:2] == (0, 1000) and here != other[0]
-    assert decode._scratch_slot(1)[:2] == (1, 1001)
+    assert other[0] is not bigger  # another thread
+    capturing[0] = True
+    assert decode._split_scratch(100, cuda, 0) is not bigger  # a graph capture: its own allocation
+    capturing[0] = False
+    huge = decode.SPLIT_SCRATCH_CACHE_BYTES // 4 + 1
+    monkeypatch.setattr(torch, "empty", lambda n, dtype, device: SimpleNamespace(numel=lambda: n))
+    assert decode._split_scratch(huge, cuda, 0) is not decode._split_scratch(huge, cuda, 0)  # not kept
 
 
 @pytest.mark.gpu
@@ -688,6 +805,9 @@ def test_validation_cache_never_hides_an_error():
     dtype, batch, nheads, nheads_k, head_dim, seqlen_cache = torch.float16, 2, 8, 2, 64, 256
     q, k_cache, v_cache, k, v = make_decode_inputs(batch, seqlen_cache, 1, nheads, nheads_k, head_dim, dtype)
     flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=10)  # validated and cached
+    flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=10)  # the no-append signature too
+    with pytest.raises(ValueError, match="both given"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, None, v, cache_seqlens=10)
     with pytest.raises(ValueError, match="dtype"):
         flash_attn_with_kvcache(q, k_cache, v_cache, k.float(), v, cache_seqlens=10)
     with pytest.raises(ValueError, match="shape"):
