@@ -72,7 +72,7 @@ class LaunchCache:
     def __call__(self, key: Optional[Hashable], grid: Tuple[int, int, int], args: Sequence[Any], num_warps: int,
                  num_stages: int = 1, kwargs: Optional[Dict[str, Any]] = None, device_index: int = 0,
                  launch_pdl: bool = False) -> None:
-        entry = self.kernels.get(key) if key is not None and self.enabled else None
+        entry = self.kernels.get(key) if key is not None else None
         if entry is not None and not launch_hooks_active():
             kernel, pointers, launch = entry
             full = self._positional(args, kwargs)

@@ -158,8 +158,10 @@ def main() -> int:
         us = host_overhead_us(fn)
         rows.append(make_row(kernel=name, batch=1, seqlen_cache=4096, host_us=us))
         print(f"host overhead {name}: {us:.1f} us", flush=True)
-    LaunchCache.enabled = False  # every launch through Triton's dispatcher, no replays
+    LaunchCache.enabled = False  # every launch through Triton's dispatcher: no replays, nothing cached
     decode._REPLAYS.clear()
+    decode._launch_decode.kernels.clear()
+    decode._launch_combine.kernels.clear()
     us = host_overhead_us(lambda: flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens))
     rows.append(make_row(kernel="ours_append_tensor_lens_no_fast_launch", batch=1, seqlen_cache=4096, host_us=us))
     print(f"host overhead without fast launch: {us:.1f} us", flush=True)
