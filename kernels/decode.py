@@ -56,33 +56,33 @@ LSE = +inf.
 j <= t + N_b - M. With an append every cached key is visible to every token and only the new keys
 are masked (token t sees new keys 0..t); without one, the last M - 1 cached keys are masked per row.
 
-[Note] Host overhead. A decode step is a few microseconds of GPU time, so the wrapper caches all
-it can. The full path: the validation of a call's tensors per signature (shapes, strides, dtypes,
-devices: `_signature`; values and pointers are still checked every call), the launch plan per
-shape (`_plan`), the int -> tensor conversion of cache_seqlens, and the compiled kernels, launched
-through their C launchers without Triton's per-call dispatch (`LaunchCache`, kernels/_launch.py,
-keyed by the signature, the plan, the flags and the inputs' 16-byte alignment: what Triton
-specialises on). A call that repeats a validated one -- same signature, cache_seqlens (and
-block_table) already on the GPU with the same layout, the same scale, flags and num_splits --
-replays it (`_Replay`): the recorded argument lists of its decode and combine launches get this
-call's pointers and go straight to the C launchers; a pointer that is not 16-byte aligned (the
-kernels were compiled for aligned ones), another current device or installed launch hooks send
-the call down the full path instead. Lengths given as an int or on the CPU are checked on the
-host every call, so those calls are never replayed. What a replay still does: the signature,
-the output allocation, the two launches. The split scratch (partial outputs and their LSEs) is one
-fp32 buffer per (device, stream, thread), reused by that thread's next call on that stream
-(stream order makes that safe), allocated afresh while a CUDA graph is captured and for every call
-above 64 MiB. Measured on an H200 (batch 1 x 4096,
+[Note] Host overhead. A decode step is a few microseconds of GPU time, so the wrapper caches all it
+can. The full path: the validation of a call's tensors per signature (shapes, strides, dtypes,
+devices: `_signature`; values and pointers are still checked every call), the launch plan per shape
+(`_plan`), the int -> tensor conversion of cache_seqlens, and the compiled kernels, launched through
+their C launchers without Triton's per-call dispatch (`LaunchCache`, kernels/_launch.py, keyed by
+the signature, the plan, the flags and the inputs' 16-byte alignment: what Triton specialises on). A
+call that repeats a validated one -- same signature, cache_seqlens (and block_table) already on the
+GPU with the same layout, the same scale, flags and num_splits -- replays it (`_Replay`): the
+recorded argument lists of its decode and combine launches get this call's pointers and go straight
+to the C launchers; a pointer that is not 16-byte aligned (the kernels were compiled for aligned
+ones), another current device or installed launch hooks send the call down the full path instead.
+Lengths given as an int or on the CPU are checked on the host every call, so those calls are never
+replayed. What a replay still does: the signature, the output allocation, the two launches. The
+split scratch (partial outputs and their LSEs) is one fp32 buffer per (device, stream, thread),
+reused by that thread's next call on that stream (stream order makes that safe), allocated afresh
+while a CUDA graph is captured and for every call above 64 MiB. Measured on an H200 (batch 1 x 4096,
 append, device lengths, median CPU time of an eager call without syncs): 20-22 us replayed against
-38 us on the full path and 26 us for SDPA in the same run (results/nvidia-h200/decode_replay_pdl_paged_ab.log).
+38 us on the full path and 26 us for SDPA in the same run
+(results/nvidia-h200/decode_replay_pdl_paged_ab.log).
 
 [Note] Combine launch. With a split, the combine kernel is launched with programmatic dependent
-launch on Hopper and newer (`decode_use_pdl`, kernels/_configs.py): every decode program signals
-at its start that dependents may launch (`gdc_launch_dependents`), so once all of them run the
-combine grid is launched too, and its programs wait in `gdc_wait` until the decode grid has
-finished and its writes are visible. The combine's launch latency overlaps the decode grid: 0.5-1.2 us per step at
+launch on Hopper and newer (`decode_use_pdl`, kernels/_configs.py): every decode program signals at
+its start that dependents may launch (`gdc_launch_dependents`), so once all of them run the combine
+grid is launched too, and its programs wait in `gdc_wait` until the decode grid has finished and its
+writes are visible. The combine's launch latency overlaps the decode grid: 0.5-1.2 us per step at
 batch 1-8 on an H200 (e.g. batch 1 x 16384: 24.7 -> 24.1 us). Without PDL (sm_89, the interpreter,
-KERNELS_PDL=0) both instructions are compiled out and the launches are ordinary stream-ordered ones.
+KERNELS_PDL=0 at import) both instructions are compiled out and the launches are ordinary ones.
 
 [Note] Chunked prefill. A call with many new tokens per request (seqlen_q >= 128, num_splits=0)
 is a chunk of a long prompt: each chunk's queries attend to the request's cache plus the chunk,
