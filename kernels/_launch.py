@@ -6,7 +6,9 @@ specialisation, builds a string key, then `CompiledKernel`'s runner asks for the
 stream, builds launch metadata for the (empty) launch hooks, and the C launcher calls `data_ptr()`
 and `cuPointerGetAttribute` for every tensor. `LaunchCache` keeps the compiled kernel per caller key
 after the first launch and then calls its C launcher directly, with raw pointers and the current
-stream (see [Note] Host overhead in kernels/decode.py).
+stream (see [Note] Host overhead in kernels/decode.py). `LaunchCache.direct` hands that C launch,
+bound to its compiled kernel (`DirectLaunch`), to a caller that keeps its own argument templates:
+kernels/decode.py's replays of repeated calls.
 """
 
 from __future__ import annotations
