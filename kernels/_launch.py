@@ -60,7 +60,8 @@ class LaunchCache:
 
     def __init__(self, fn):
         self.fn = fn
-        self.kernels: Dict[Hashable, Tuple[Any, Tuple[int, ...], Any]] = {}  # key -> (kernel, tensor slots, C launch)
+        # key -> (kernel, tensor slots, its DirectLaunch or None when it needs Triton's runner)
+        self.kernels: Dict[Hashable, Tuple[Any, Tuple[int, ...], Optional[DirectLaunch]]] = {}
         params = list(inspect.signature(getattr(fn, "fn", fn)).parameters.values())
         self.names = [p.name for p in params]
         self.defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
@@ -76,15 +77,13 @@ class LaunchCache:
                  launch_pdl: bool = False) -> None:
         entry = self.kernels.get(key) if key is not None else None
         if entry is not None and not launch_hooks_active():
-            kernel, pointers, launch = entry
+            kernel, pointers, direct = entry
             full = self._positional(args, kwargs)
             for i in pointers:  # raw pointers: no data_ptr() / cuPointerGetAttribute in the C launcher
                 full[i] = full[i].data_ptr()
             stream = torch._C._cuda_getCurrentRawStream(device_index)
-            if launch is not None:  # the C launcher itself: no scratch to allocate, no hooks
-                run = kernel.run
-                launch(grid[0], grid[1], grid[2], stream, kernel.function, run.launch_cooperative_grid,
-                       run.launch_pdl, None, None, kernel.packed_metadata, None, None, None, *full)
+            if direct is not None:  # the C launcher itself: no scratch to allocate, no hooks
+                direct.launch(grid, stream, full)
             else:
                 kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, None, None,
                            None, *full)
@@ -97,24 +96,26 @@ class LaunchCache:
                 self.kernels.clear()
             full = self._positional(args, kwargs)
             pointers = tuple(i for i, arg in enumerate(full) if isinstance(arg, torch.Tensor))
-            self.kernels[key] = (kernel, pointers, _direct_launch(kernel.run))
+            launch = _direct_launch(kernel.run)
+            direct = None
+            if launch is not None:
+                run = kernel.run
+                direct = DirectLaunch(launch, (kernel.function, run.launch_cooperative_grid, run.launch_pdl, None,
+                                               None, kernel.packed_metadata, None, None, None), pointers)
+            self.kernels[key] = (kernel, pointers, direct)
 
     def direct(self, key: Hashable) -> Optional["DirectLaunch"]:
         """The cached kernel of `key` as a `DirectLaunch`, if it has one that needs no scratch; None
         when the key was never launched, the fast path is off, or launch hooks are installed."""
         entry = self.kernels.get(key)
-        if entry is None or entry[2] is None or not self.enabled or launch_hooks_active():
+        if entry is None or not self.enabled or launch_hooks_active():
             return None
-        kernel, pointers, launch = entry
-        run = kernel.run
-        head = (kernel.function, run.launch_cooperative_grid, run.launch_pdl, None, None, kernel.packed_metadata,
-                None, None, None)
-        return DirectLaunch(launch, head, pointers)
+        return entry[2]
 
 
 class DirectLaunch:
     """A compiled kernel's C launch with everything but the grid, stream and arguments bound:
-    `launch(grid, stream, args)` is what `LaunchCache` does on a hit, minus the key lookup.
+    `launch(grid, stream, args)` is how `LaunchCache` launches on a hit.
     `pointers` are the positions of the tensor arguments (pass raw data_ptr ints there)."""
 
     __slots__ = ("_launch", "_head", "pointers")

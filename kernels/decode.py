@@ -816,8 +816,6 @@ def _replay_template(direct: Optional[DirectLaunch], grid, args: Sequence, names
             return None
         template[i] = 0
         slots.append((i, j))
-    if any(isinstance(arg, torch.Tensor) for arg in template):
-        return None
     return direct, grid, template, tuple(slots)
 
 
