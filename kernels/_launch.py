@@ -18,6 +18,7 @@ import os
 from typing import Any, Dict, Hashable, Optional, Sequence, Tuple
 
 import torch
+import triton
 
 from ._utils import is_interpreter
 
@@ -30,18 +31,23 @@ def _hook_active(hook) -> bool:
     return calls is None or len(calls) > 0
 
 
-def launch_hooks_active() -> bool:
-    """True when a profiler or a user installed Triton launch hooks; the fast path then steps aside."""
-    import triton
-
+def _hook_owner():
+    """Where Triton keeps its launch hooks: knobs.runtime (Triton >= 3.4) or CompiledKernel (older)."""
     knobs = getattr(triton, "knobs", None)
-    if knobs is None:  # Triton < 3.4: hooks live on CompiledKernel
+    if knobs is None:
         from triton.compiler import CompiledKernel
 
-        return _hook_active(getattr(CompiledKernel, "launch_enter_hook", None)) or _hook_active(
-            getattr(CompiledKernel, "launch_exit_hook", None))
-    runtime = knobs.runtime
-    return _hook_active(runtime.launch_enter_hook) or _hook_active(runtime.launch_exit_hook)
+        return CompiledKernel
+    return knobs.runtime
+
+
+_HOOK_OWNER = _hook_owner()  # one object for the process's life; its hook attributes are read per call
+
+
+def launch_hooks_active() -> bool:
+    """True when a profiler or a user installed Triton launch hooks; the fast path then steps aside."""
+    return _hook_active(getattr(_HOOK_OWNER, "launch_enter_hook", None)) or _hook_active(
+        getattr(_HOOK_OWNER, "launch_exit_hook", None))
 
 
 class LaunchCache:
