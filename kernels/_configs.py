@@ -131,6 +131,14 @@ DECODE_MIN_BLOCKS_PER_SPLIT = 1  # a split streams at least this many BLOCK_N bl
 DECODE_MAX_SPLITS = 64
 DECODE_FULL_GRID = 0.8  # this many programs per SM or more: no split (flash-attn's rule)
 DECODE_PAGED_WAVES = 2  # a paged cache's splits fill this many programs per SM (see decode_num_splits)
+# A paged cache's decode runs at most this many pipeline stages (the dense config's 4 on Hopper). On an
+# H200 (bf16, 32:8 heads, D = 128, BLOCK_N 64, 4 warps, random block tables, CUDA-graph timing) 3 stages
+# beat 4 for P = 16 at 11 of 11 shapes from batch 1 x 1024 to batch 128 x 4096 (e.g. 26.5 vs 28.2 us at
+# batch 1 x 16384), and for P = 64 / 256 at 12 of 13 (batch 1 x 4096: 12.9 vs 13.6 us, batch 8 x 1024:
+# 16.0 vs 17.5 us; batch 128 x 4096: 514 vs 503 us the other way); BLOCK_N 16 or 32 (one page per block,
+# or two, for P = 16) was slower than either (results/nvidia-h200/decode_ab_stop12.log). The dense cache
+# keeps 4: there 3 stages won at some shapes and lost at others (batch 1 x 1024, 8 x 16384, 128 x 4096).
+DECODE_PAGED_STAGES = 3
 DECODE_PDL = os.environ.get("KERNELS_PDL", "1") not in ("0", "")  # read once, at import (see decode_use_pdl)
 
 # Hopper (227 KB smem): K and V tiles of 2-byte dtypes, num_stages deep. key: head_dim_pad.

@@ -127,8 +127,10 @@ tuning), the kernel keeps the dense BLOCK_N and finds each key's physical row (`
   loaded whole, so a K/V row is as coalesced as in the dense cache (a row of one KV head is D
   contiguous elements in both). So pages of 1..8 rows take the same path as 16 or 48: no slow path,
   and they are supported.
-The append always gathers (its rows start anywhere). Table loads are masked to rows < the split's
-end, so a program reads only entries of pages below ceil(N_b / P), never past max_blocks_per_seq.
+The append always gathers (its rows start anywhere). Table loads are masked to rows below the split's
+end, so a program never reads past max_blocks_per_seq entries: its first lookup is bounded by the
+capacity N_CACHE (it may read entries past the request's pages, which are clamped and never used,
+see [Note] Paged pipelining), later ones by N_b.
 
 [Note] Paged pipelining. Triton's software pipeliner gives each load that feeds a `tl.dot` a
 latency of (num_stages - 1) // (indirection level + 1) iterations (AssignLatencies.cpp). Looking
@@ -138,11 +140,15 @@ than the dense kernel's. The level is traced through values defined in the loop 
 iteration fetches the table entries of the *next* key block into a loop-carried value
 (`next_blocks`); the K/V tiles stay level-0 loads with the dense kernel's depth (the same 3-deep
 prologue, `async_wait num = 4` and 16-byte cp.async count in the sm_90 TTGIR/PTX), and the small
-table load has a whole iteration to land. Offline sm_90 compiles (ptxas -v, bf16, D = 128, the
-Hopper config) show no spills; the gathering path (P % BLOCK_N != 0) uses 152 registers (198 with an
-append) against the dense kernel's 112 (148), the per-block path 92 (146). Both kernels use 102 KB
-of shared memory for their 4-stage buffers, which caps them at 2 programs per SM, and 2 x 128
-threads x 198 registers still fit, so paging costs no occupancy. What the pipeline does not hide
+table load has a whole iteration to land. The split's first lookup is bounded by the capacity N_CACHE
+rather than by L_b, so it is issued with the length's load instead of after it (one memory round trip
+less before the first K/V tile; entries past the request's pages are clamped and never used). Paged
+caches run at most DECODE_PAGED_STAGES = 3 pipeline stages, against the dense config's 4, which
+measured faster at almost every shape (kernels/_configs.py). Offline sm_90 compiles (bf16, D = 128,
+the Hopper config, split, causal; cuobjdump -res-usage) show no spills: the dense kernel uses 109
+registers (144 with an append) and 102 KB of shared memory for its 4 stages, the paged kernel 140-156
+(157) registers and 70 KB for its 3, so it fits 3 programs per SM where the dense one fits 2. What
+the pipeline does not hide
 is the scatter itself: with one program per SM (the dense split rule) a paged request streamed
 8-21% slower than a dense one at batch 1-8 (P = 16: 621 against 497 us at batch 8 x 65536), so
 paged caches split over two programs per SM (DECODE_PAGED_WAVES in kernels/_configs.py). Timed on
@@ -184,7 +190,14 @@ from ._common import (
     physical_blocks,
     store_rows,
 )
-from ._configs import INTERPRETER_SM_COUNT, decode_config, decode_num_splits, decode_use_pdl, prefill_fwd_config
+from ._configs import (
+    DECODE_PAGED_STAGES,
+    INTERPRETER_SM_COUNT,
+    decode_config,
+    decode_num_splits,
+    decode_use_pdl,
+    prefill_fwd_config,
+)
 from ._launch import DirectLaunch, LaunchCache, launch_hooks_active
 from ._utils import (
     SUPPORTED_DTYPES,
@@ -328,7 +341,10 @@ def _decode_kernel(
     v_head = V_cache + off_hk * stride_vh
     if PAGED:  # this request's row of the block table, and the pages of the split's first key block
         table = Block_table + off_b * stride_btb
-        next_blocks = physical_blocks(table, lo, lo + offs_n, hi, NUM_BLOCKS, PAGE_SIZE, BLOCK_N)
+        # bounded by the capacity, not by L_b: the lookup need not wait for the length's load (rows
+        # past L_b get clamped entries and are never loaded), see [Note] Paged pipelining
+        next_blocks = physical_blocks(table, lo, lo + offs_n, tl.minimum(lo + SPLIT_N, N_CACHE), NUM_BLOCKS,
+                                      PAGE_SIZE, BLOCK_N)
     else:
         table = Block_table  # None: never read
 
@@ -427,7 +443,11 @@ def _combine_kernel(
         tl.extra.cuda.gdc_wait()
 
     lse_parts = tl.load(Lse_part + row * NUM_SPLITS + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
-    nonempty = lse_parts != float("-inf")  # empty splits' outputs are never read
+    # Empty splits' outputs are not read. Every split does write its partial (zeros for an empty one), so
+    # the outputs could be loaded together with the LSEs, but then ptxas spreads those loads among the
+    # merge's arithmetic, one round trip after another: 1.4-2.2 us more per step at batch 1 on an H200
+    # (16 splits; .ab A/B of stop 12). Masked by the LSEs, they all issue at once when the LSEs land.
+    nonempty = lse_parts != float("-inf")
     o_parts = tl.load(Out_part + (row * NUM_SPLITS + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
                       mask=nonempty[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)  # [SPLITS_PAD, D_PAD]
     out, lse = merge_partials(o_parts, lse_parts)
@@ -465,6 +485,9 @@ def _plan(batch: int, seqlen_q: int, nheads: int, nheads_k: int, head_dim: int, 
           dtype: torch.dtype, device: torch.device, num_splits: int, paged: bool = False) -> _Plan:
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     config = decode_config(head_dim_pad, dtype, device)
+    num_stages = config.num_stages
+    if paged:  # see [Note] Paged pipelining
+        num_stages = min(num_stages, DECODE_PAGED_STAGES)
     rows = (nheads // nheads_k) * seqlen_q
     block_h = min(max(16, triton.next_power_of_2(rows)), max(16, config.max_rows))
     row_blocks = triton.cdiv(rows, block_h)
@@ -478,7 +501,7 @@ def _plan(batch: int, seqlen_q: int, nheads: int, nheads_k: int, head_dim: int, 
     block_new = min(config.block_n, max(16, triton.next_power_of_2(seqlen_q)))
     return _Plan(
         head_dim_pad=head_dim_pad, block_h=block_h, block_n=config.block_n, block_new=block_new,
-        num_warps=config.num_warps, num_stages=config.num_stages, num_splits=num_splits,
+        num_warps=config.num_warps, num_stages=num_stages, num_splits=num_splits,
         split_n=blocks_per_split * config.block_n, grid=(programs, num_splits),
         splits_pad=max(2, triton.next_power_of_2(num_splits)), pdl=num_splits > 1 and decode_use_pdl(device),
     )
@@ -778,8 +801,6 @@ class _Replay(NamedTuple):
 
     device_index: int
     device: torch.device
-    dtype: torch.dtype
-    out_shape: Tuple[int, ...]
     lse_shape: Optional[Tuple[int, ...]]
     scratch_numel: int  # 0 without a split
     lse_part_offset: int  # bytes from the scratch's start to the partial LSEs
@@ -787,6 +808,8 @@ class _Replay(NamedTuple):
 
 
 _REPLAYS: dict = {}  # `_replay_key` -> _Replay
+# the current CUDA device's index: torch.cuda.current_device() without its Python wrapper (0.17 vs 0.32 us)
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 _REPLAYS_MAX = 1024
 
 
@@ -828,9 +851,9 @@ def _replay(r: _Replay, q, k_cache, v_cache, k, v, cache_seqlens, block_table):
     k_ptr, v_ptr = (k.data_ptr(), v.data_ptr()) if k is not None else (kc_ptr, kc_ptr)
     bt_ptr = block_table.data_ptr() if block_table is not None else 0
     if ((q_ptr | kc_ptr | vc_ptr | lens_ptr | k_ptr | v_ptr | bt_ptr) & 15
-            or torch.cuda.current_device() != r.device_index or not _launch_decode.enabled or launch_hooks_active()):
+            or _current_device() != r.device_index or not _launch_decode.enabled or launch_hooks_active()):
         return None
-    out = torch.empty(r.out_shape, dtype=r.dtype, device=r.device)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)  # (B, M, H, D): q's shape (cheaper than empty)
     out_ptr = out.data_ptr()
     lse = None
     lse_ptr = out_ptr
@@ -907,7 +930,7 @@ def _flash_attn_with_kvcache_launch(
     plan = _plan(batch, seqlen_q, nheads, nheads_k, head_dim, seqlen_cache, q.dtype, device, num_splits,
                  block_table is not None)
 
-    out = torch.empty((batch, seqlen_q, nheads, head_dim), dtype=q.dtype, device=device)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)  # (batch, seqlen_q, nheads, head_dim)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=device) if return_softmax_lse else None
     if batch == 0:
         return out, lse
@@ -969,7 +992,7 @@ def _flash_attn_with_kvcache_launch(
             if len(_REPLAYS) >= _REPLAYS_MAX:  # shapes churn: start over rather than grow without bound
                 _REPLAYS.clear()
             _REPLAYS[replay_key] = _Replay(
-                device_index=device_index, device=device, dtype=q.dtype, out_shape=tuple(out.shape),
+                device_index=device_index, device=device,
                 lse_shape=tuple(lse.shape) if lse is not None else None, scratch_numel=scratch_numel,
                 lse_part_offset=part_rows * head_dim * 4, launches=launches,
             )

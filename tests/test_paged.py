@@ -241,6 +241,25 @@ def test_split_heuristic_fills_more_programs_for_paged_caches():
     assert decode_num_splits(DECODE_PAGED_WAVES * sms, capacity, block_n, device, paged=True) == 1
 
 
+def test_paged_caches_cap_the_pipeline_stages(monkeypatch):
+    """A paged cache's decode runs at most DECODE_PAGED_STAGES pipeline stages; a dense one keeps the
+    config's own (kernels/_configs.py says why)."""
+    from kernels import decode
+    from kernels._configs import DECODE_PAGED_STAGES, DecodeConfig
+
+    deep = DecodeConfig(64, 4, DECODE_PAGED_STAGES + 2)  # a config deeper than the cap
+    monkeypatch.setattr(decode, "decode_config", lambda *args, **kwargs: deep)
+    decode._plan.cache_clear()
+    try:
+        def stages(paged):
+            return decode._plan(1, 1, 8, 2, 128, 4096, torch.float16, torch.device(DEVICE), 0, paged).num_stages
+
+        assert stages(False) == deep.num_stages
+        assert stages(True) == DECODE_PAGED_STAGES
+    finally:
+        decode._plan.cache_clear()  # plans made with the fake config must not outlive the test
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_split_and_unsplit_agree(dtype):
     """num_splits 1, 3 and 0 (heuristic) over a paged cache give the same output and LSE up to rounding."""
