@@ -138,25 +138,25 @@ the page up in the same iteration as the K/V tile it addresses makes the tile a 
 with 4 stages it would be issued only 1 iteration ahead instead of 3: a shallower memory pipeline
 than the dense kernel's. The level is traced through values defined in the loop body only, so each
 iteration fetches the table entries of the *next* key block into a loop-carried value
-(`next_blocks`); the K/V tiles stay level-0 loads with the dense kernel's depth (the same 3-deep
-prologue, `async_wait num = 4` and 16-byte cp.async count in the sm_90 TTGIR/PTX), and the small
-table load has a whole iteration to land. The split's first lookup is bounded by the capacity N_CACHE
-rather than by L_b, so it is issued with the length's load instead of after it (one memory round trip
-less before the first K/V tile; entries past the request's pages are clamped and never used). Paged
-caches run at most DECODE_PAGED_STAGES = 3 pipeline stages, against the dense config's 4, which
-measured faster at almost every shape (kernels/_configs.py). Offline sm_90 compiles (bf16, D = 128,
-the Hopper config, split, causal; cuobjdump -res-usage) show no spills: the dense kernel uses 109
-registers (144 with an append) and 102 KB of shared memory for its 4 stages, the paged kernel 140-156
-(157) registers and 70 KB for its 3, so it fits 3 programs per SM where the dense one fits 2. What
-the pipeline does not hide
-is the scatter itself: with one program per SM (the dense split rule) a paged request streamed
-8-21% slower than a dense one at batch 1-8 (P = 16: 621 against 497 us at batch 8 x 65536), so
-paged caches split over two programs per SM (DECODE_PAGED_WAVES in kernels/_configs.py). Timed on
-an H200 (results/nvidia-h200/bench_decode.csv, bf16, 32:8 heads, D = 128, commit cb53430): paged /
-dense 0.89-1.07 for P = 64 and 256 and 0.78-1.04 for P = 16; within 5% from 0.5 GB of K+V up,
-except P = 16 at four batch 32-128 shapes (0.93-0.95); below that, the launch-bound steps (7-40 us)
-pay ~1 us for the first page lookup (P = 64 and 256: 0.89-0.94 at batch 1 x 1024-16384 and batch
-8 x 1024; P = 16: 0.78-0.87 at batch 1).
+(`next_blocks`); the K/V tiles stay level-0 loads, as deep as the dense kernel's at the same stage
+count (at 4 stages: the same 3-deep prologue, `async_wait num = 4` and 16-byte cp.async count in the
+sm_90 TTGIR/PTX), and the small table load has a whole iteration to land. (Fetching two blocks ahead
+instead, through two loop-carried values, made the pipeliner give up: the tiles became plain loads.)
+The split's first lookup is bounded by the capacity N_CACHE rather than by L_b, so it can be issued
+with the length's load instead of after it (entries past the request's pages are clamped and never
+used; on its own this measured no change at P = 64 / 256).
+Paged caches run at most DECODE_PAGED_STAGES = 3 pipeline stages, against the dense config's 4,
+which measured faster at almost every shape (kernels/_configs.py). Offline sm_90 compiles (bf16,
+D = 128, the Hopper config, split, causal; cuobjdump -res-usage) show no spills: the dense kernel
+uses 109 registers (144 with an append) and 102 KB of shared memory for its 4 stages, the paged
+kernel 140-156 (157) registers and 70 KB for its 3, so it fits 3 programs per SM where the dense one
+fits 2. What the pipeline does not hide is the scatter itself: with one program per SM (the dense
+split rule) a paged request streamed 8-21% slower than a dense one at batch 1-8 (P = 16: 621 against
+497 us at batch 8 x 65536), so paged caches split over two programs per SM (DECODE_PAGED_WAVES in
+kernels/_configs.py). Timed on an H200 (results/nvidia-h200/bench_decode.csv, bf16, 32:8 heads,
+D = 128, commit 26acf83, random block tables): paged / dense 0.92-1.10 for P = 64 and 256 and
+0.88-1.05 for P = 16, within 5% at every shape of the grid but batch 1 x 1024 (0.88 / 0.92 / 0.92
+for P = 16 / 64 / 256, an 8 us step) and P = 16 at batch 1 x 4096 (0.93) and 32 x 1024 (0.945).
 
 [Note] Bad block-table entries. A CPU block_table is checked on the host (ValueError for an entry
 outside [0, NUM_BLOCKS) among those the call uses). A device block_table cannot be checked without
@@ -446,7 +446,8 @@ def _combine_kernel(
     # Empty splits' outputs are not read. Every split does write its partial (zeros for an empty one), so
     # the outputs could be loaded together with the LSEs, but then ptxas spreads those loads among the
     # merge's arithmetic, one round trip after another: 1.4-2.2 us more per step at batch 1 on an H200
-    # (16 splits; .ab A/B of stop 12). Masked by the LSEs, they all issue at once when the LSEs land.
+    # (16 splits; results/nvidia-h200/decode_ab_stop12.log, run 1). Masked by the LSEs, they all issue
+    # at once when the LSEs land.
     nonempty = lse_parts != float("-inf")
     o_parts = tl.load(Out_part + (row * NUM_SPLITS + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
                       mask=nonempty[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)  # [SPLITS_PAD, D_PAD]
@@ -808,9 +809,9 @@ class _Replay(NamedTuple):
 
 
 _REPLAYS: dict = {}  # `_replay_key` -> _Replay
+_REPLAYS_MAX = 1024
 # the current CUDA device's index: torch.cuda.current_device() without its Python wrapper (0.17 vs 0.32 us)
 _current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
-_REPLAYS_MAX = 1024
 
 
 # Where a replayed launch's pointer arguments come from: kernel parameter -> index into the call's
