@@ -131,6 +131,7 @@ DECODE_MIN_BLOCKS_PER_SPLIT = 1  # a split streams at least this many BLOCK_N bl
 DECODE_MAX_SPLITS = 64
 DECODE_FULL_GRID = 0.8  # this many programs per SM or more: no split (flash-attn's rule)
 DECODE_PAGED_WAVES = 2  # a paged cache's splits fill this many programs per SM (see decode_num_splits)
+DECODE_PAGED_WAVE_MIN_BLOCKS = 4  # ... but the splits past one wave's count keep this many blocks each
 # A paged cache's decode runs at most this many pipeline stages (the dense config's 4 on Hopper). On an
 # H200 (bf16, 32:8 heads, D = 128, BLOCK_N 64, 4 warps, random block tables, CUDA-graph timing) 3 stages
 # beat 4 for P = 16 at 11 of 11 shapes from batch 1 x 1024 to batch 128 x 4096 (e.g. 26.5 vs 28.2 us at
@@ -203,7 +204,12 @@ def decode_num_splits(programs: int, seqlen_cache: int, block_n: int, device: to
     P = 16 / 64 / 256 (dense 497) and batch 1 x 65536 from 86.0 / 76.4 / 75.0 to 72.8 / 71.8 / 71.6
     us (dense 69.5), while three or four times it was slower than twice at every shape tried (a
     partial third wave); on the dense cache itself a second wave changed nothing (70.3 against 69.5
-    us at batch 1 x 65536).
+    us at batch 1 x 65536). The splits past the first wave's count keep at least
+    DECODE_PAGED_WAVE_MIN_BLOCKS blocks each: for short splits the second wave costs more than it
+    hides (results/nvidia-h200/decode_ab_stop13.log, run 1: at batch 1 x 4096, 64 blocks, 16 splits
+    of 4 blocks against 32 of 2 took 12.2-12.3 against 12.8 us for P = 64 and 256 and 13.0 against
+    13.3 for P = 16, dense 11.7), while batch 1 x 16384 keeps its 32 splits of 8 blocks (24.3 us
+    against 25.2 at 16 splits for P = 64).
     """
     if is_interpreter() or device.type != "cuda":
         sm_count = INTERPRETER_SM_COUNT
@@ -214,7 +220,11 @@ def decode_num_splits(programs: int, seqlen_cache: int, block_n: int, device: to
     if programs >= DECODE_FULL_GRID * slots:
         return 1
     max_splits = min(DECODE_MAX_SPLITS, max(1, seqlen_cache // (block_n * DECODE_MIN_BLOCKS_PER_SPLIT)))
-    return max(1, min(max_splits, slots // programs))
+    splits = min(max_splits, slots // programs)
+    if paged:  # a second wave only of splits that stay long enough
+        one_wave = min(max_splits, sm_count // programs)
+        splits = max(one_wave, min(splits, seqlen_cache // (block_n * DECODE_PAGED_WAVE_MIN_BLOCKS)))
+    return max(1, splits)
 
 
 def decode_use_pdl(device: torch.device) -> bool:

@@ -45,6 +45,18 @@ block), which also writes them into the cache. Every other program reads only ca
 so no program reads a row another program writes in the same launch. Paged, each new row looks up
 its own page, so an append crossing page boundaries writes each row to its own page slot; requests
 may share pages they only read (prefix sharing), but a page appended into must be one request's.
+The last split streams its share of the cached keys like every other split, then the new rows, so
+it ends last; loading those rows only then (and, paged, their table entries) would add a memory
+round trip or two at the end of the grid. With EARLY_NEW (dense caches and pools whose pages hold
+whole key blocks, P % BLOCK_N == 0: `_early_new`) it loads the first BLOCK_NEW new rows and their
+page entries at its start, under the cached keys' loads (the other splits' loads of them are fully
+masked). Measured on an H200 (bf16, 32:8 heads, D = 128, one new token, CUDA-graph replay;
+results/nvidia-h200/decode_ab_stop13.log, run 1): dense batch 1 x 16384 23.8 -> 22.7 us, 1 x 65536
+69.8 -> 66.7, 8 x 4096 39.4 -> 37.8, 128 x 1024 137.8 -> 133.5; P = 64 and 256 from 0.2 us slower
+(batch 1 x 65536) to 5.7 us faster (128 x 1024). Pools that gather a key block from several pages
+(P = 16, 48) keep the late loads: there the early tiles took the kernel from 157 to 240 registers
+per thread and measured mixed (results/nvidia-h200/decode_ab_stop12.log, run 7). The cost on sm_90:
+168 registers instead of 144 for the dense kernel with an append, 4 KB more shared memory.
 
 [Note] Empty KV splits. The split size is a fixed multiple of BLOCK_N computed from the allocated
 N_CACHE and num_splits, never from the current lengths (they live on the device). A split
@@ -140,8 +152,15 @@ than the dense kernel's. The level is traced through values defined in the loop 
 iteration fetches the table entries of the *next* key block into a loop-carried value
 (`next_blocks`); the K/V tiles stay level-0 loads, as deep as the dense kernel's at the same stage
 count (at 4 stages: the same 3-deep prologue, `async_wait num = 4` and 16-byte cp.async count in the
-sm_90 TTGIR/PTX), and the small table load has a whole iteration to land. (Fetching two blocks ahead
-instead, through two loop-carried values, made the pipeliner give up: the tiles became plain loads.)
+sm_90 TTGIR/PTX). The table load does not get a free iteration, though: the pipeliner issues each
+tile num_stages - 1 iterations ahead, and for it re-derives that block's page lookup inside the
+iteration, a plain load (an L1 hit after a split's first block) that the tile's cp.async waits for;
+the loop-carried value only hands the first block to the next loop (sm_90 TTGIR at 3 stages).
+(Fetching two blocks ahead instead, through two loop-carried values, made the pipeliner give up:
+the tiles became plain loads. The natural form, the lookup in its own tile's iteration, at 5 or 7
+stages, lets the pipeliner stage the table entries too, by cp.async two iterations before their
+tiles, but was slower at 27 of 30 shape / page-size points on an H200, by up to 2.5 us:
+results/nvidia-h200/decode_ab_stop13.log, run 2.)
 The split's first lookup is bounded by the capacity N_CACHE rather than by L_b, so it can be issued
 with the length's load instead of after it (entries past the request's pages are clamped and never
 used; on its own this measured no change at P = 64 / 256).
@@ -225,18 +244,28 @@ CHUNKED_PREFILL_MIN_WAVE = 0.8
 # Kernels
 # ============================================================================================
 @triton.jit
-def _store_new_rows(k_head, v_head, kn, vn, us, seqlen, M, n_write, table, NUM_BLOCKS, off_b,
+def _new_row_pages(table, seqlen, us, n_write, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """Paged: the raw block-table entries of the pages that new rows `us` go to (cache rows seqlen + us),
+    -1 for rows at or past n_write. Dense: `us` itself, a placeholder `_store_new_rows` never reads."""
+    if PAGED:
+        return tl.load(table + (seqlen + us) // PAGE_SIZE, mask=us < n_write, other=-1)
+    else:
+        return us
+
+
+@triton.jit
+def _store_new_rows(k_head, v_head, kn, vn, us, raw_pages, seqlen, M, n_write, NUM_BLOCKS, off_b,
                     stride_kb, stride_kn, stride_vb, stride_vn, offs_d,
                     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
     """Write new rows kn, vn [BLOCK, D_PAD] (token indices `us`) of one (request, KV head) into its
     cache at rows seqlen + us; rows at or past n_write (they would pass the buffer) are dropped.
-    Paged, each row looks up its own page (an append may cross page boundaries) and a row whose
-    table entry lies outside the pool is dropped, see [Note] Bad block-table entries."""
+    Paged, each row goes to its own page, raw_pages from `_new_row_pages` (an append may cross page
+    boundaries), and a row whose table entry lies outside the pool is dropped, see [Note] Bad
+    block-table entries."""
     dst = seqlen + us  # [BLOCK] cache rows
     if PAGED:
-        raw = tl.load(table + dst // PAGE_SIZE, mask=us < n_write, other=-1)  # [BLOCK]
-        blocks = tl.minimum(tl.maximum(raw, 0), NUM_BLOCKS - 1).to(tl.int64)
-        us_write = tl.where((raw >= 0) & (raw < NUM_BLOCKS), us, M)  # bad page: row dropped
+        blocks = tl.minimum(tl.maximum(raw_pages, 0), NUM_BLOCKS - 1).to(tl.int64)
+        us_write = tl.where((raw_pages >= 0) & (raw_pages < NUM_BLOCKS), us, M)  # bad page: row dropped
     else:
         blocks = off_b
         us_write = us
@@ -276,8 +305,9 @@ def _append_kernel(
         table = Block_table + off_b * stride_btb
     else:
         table = Block_table  # None: never read
-    _store_new_rows(K_cache + off_hk * stride_kh, V_cache + off_hk * stride_vh, kn, vn, us, seqlen, M, n_write,
-                    table, NUM_BLOCKS, off_b, stride_kb, stride_kn, stride_vb, stride_vn, offs_d,
+    _store_new_rows(K_cache + off_hk * stride_kh, V_cache + off_hk * stride_vh, kn, vn, us,
+                    _new_row_pages(table, seqlen, us, n_write, PAGED, PAGE_SIZE), seqlen, M, n_write,
+                    NUM_BLOCKS, off_b, stride_kb, stride_kn, stride_vb, stride_vn, offs_d,
                     HEAD_DIM, HEAD_DIM_PAD, PAGED, PAGE_SIZE)
 
 
@@ -294,7 +324,7 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_NEW: tl.constexpr,
     IS_CAUSAL: tl.constexpr, APPEND: tl.constexpr, SPLIT: tl.constexpr, STORE_LSE: tl.constexpr,
-    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, USE_PDL: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, EARLY_NEW: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     tl.static_assert(BLOCK_H >= 16 and BLOCK_N >= 16 and BLOCK_NEW >= 16, "tl.dot needs tiles of at least 16")
     if USE_PDL:  # let the combine launch now; it waits for this grid to finish, see [Note] Combine launch
@@ -347,6 +377,18 @@ def _decode_kernel(
                                       PAGE_SIZE, BLOCK_N)
     else:
         table = Block_table  # None: never read
+    if APPEND:  # the new rows' first chunk, loaded now by the last split, see [Note] Fused append
+        offs_u = tl.arange(0, BLOCK_NEW)  # [BLOCK_NEW]
+        kn_head = K_new + off_b * stride_knb + off_hk * stride_knh
+        vn_head = V_new + off_b * stride_vnb + off_hk * stride_vnh
+        n_write = tl.minimum(M, N_CACHE - seqlen)  # new rows that fit in the buffer
+        if EARLY_NEW:
+            m_early = tl.where(split == num_splits - 1, M, 0)  # the other splits load nothing
+            kn0 = load_rows(kn_head + offs_u[:, None].to(tl.int64) * stride_knm + offs_d[None, :],
+                            offs_u, m_early, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)  # [BLOCK_NEW, D_PAD]
+            vn0 = load_rows(vn_head + offs_u[:, None].to(tl.int64) * stride_vnm + offs_d[None, :],
+                            offs_u, m_early, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+            pages0 = _new_row_pages(table, seqlen, offs_u, tl.minimum(m_early, n_write), PAGED, PAGE_SIZE)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -389,11 +431,16 @@ def _decode_kernel(
     # stage 3: the new keys, read from k/v and written to the cache, see [Note] Fused append
     if APPEND:
         if split == num_splits - 1:
-            offs_u = tl.arange(0, BLOCK_NEW)  # [BLOCK_NEW]
-            kn_head = K_new + off_b * stride_knb + off_hk * stride_knh
-            vn_head = V_new + off_b * stride_vnb + off_hk * stride_vnh
-            n_write = tl.minimum(M, N_CACHE - seqlen)  # new rows that fit in the buffer
-            for start_u in tl.range(0, M, BLOCK_NEW):
+            if EARLY_NEW:  # the first chunk, loaded at the start
+                qk = tl.dot(q, tl.trans(kn0))  # [BLOCK_H, BLOCK_NEW]
+                qk = mask_scores(qk, seqlen + offs_u, n_total, row_limit, IS_CAUSAL)
+                p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, True)
+                acc = tl.dot(p.to(vn0.dtype), vn0, acc)
+                if pid_rb == 0:  # one row block writes the cache
+                    _store_new_rows(k_head, v_head, kn0, vn0, offs_u, pages0, seqlen, M, n_write, NUM_BLOCKS, off_b,
+                                    stride_kb, stride_kn, stride_vb, stride_vn, offs_d,
+                                    HEAD_DIM, HEAD_DIM_PAD, PAGED, PAGE_SIZE)
+            for start_u in tl.range(BLOCK_NEW if EARLY_NEW else 0, M, BLOCK_NEW):
                 us = start_u + offs_u
                 kn = load_rows(kn_head + us[:, None].to(tl.int64) * stride_knm + offs_d[None, :],
                                us, M, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)  # [BLOCK_NEW, D_PAD]
@@ -404,7 +451,8 @@ def _decode_kernel(
                                us, M, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
                 acc = tl.dot(p.to(vn.dtype), vn, acc)
                 if pid_rb == 0:  # one row block writes the cache
-                    _store_new_rows(k_head, v_head, kn, vn, us, seqlen, M, n_write, table, NUM_BLOCKS, off_b,
+                    pages = _new_row_pages(table, seqlen, us, n_write, PAGED, PAGE_SIZE)
+                    _store_new_rows(k_head, v_head, kn, vn, us, pages, seqlen, M, n_write, NUM_BLOCKS, off_b,
                                     stride_kb, stride_kn, stride_vb, stride_vn, offs_d,
                                     HEAD_DIM, HEAD_DIM_PAD, PAGED, PAGE_SIZE)
 
@@ -506,6 +554,14 @@ def _plan(batch: int, seqlen_q: int, nheads: int, nheads_k: int, head_dim: int, 
         split_n=blocks_per_split * config.block_n, grid=(programs, num_splits),
         splits_pad=max(2, triton.next_power_of_2(num_splits)), pdl=num_splits > 1 and decode_use_pdl(device),
     )
+
+
+def _early_new(append: bool, paged: bool, page_size: int, block_n: int) -> bool:
+    """Whether the last split loads its first chunk of new rows at its start (EARLY_NEW, see
+    [Note] Fused append): dense caches and pools of whole key blocks per page (P % BLOCK_N == 0).
+    Pools that gather a key block from several pages (P = 16, 48) keep the late loads: there the
+    early tiles cost registers (242 against 157 per thread at P = 16) and measured mixed."""
+    return append and (not paged or page_size % block_n == 0)
 
 
 @functools.lru_cache(maxsize=256)
@@ -973,7 +1029,8 @@ def _flash_attn_with_kvcache_launch(
         nheads_k, nheads // nheads_k, seqlen_q, seqlen_cache, plan.split_n, softmax_scale * LOG2E,
         *paging,
         head_dim, plan.head_dim_pad, plan.block_h, plan.block_n, plan.block_new,
-        causal, append, split, store_lse, paged, page_size, plan.pdl,
+        causal, append, split, store_lse, paged, page_size, _early_new(append, paged, page_size, plan.block_n),
+        plan.pdl,
     )
     combine_grid = (batch * nheads * seqlen_q, 1, 1)
     combine_args = (out_part, lse_part, out, lse_arg, nheads, seqlen_q, plan.num_splits,

@@ -81,6 +81,9 @@ DENSE_VALUES = {
     "IS_KVCACHE": False,
     "KV_APPEND": False,
 }
+# Constexprs a spec gives that older trees' kernels may not have yet (dropped for those): EARLY_NEW,
+# the decode kernel's early load of the new rows, which the dense launcher sets to APPEND.
+OPTIONAL_CONSTS = {"EARLY_NEW"}
 METADATA_KEYS = ("num_warps", "num_stages", "num_ctas", "shared", "global_scratch_size", "global_scratch_align",
                  "tmem_size")
 
@@ -134,7 +137,7 @@ def _decode_specs(configs, arch: int):
                          "qk_scale": "fp32"}
                 consts = {"HEAD_DIM": d, "HEAD_DIM_PAD": d, "BLOCK_H": block_h, "BLOCK_N": cfg.block_n,
                           "BLOCK_NEW": block_new, "IS_CAUSAL": causal, "APPEND": append, "SPLIT": split,
-                          "STORE_LSE": False}
+                          "STORE_LSE": False, "EARLY_NEW": append}
                 yield "decode", "_decode_kernel", label, types, consts, (cfg.num_warps, cfg.num_stages)
     for splits_pad in (2, 64):
         yield ("decode", "_combine_kernel", f"{dt} d{d} splits_pad{splits_pad}",
@@ -168,6 +171,7 @@ def build_source_args(fn, types: dict, consts: dict):
     params = {p.name: p for p in fn.params}
     defaults = inspect.signature(fn.fn).parameters
     signature, constexprs, attrs, notes = {}, {}, {}, []
+    consts = {k: v for k, v in consts.items() if k in fn.arg_names or k not in OPTIONAL_CONSTS}
     for i, name in enumerate(fn.arg_names):
         hint = False
         if name in consts:

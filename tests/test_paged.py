@@ -241,6 +241,26 @@ def test_split_heuristic_fills_more_programs_for_paged_caches():
     assert decode_num_splits(DECODE_PAGED_WAVES * sms, capacity, block_n, device, paged=True) == 1
 
 
+def test_split_heuristic_keeps_a_second_wave_of_splits_long():
+    """Past one wave's count, a paged cache's splits keep DECODE_PAGED_WAVE_MIN_BLOCKS blocks each: a
+    long cache takes the full second wave, a shorter one part of it, a short one the dense count."""
+    from kernels._configs import DECODE_PAGED_WAVE_MIN_BLOCKS, INTERPRETER_SM_COUNT, decode_num_splits
+    from kernels._utils import device_sm_count
+
+    device = torch.device(DEVICE)
+    sms = device_sm_count(torch.cuda.current_device()) if ON_GPU else INTERPRETER_SM_COUNT
+    block_n, programs = 64, max(1, sms // 8)
+    one = decode_num_splits(programs, 1 << 20, block_n, device)
+    two = decode_num_splits(programs, 1 << 20, block_n, device, paged=True)
+    mid = (one + two) // 2
+    assert one < mid < two, (one, two)
+    keys = DECODE_PAGED_WAVE_MIN_BLOCKS * block_n  # per split at the minimum
+    assert decode_num_splits(programs, two * keys, block_n, device, paged=True) == two
+    assert decode_num_splits(programs, mid * keys, block_n, device, paged=True) == mid
+    assert decode_num_splits(programs, one * block_n, block_n, device) == one  # one block per split
+    assert decode_num_splits(programs, one * block_n, block_n, device, paged=True) == one
+
+
 def test_paged_caches_cap_the_pipeline_stages(monkeypatch):
     """A paged cache's decode runs at most DECODE_PAGED_STAGES pipeline stages; a dense one keeps the
     config's own (kernels/_configs.py says why)."""
