@@ -167,15 +167,17 @@ used; on its own this measured no change at P = 64 / 256).
 Paged caches run at most DECODE_PAGED_STAGES = 3 pipeline stages, against the dense config's 4,
 which measured faster at almost every shape (kernels/_configs.py). Offline sm_90 compiles (bf16,
 D = 128, the Hopper config, split, causal; cuobjdump -res-usage) show no spills: the dense kernel
-uses 109 registers (144 with an append) and 102 KB of shared memory for its 4 stages, the paged
-kernel 140-156 (157) registers and 70 KB for its 3, so it fits 3 programs per SM where the dense one
-fits 2. What the pipeline does not hide is the scatter itself: with one program per SM (the dense
-split rule) a paged request streamed 8-21% slower than a dense one at batch 1-8 (P = 16: 621 against
-497 us at batch 8 x 65536), so paged caches split over two programs per SM (DECODE_PAGED_WAVES in
+uses 109 registers (168 with an append, see [Note] Fused append) and 102 KB (106 KB) of shared
+memory for its 4 stages, the paged kernel 140-157 registers (243 with the early append of P = 64 /
+256) and 70 KB (74 KB) for its 3. What the pipeline does not hide is the scatter itself: with one
+program per SM (the dense split rule) a paged request streamed 8-21% slower than a dense one at
+batch 1-8 (P = 16: 621 against 497 us at batch 8 x 65536), so paged caches split over two programs
+per SM when the splits stay long enough (DECODE_PAGED_WAVES, DECODE_PAGED_WAVE_MIN_BLOCKS in
 kernels/_configs.py). Timed on an H200 (results/nvidia-h200/bench_decode.csv, bf16, 32:8 heads,
-D = 128, commit 26acf83, random block tables): paged / dense 0.92-1.10 for P = 64 and 256 and
-0.88-1.05 for P = 16, within 5% at every shape of the grid but batch 1 x 1024 (0.88 / 0.92 / 0.92
-for P = 16 / 64 / 256, an 8 us step) and P = 16 at batch 1 x 4096 (0.93) and 32 x 1024 (0.945).
+D = 128, commit d03a294, random block tables): paged / dense 0.91-1.07 for P = 64 and 256 and
+0.83-1.03 for P = 16, within 5% for P = 64 / 256 at every shape of the grid but batch 1 x 1024
+(0.91, a 7.6 us step against 6.9) and 1 x 16384 (0.94), and for P = 16 at 10 of its 16 shapes
+(batch 1 x 1024-16384: 0.83-0.90; 8 x 1024-4096: 0.93-0.94; 32 x 1024: 0.925).
 
 [Note] Bad block-table entries. A CPU block_table is checked on the host (ValueError for an entry
 outside [0, NUM_BLOCKS) among those the call uses). A device block_table cannot be checked without
@@ -560,7 +562,7 @@ def _early_new(append: bool, paged: bool, page_size: int, block_n: int) -> bool:
     """Whether the last split loads its first chunk of new rows at its start (EARLY_NEW, see
     [Note] Fused append): dense caches and pools of whole key blocks per page (P % BLOCK_N == 0).
     Pools that gather a key block from several pages (P = 16, 48) keep the late loads: there the
-    early tiles cost registers (242 against 157 per thread at P = 16) and measured mixed."""
+    early tiles cost registers (240 against 157 per thread at P = 16) and measured mixed."""
     return append and (not paged or page_size % block_n == 0)
 
 
