@@ -54,9 +54,9 @@ masked). Measured on an H200 (bf16, 32:8 heads, D = 128, one new token, CUDA-gra
 results/nvidia-h200/decode_ab_stop13.log, run 1): dense batch 1 x 16384 23.8 -> 22.7 us, 1 x 65536
 69.8 -> 66.7, 8 x 4096 39.4 -> 37.8, 128 x 1024 137.8 -> 133.5; P = 64 and 256 from 0.2 us slower
 (batch 1 x 65536) to 5.7 us faster (128 x 1024). Pools that gather a key block from several pages
-(P = 16, 48) keep the late loads: there the early tiles took the kernel from 157 to 240 registers
-per thread and measured mixed (results/nvidia-h200/decode_ab_stop12.log, run 7). The cost on sm_90:
-168 registers instead of 144 for the dense kernel with an append, 4 KB more shared memory.
+(P = 16, 48) load early only when split: unsplit, the early tiles' registers (157 -> 240 per
+thread) cost more than the round trip (run 3 of that log). The cost on sm_90: 168 registers
+instead of 144 for the dense kernel with an append, 4 KB more shared memory.
 
 [Note] Empty KV splits. The split size is a fixed multiple of BLOCK_N computed from the allocated
 N_CACHE and num_splits, never from the current lengths (they live on the device). A split
@@ -558,12 +558,16 @@ def _plan(batch: int, seqlen_q: int, nheads: int, nheads_k: int, head_dim: int, 
     )
 
 
-def _early_new(append: bool, paged: bool, page_size: int, block_n: int) -> bool:
+def _early_new(append: bool, paged: bool, page_size: int, block_n: int, num_splits: int) -> bool:
     """Whether the last split loads its first chunk of new rows at its start (EARLY_NEW, see
-    [Note] Fused append): dense caches and pools of whole key blocks per page (P % BLOCK_N == 0).
-    Pools that gather a key block from several pages (P = 16, 48) keep the late loads: there the
-    early tiles cost registers (240 against 157 per thread at P = 16) and measured mixed."""
-    return append and (not paged or page_size % block_n == 0)
+    [Note] Fused append): dense caches, pools of whole key blocks per page (P % BLOCK_N == 0), and
+    pools that gather a key block from several pages (P = 16, 48 at BLOCK_N 64) when the cache is
+    split. Unsplit, the gathering kernel keeps the late loads: the early tiles take it from 157 to
+    240 registers per thread (sm_90), and at batch 128 x 1024 (P = 16, D = 128, no split) it ran
+    147 against 140 us on an H200, while split shapes gained up to 0.6 us (batch 1 x 1024 8.3 ->
+    7.7 us, 1 x 4096 13.0 -> 12.4; D = 64, P = 16 and 64: 0.4-1.0 us at batch 1-8;
+    results/nvidia-h200/decode_ab_stop13.log, run 3)."""
+    return append and (not paged or page_size % block_n == 0 or num_splits > 1)
 
 
 @functools.lru_cache(maxsize=256)
@@ -1031,8 +1035,8 @@ def _flash_attn_with_kvcache_launch(
         nheads_k, nheads // nheads_k, seqlen_q, seqlen_cache, plan.split_n, softmax_scale * LOG2E,
         *paging,
         head_dim, plan.head_dim_pad, plan.block_h, plan.block_n, plan.block_new,
-        causal, append, split, store_lse, paged, page_size, _early_new(append, paged, page_size, plan.block_n),
-        plan.pdl,
+        causal, append, split, store_lse, paged, page_size,
+        _early_new(append, paged, page_size, plan.block_n, plan.num_splits), plan.pdl,
     )
     combine_grid = (batch * nheads * seqlen_q, 1, 1)
     combine_args = (out_part, lse_part, out, lse_arg, nheads, seqlen_q, plan.num_splits,
