@@ -177,7 +177,8 @@ kernels/_configs.py). Timed on an H200 (results/nvidia-h200/bench_decode.csv, bf
 D = 128, commit d03a294, random block tables): paged / dense 0.91-1.07 for P = 64 and 256 and
 0.83-1.03 for P = 16, within 5% for P = 64 / 256 at every shape of the grid but batch 1 x 1024
 (0.91, a 7.6 us step against 6.9) and 1 x 16384 (0.94), and for P = 16 at 10 of its 16 shapes
-(batch 1 x 1024-16384: 0.83-0.90; 8 x 1024-4096: 0.93-0.94; 32 x 1024: 0.925).
+(batch 1 x 1024-16384: 0.83-0.90; 8 x 1024-4096: 0.93-0.94; 32 x 1024: 0.925); since then P = 16
+loads the new rows early when split (`_early_new`), 0.4-0.6 us faster at batch 1 x 1024-4096.
 
 [Note] Bad block-table entries. A CPU block_table is checked on the host (ValueError for an entry
 outside [0, NUM_BLOCKS) among those the call uses). A device block_table cannot be checked without
