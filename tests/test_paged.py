@@ -162,12 +162,15 @@ def test_small_page_sizes(page_size):
 # --------------------------------------------------------------------------------------------
 # The append, seqlen_q > 1, splits, layouts
 # --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("page_size", [16, 48])
-def test_append_across_pages_writes_exactly_the_new_slots(page_size):
-    """An append crossing page boundaries writes each new row to its own page slot and no other byte."""
-    dtype, nheads, nheads_k, head_dim, seqlen_q = torch.float16, 4, 2, 40, 5  # head_dim 40: padded to 64
-    max_blocks = 3
-    lengths = [page_size - 2, 2 * page_size - 1, 0, 3 * page_size - seqlen_q]  # cross, cross, start, fill
+@pytest.mark.parametrize("seqlen_q", [5, 70])
+@pytest.mark.parametrize("page_size", [16, 48, 64])
+def test_append_across_pages_writes_exactly_the_new_slots(page_size, seqlen_q):
+    """An append crossing page boundaries writes each new row to its own page slot and no other byte.
+    Split, so the last split loads its first chunk of new rows early (EARLY_NEW); 70 new rows take
+    more than one chunk (BLOCK_NEW <= BLOCK_N), the rest loaded late."""
+    dtype, nheads, nheads_k, head_dim = torch.float16, 4, 2, 40  # head_dim 40: padded to 64
+    max_blocks = 3 + -(-seqlen_q // page_size)
+    lengths = [page_size - 2, 2 * page_size - 1, 0, max_blocks * page_size - seqlen_q]  # cross, cross, start, fill
     batch, num_blocks = len(lengths), len(lengths) * max_blocks + 2
     # pools are views of wider buffers whose extra columns hold NaN: never read, never written
     k_buf = randn(num_blocks, page_size, nheads_k, head_dim + 8, dtype=dtype)
