@@ -140,6 +140,18 @@ DECODE_PAGED_WAVE_MIN_BLOCKS = 4  # ... but the splits past one wave's count kee
 # or two, for P = 16) was slower than either (results/nvidia-h200/decode_ab_stop12.log). The dense cache
 # keeps 4: there 3 stages won at some shapes and lost at others (batch 1 x 1024, 8 x 16384, 128 x 4096).
 DECODE_PAGED_STAGES = 3
+# A split of at most this many BLOCK_N blocks streams them all through one masked loop instead of an
+# unmasked loop plus a masked one for its ragged tail (see [Note] One loop for short splits in
+# kernels/decode.py); pools that gather a key block from several pages (P % BLOCK_N != 0) only up to the
+# second count. On an H200 (bf16, 32:8 heads, D = 128, append, L_b = n - 1, CUDA-graph timing;
+# results/nvidia-h200/decode_ab_stop14.log) one loop was faster for splits of 1-32 blocks at every shape
+# of batch 1-128 x 1024-65536 for the dense cache and P = 64 / 256 (by 0.1-1.7 us at batch 1-8, up to
+# 5.6 us at batch 128 x 1024), and for P = 16 up to 16 blocks (batch 128 x 1024 aside: 157.8 / 141.7
+# against 142.0 / 147.7 us, noise); slower for P = 16 at 32 blocks (batch 1 x 65536: 71.1 against 70.2
+# us) and for dense splits of 64-128 blocks one program per SM (batch 1 x 65536: 67.4 against 66.6 us,
+# 8 x 16384: 127.3 against 124.5).
+DECODE_ONE_LOOP_MAX_BLOCKS = 32
+DECODE_ONE_LOOP_MAX_BLOCKS_GATHER = 16
 DECODE_PDL = os.environ.get("KERNELS_PDL", "1") not in ("0", "")  # read once, at import (see decode_use_pdl)
 
 # Hopper (227 KB smem): K and V tiles of 2-byte dtypes, num_stages deep. key: head_dim_pad.

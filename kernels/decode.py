@@ -58,6 +58,19 @@ results/nvidia-h200/decode_ab_stop13.log, run 1): dense batch 1 x 16384 23.8 -> 
 thread) cost more than the round trip (run 3 of that log). The cost on sm_90: 168 registers
 instead of 144 for the dense kernel with an append, 4 KB more shared memory.
 
+[Note] One loop for short splits. A split streams its whole blocks through an unmasked loop, then
+its ragged tail (the last cached keys when L_b is not a multiple of BLOCK_N, and without an append
+the causal band) through a masked one. The pipeliner fills each loop's pipeline on its own, so the
+tail's tiles are requested only when the first loop is done: one memory round trip per program that
+no other work hides when the splits are short and there is one program per SM. With ONE_LOOP
+(`_one_loop`: splits of at most DECODE_ONE_LOOP_MAX_BLOCKS blocks, kernels/_configs.py) every block
+takes the masked loop, so the tail comes through the same pipeline; the masks cost a little per
+block, which long splits pay more often than the round trip they save. Measured on an H200 (bf16,
+32:8 heads, D = 128, one new token, L_b = n - 1, CUDA-graph replay;
+results/nvidia-h200/decode_ab_stop14.log): dense batch 1 x 4096 11.7 -> 10.7 us, 1 x 16384 22.7 ->
+22.1, 128 x 1024 132.6 -> 129.9; P = 64 batch 1 x 4096 12.2 -> 10.6, 1 x 16384 24.3 -> 22.8; but
+dense batch 1 x 65536 (64 blocks per split) 66.6 -> 67.4, so long splits keep the two loops.
+
 [Note] Empty KV splits. The split size is a fixed multiple of BLOCK_N computed from the allocated
 N_CACHE and num_splits, never from the current lengths (they live on the device). A split
 whose range starts at or past L_b runs no loop iteration and writes an empty partial (lse = -inf,
@@ -213,6 +226,8 @@ from ._common import (
     store_rows,
 )
 from ._configs import (
+    DECODE_ONE_LOOP_MAX_BLOCKS,
+    DECODE_ONE_LOOP_MAX_BLOCKS_GATHER,
     DECODE_PAGED_STAGES,
     INTERPRETER_SM_COUNT,
     decode_config,
@@ -327,7 +342,8 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_NEW: tl.constexpr,
     IS_CAUSAL: tl.constexpr, APPEND: tl.constexpr, SPLIT: tl.constexpr, STORE_LSE: tl.constexpr,
-    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, EARLY_NEW: tl.constexpr, USE_PDL: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, EARLY_NEW: tl.constexpr, ONE_LOOP: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     tl.static_assert(BLOCK_H >= 16 and BLOCK_N >= 16 and BLOCK_NEW >= 16, "tl.dot needs tiles of at least 16")
     if USE_PDL:  # let the combine launch now; it waits for this grid to finish, see [Note] Combine launch
@@ -366,7 +382,10 @@ def _decode_kernel(
         free_end = tl.minimum(hi, n_total - M + 1)  # keys every row sees
     else:
         free_end = hi
-    full_end = lo + tl.maximum(free_end - lo, 0) // BLOCK_N * BLOCK_N
+    if ONE_LOOP:  # every block takes the masked loop, see [Note] One loop for short splits
+        full_end = lo
+    else:
+        full_end = lo + tl.maximum(free_end - lo, 0) // BLOCK_N * BLOCK_N
 
     q_ptrs = Q + off_b * stride_qb + offs_t[:, None].to(tl.int64) * stride_qm + offs_h[:, None] * stride_qh
     q = load_rows(q_ptrs + offs_d[None, :], offs_r, rows_total, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
@@ -397,23 +416,24 @@ def _decode_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM_PAD], dtype=tl.float32)
 
-    # stage 1: whole blocks every row sees, no mask
-    for start_n in tl.range(lo, full_end, BLOCK_N):
-        rows = start_n + offs_n
-        if PAGED:  # this block's pages were fetched one iteration ahead, see [Note] Paged pipelining
-            blocks = next_blocks
-            next_blocks = physical_blocks(table, start_n + BLOCK_N, rows + BLOCK_N, hi, NUM_BLOCKS, PAGE_SIZE,
-                                           BLOCK_N)
-        else:
-            blocks = off_b
-        k = load_rows(k_head + kv_row_offsets(blocks, rows, stride_kb, stride_kn, PAGE_SIZE, PAGED)[:, None]
-                      + offs_d[None, :], rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD, False)  # [BLOCK_N, D_PAD]
-        qk = tl.dot(q, tl.trans(k))  # [BLOCK_H, BLOCK_N]
-        p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, False)
-        v = load_rows(v_head + kv_row_offsets(blocks, rows, stride_vb, stride_vn, PAGE_SIZE, PAGED)[:, None]
-                      + offs_d[None, :], rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD, False)
-        acc = tl.dot(p.to(v.dtype), v, acc)
-    # stage 2: the ragged tail of the split (and, without an append, the causal band), masked
+    if not ONE_LOOP:  # stage 1: whole blocks every row sees, no mask
+        for start_n in tl.range(lo, full_end, BLOCK_N):
+            rows = start_n + offs_n
+            if PAGED:  # this block's pages were fetched one iteration ahead, see [Note] Paged pipelining
+                blocks = next_blocks
+                next_blocks = physical_blocks(table, start_n + BLOCK_N, rows + BLOCK_N, hi, NUM_BLOCKS, PAGE_SIZE,
+                                               BLOCK_N)
+            else:
+                blocks = off_b
+            k = load_rows(k_head + kv_row_offsets(blocks, rows, stride_kb, stride_kn, PAGE_SIZE, PAGED)[:, None]
+                          + offs_d[None, :], rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD, False)  # [BLOCK_N, D_PAD]
+            qk = tl.dot(q, tl.trans(k))  # [BLOCK_H, BLOCK_N]
+            p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, False)
+            v = load_rows(v_head + kv_row_offsets(blocks, rows, stride_vb, stride_vn, PAGE_SIZE, PAGED)[:, None]
+                          + offs_d[None, :], rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD, False)
+            acc = tl.dot(p.to(v.dtype), v, acc)
+    # stage 2: the ragged tail of the split (and, without an append, the causal band), masked; with
+    # ONE_LOOP all of the split's blocks
     for start_n in tl.range(full_end, hi, BLOCK_N):
         rows = start_n + offs_n
         if PAGED:  # this block's pages were fetched one iteration ahead, see [Note] Paged pipelining
@@ -569,6 +589,13 @@ def _early_new(append: bool, paged: bool, page_size: int, block_n: int, num_spli
     7.7 us, 1 x 4096 13.0 -> 12.4; D = 64, P = 16 and 64: 0.4-1.0 us at batch 1-8;
     results/nvidia-h200/decode_ab_stop13.log, run 3)."""
     return append and (not paged or page_size % block_n == 0 or num_splits > 1)
+
+
+def _one_loop(blocks_per_split: int, gathers: bool) -> bool:
+    """Whether each split streams all its blocks through the masked loop (ONE_LOOP, see [Note] One
+    loop for short splits): splits of up to DECODE_ONE_LOOP_MAX_BLOCKS blocks, or of up to
+    DECODE_ONE_LOOP_MAX_BLOCKS_GATHER when a key block gathers its rows from several pages."""
+    return blocks_per_split <= (DECODE_ONE_LOOP_MAX_BLOCKS_GATHER if gathers else DECODE_ONE_LOOP_MAX_BLOCKS)
 
 
 @functools.lru_cache(maxsize=256)
@@ -1037,7 +1064,8 @@ def _flash_attn_with_kvcache_launch(
         *paging,
         head_dim, plan.head_dim_pad, plan.block_h, plan.block_n, plan.block_new,
         causal, append, split, store_lse, paged, page_size,
-        _early_new(append, paged, page_size, plan.block_n, plan.num_splits), plan.pdl,
+        _early_new(append, paged, page_size, plan.block_n, plan.num_splits),
+        _one_loop(plan.split_n // plan.block_n, paged and page_size % plan.block_n != 0), plan.pdl,
     )
     combine_grid = (batch * nheads * seqlen_q, 1, 1)
     combine_args = (out_part, lse_part, out, lse_arg, nheads, seqlen_q, plan.num_splits,

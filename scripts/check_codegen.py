@@ -82,8 +82,9 @@ DENSE_VALUES = {
     "KV_APPEND": False,
 }
 # Constexprs a spec gives that older trees' kernels may not have yet (dropped for those): EARLY_NEW,
-# the decode kernel's early load of the new rows, which the dense launcher sets to APPEND.
-OPTIONAL_CONSTS = {"EARLY_NEW"}
+# the decode kernel's early load of the new rows, which the dense launcher sets to APPEND, and ONE_LOOP,
+# its single masked loop for short splits (compared off: the two loops that older trees always run).
+OPTIONAL_CONSTS = {"EARLY_NEW", "ONE_LOOP"}
 METADATA_KEYS = ("num_warps", "num_stages", "num_ctas", "shared", "global_scratch_size", "global_scratch_align",
                  "tmem_size")
 
@@ -137,7 +138,8 @@ def _decode_specs(configs, arch: int):
                          "qk_scale": "fp32"}
                 consts = {"HEAD_DIM": d, "HEAD_DIM_PAD": d, "BLOCK_H": block_h, "BLOCK_N": cfg.block_n,
                           "BLOCK_NEW": block_new, "IS_CAUSAL": causal, "APPEND": append, "SPLIT": split,
-                          "STORE_LSE": False, "EARLY_NEW": append}
+                          "STORE_LSE": False, "EARLY_NEW": append,
+                          "ONE_LOOP": False}
                 yield "decode", "_decode_kernel", label, types, consts, (cfg.num_warps, cfg.num_stages)
     for splits_pad in (2, 64):
         yield ("decode", "_combine_kernel", f"{dt} d{d} splits_pad{splits_pad}",

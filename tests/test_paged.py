@@ -226,6 +226,40 @@ def test_seqlen_q_causal_bottom_right(group, append):
         assert_lse_close(lse, ref_lse, dtype, msg=msg)
 
 
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("one_loop", [False, True])
+def test_one_loop_and_two_loops_match_the_reference(monkeypatch, one_loop, page_size):
+    """Both forms of a split's loop over its cached keys (ONE_LOOP, [Note] One loop for short splits in
+    kernels/decode.py), forced whatever the split length, over dense and paged caches: ragged tails of
+    every size, empty splits, causal seqlen_q > 1 with and without an append."""
+    from kernels import decode
+
+    monkeypatch.setattr(decode, "_one_loop", lambda blocks_per_split, gathers: one_loop)
+    monkeypatch.setattr(decode._launch_decode, "kernels", {})  # compiled kernels keyed without ONE_LOOP
+    decode._REPLAYS.clear()
+    dtype, seqlen_q = torch.float16, 3
+    lengths = [0, 5, 31, 64, 100] if INTERPRET else [0, 5, 63, 640, 2000]
+    batch, nheads, nheads_k, head_dim = len(lengths), NHEADS, 2, HEAD_DIM
+    max_blocks = (max(lengths) + seqlen_q) // page_size + 1
+    k_pool, v_pool, table, k_dense, v_dense = make_paged_cache(batch, max_blocks, page_size, nheads_k, head_dim, dtype)
+    q, k_new, v_new = new_tokens(batch, seqlen_q, nheads, nheads_k, head_dim, dtype)
+    try:
+        for append in (True, False):
+            k, v = (k_new, v_new) if append else (None, None)
+            ref32, ref_lse, ref_same = per_request_references(q, k_dense, v_dense, k, v, lengths, causal=True)
+            for num_splits in (1, 3):
+                msg = f"(one_loop={one_loop}, page_size={page_size}, append={append}, num_splits={num_splits})"
+                for tables, kc, vc in ((table, k_pool, v_pool), (None, k_dense, v_dense)):
+                    out, lse = flash_attn_with_kvcache(q, kc.clone(), vc.clone(), k, v, cache_seqlens=i32(lengths),
+                                                       block_table=tables, causal=True, num_splits=num_splits,
+                                                       return_softmax_lse=True)
+                    where = "paged" if tables is not None else "dense"
+                    assert_close_to_ref(out, ref32, ref_same, msg=f"{where} {msg}")
+                    assert_lse_close(lse, ref_lse, dtype, msg=f"{where} {msg}")
+    finally:
+        decode._REPLAYS.clear()  # recorded with the forced form
+
+
 def test_split_heuristic_fills_more_programs_for_paged_caches():
     """num_splits=0 (kernels._configs.decode_num_splits): a paged cache's splits fill DECODE_PAGED_WAVES
     programs per SM, a dense cache's one, and neither splits once the programs fill 0.8 of that."""
