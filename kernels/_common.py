@@ -155,15 +155,23 @@ def kv_row_offsets(blocks, rows, stride_b, stride_n, PAGE_SIZE: tl.constexpr, PA
 @triton.jit
 def physical_blocks(Table, start_n, rows, n_rows, NUM_BLOCKS, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
     """Physical blocks holding the logical rows `rows` = start_n + [0, BLOCK_N) of one request, whose
-    block-table row starts at `Table`; entries of rows >= n_rows are not read (0 instead), and every
-    entry is clamped into [0, NUM_BLOCKS), see [Note] Bad block-table entries in kernels/decode.py.
+    block-table row starts at `Table`; table entries that no row below n_rows needs are not read (0
+    instead: block 0), and every entry is clamped into [0, NUM_BLOCKS), see [Note] Bad block-table
+    entries in kernels/decode.py.
 
     When PAGE_SIZE is a multiple of BLOCK_N the key block lies in one page (start_n is a multiple of
-    BLOCK_N): one table entry, a scalar. Otherwise each row looks up its own page (a gather of BLOCK_N
-    entries, as vLLM does). See [Note] BLOCK_N vs page size in kernels/decode.py.
+    BLOCK_N): one table entry, a scalar. When the block holds a few whole pages (BLOCK_N a multiple of
+    PAGE_SIZE, at most 4 pages, e.g. P = 16 at BLOCK_N 64) it loads one entry per page and broadcasts
+    it over that page's rows (fewer loads than the rows each thread holds). Otherwise each row looks
+    up its own page (a gather of BLOCK_N entries, as vLLM does). See [Note] BLOCK_N vs page size in
+    kernels/decode.py.
     """
     if PAGE_SIZE % BLOCK_N == 0:
         blocks = tl.load(Table + start_n // PAGE_SIZE, mask=start_n < n_rows, other=0)  # scalar
+    elif BLOCK_N % PAGE_SIZE == 0 and BLOCK_N // PAGE_SIZE <= 4:  # a few whole pages: an entry per page
+        offs_p = tl.arange(0, BLOCK_N // PAGE_SIZE)
+        entries = tl.load(Table + start_n // PAGE_SIZE + offs_p, mask=start_n + offs_p * PAGE_SIZE < n_rows, other=0)
+        blocks = tl.reshape(tl.broadcast_to(entries[:, None], (BLOCK_N // PAGE_SIZE, PAGE_SIZE)), (BLOCK_N,))
     else:
         blocks = tl.load(Table + rows // PAGE_SIZE, mask=rows < n_rows, other=0)  # [BLOCK_N]
     return tl.minimum(tl.maximum(blocks, 0), NUM_BLOCKS - 1).to(tl.int64)

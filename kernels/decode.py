@@ -147,10 +147,20 @@ P = 8 a block of 8 rows, too small for `tl.dot`, and a decode tuned at BLOCK_N =
 tuning), the kernel keeps the dense BLOCK_N and finds each key's physical row (`physical_blocks`):
 - P % BLOCK_N == 0 (e.g. 64 and 256 at BLOCK_N 64): key blocks start at multiples of BLOCK_N
   (splits are whole blocks), so a block lies in one page: one table entry per block, a scalar load.
-- otherwise (P = 16 or 48 at BLOCK_N 64, and P < 16): each key gathers its own table entry
+- BLOCK_N % P == 0 with at most 4 pages per block (P = 16 and 32 at BLOCK_N 64; 32 and 64 at
+  BLOCK_N 128): one entry per page, broadcast over the page's rows (`tl.reshape` of a [pages, P]
+  broadcast). Per-key entries (below) would cost each thread a table load per row it holds (8 at
+  D = 128, twice since the K and the V tile each re-derive them) where this costs one per page: on
+  sm_90, P = 16 went from 241 to 192 registers and from 16 to 4 table loads per thread in the loop,
+  and on an H200 (bf16, 32:8 heads, append, CUDA-graph replay; results/nvidia-h200/
+  decode_ab_stop14.log, run 4) P = 16 at D = 128 took 11.3 against 12.0 us at batch 1 x 4096, 14.6
+  against 15.5 at 8 x 1024 and 128.4 against 132.8 at 32 x 4096, faster at every shape, and P = 64
+  at D = 64 (2 pages per block) 0.5-0.9 us less at batch 1-8. With 8 pages per block (P = 16 at
+  D = 64) it was slower at 6 of 11 shapes, so more pages per block keep the per-key gather.
+- otherwise (P = 48 and P <= 8 at BLOCK_N 64, P = 16 at BLOCK_N 128): each key gathers its own table entry
   (BLOCK_N int32 loads from one cached table row, as vLLM's paged attention does); rows are still
   loaded whole, so a K/V row is as coalesced as in the dense cache (a row of one KV head is D
-  contiguous elements in both). So pages of 1..8 rows take the same path as 16 or 48: no slow path,
+  contiguous elements in both). So pages of 1..8 rows take the same path as 48: no slow path,
   and they are supported.
 The append always gathers (its rows start anywhere). Table loads are masked to rows below the split's
 end, so a program never reads past max_blocks_per_seq entries: its first lookup is bounded by the
@@ -179,19 +189,22 @@ with the length's load instead of after it (entries past the request's pages are
 used; on its own this measured no change at P = 64 / 256).
 Paged caches run at most DECODE_PAGED_STAGES = 3 pipeline stages, against the dense config's 4,
 which measured faster at almost every shape (kernels/_configs.py). Offline sm_90 compiles (bf16,
-D = 128, the Hopper config, split, causal; cuobjdump -res-usage) show no spills: the dense kernel
-uses 109 registers (168 with an append, see [Note] Fused append) and 102 KB (106 KB) of shared
-memory for its 4 stages, the paged kernel 140-157 registers (243 with the early append of P = 64 /
-256) and 70 KB (74 KB) for its 3. What the pipeline does not hide is the scatter itself: with one
-program per SM (the dense split rule) a paged request streamed 8-21% slower than a dense one at
-batch 1-8 (P = 16: 621 against 497 us at batch 8 x 65536), so paged caches split over two programs
-per SM when the splits stay long enough (DECODE_PAGED_WAVES, DECODE_PAGED_WAVE_MIN_BLOCKS in
-kernels/_configs.py). Timed on an H200 (results/nvidia-h200/bench_decode.csv, bf16, 32:8 heads,
-D = 128, commit d03a294, random block tables): paged / dense 0.91-1.07 for P = 64 and 256 and
-0.83-1.03 for P = 16, within 5% for P = 64 / 256 at every shape of the grid but batch 1 x 1024
-(0.91, a 7.6 us step against 6.9) and 1 x 16384 (0.94), and for P = 16 at 10 of its 16 shapes
-(batch 1 x 1024-16384: 0.83-0.90; 8 x 1024-4096: 0.93-0.94; 32 x 1024: 0.925); since then P = 16
-loads the new rows early when split (`_early_new`), 0.4-0.6 us faster at batch 1 x 1024-4096.
+D = 128, the Hopper config, split, causal, with an append; cuobjdump -res-usage) show no spills: the
+dense kernel uses 168 registers with two loops and 184 with ONE_LOOP (109 without an append) and
+106 KB of shared memory for its 4 stages, the paged kernel 242-243 with two loops (P = 16 / 64, the
+early append) and 192 / 243 with ONE_LOOP, and 74 KB for its 3. What the pipeline does not hide is
+the scatter itself: with one program per SM (the dense split rule) a paged request streamed 8-21%
+slower than a dense one at batch 1-8 (P = 16: 621 against 497 us at batch 8 x 65536), so paged
+caches split over two programs per SM when the splits stay long enough (DECODE_PAGED_WAVES,
+DECODE_PAGED_WAVE_MIN_BLOCKS in kernels/_configs.py). Timed on an H200
+(results/nvidia-h200/bench_decode.csv, bf16, 32:8 heads, D = 128, commit 85f95ff, random block
+tables): paged / dense 0.92-1.08 for P = 64 and 256, within 5% at every shape of the grid but batch
+1 x 1024 (0.92-0.93: 6.95-6.98 us against 6.43), and 0.88-1.02 for P = 16 (within 5% at 9 of 16
+shapes). That grid predates the per-page lookup of P = 16 (see [Note] BLOCK_N vs page size): in an
+A/B run (decode_ab_stop14.log, run 4; dense / paged) P = 16 then reached 0.96-1.00 at batch 1 x
+65536, 8 x 1024-16384 and 32 x 1024-4096, 0.95-0.96 at 128 x 4096, and stayed below 0.95 at batch
+1 x 1024 (0.90: 7.17 against 6.43 us), 1 x 4096 (0.949) and 1 x 16384 (0.948); at 128 x 1024 its two
+repetitions gave 0.96 and 0.87.
 
 [Note] Bad block-table entries. A CPU block_table is checked on the host (ValueError for an entry
 outside [0, NUM_BLOCKS) among those the call uses). A device block_table cannot be checked without

@@ -59,9 +59,9 @@ rows are evenly spaced, one descriptor spans the whole pool as [NUM_BLOCKS * P, 
 key block starts at row block * P + start_n % P (`_page_row`, looked up one block ahead as in the
 decode kernel's [Note] Paged pipelining); rows of the last block past N_b belong to the page's
 unused tail (stale data, possibly NaN bit patterns), so their scores are masked and their values
-zeroed. Otherwise (P = 16, 48, ...) each key gathers its page through `physical_blocks` and loads
-through masked pointers. Every cache argument defaults to None / False: with IS_KVCACHE=False the
-cache code is compiled out.
+zeroed. Otherwise (P = 16, 48, ...) each key finds its page through `physical_blocks` (an entry per
+page when a key block holds at most 4 whole pages, else per key) and loads through masked pointers.
+Every cache argument defaults to None / False: with IS_KVCACHE=False the cache code is compiled out.
 """
 
 from __future__ import annotations
