@@ -157,11 +157,11 @@ tuning), the kernel keeps the dense BLOCK_N and finds each key's physical row (`
   against 15.5 at 8 x 1024 and 128.4 against 132.8 at 32 x 4096, faster at every shape, and P = 64
   at D = 64 (2 pages per block) 0.5-0.9 us less at batch 1-8. With 8 pages per block (P = 16 at
   D = 64) it was slower at 6 of 11 shapes, so more pages per block keep the per-key gather.
-- otherwise (P = 48 and P <= 8 at BLOCK_N 64, P = 16 at BLOCK_N 128): each key gathers its own table entry
-  (BLOCK_N int32 loads from one cached table row, as vLLM's paged attention does); rows are still
-  loaded whole, so a K/V row is as coalesced as in the dense cache (a row of one KV head is D
-  contiguous elements in both). So pages of 1..8 rows take the same path as 48: no slow path,
-  and they are supported.
+- otherwise (P = 48 and P <= 8 at BLOCK_N 64, P = 16 at BLOCK_N 128): each key gathers its own
+  table entry (BLOCK_N int32 loads from one cached table row, as vLLM's paged attention does); rows
+  are still loaded whole, so a K/V row is as coalesced as in the dense cache (a row of one KV head is
+  D contiguous elements in both). So pages of 1..8 rows take the same path as 48: no slow path, and
+  they are supported.
 The append always gathers (its rows start anywhere). Table loads are masked to rows below the split's
 end, so a program never reads past max_blocks_per_seq entries: its first lookup is bounded by the
 capacity N_CACHE (it may read entries past the request's pages, which are clamped and never used,
