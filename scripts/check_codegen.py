@@ -23,7 +23,10 @@ compared:
   Triton takes from source variable names) are renumbered by first appearance, so moved lines or a
   renamed local variable do not count; the structure and every operation still must match.
 - PTX: `.loc`/`.file` lines, debug labels (`$L__tmp*`, `$L__func_*`) and the DWARF `.debug_*`
-  sections are removed.
+  sections are removed. Identical PTX is the same program, but not always the same machine code:
+  ptxas reads the line info too, and moving kernel code into a `@triton.jit` helper (same PTX
+  instructions, other `.loc` lines) changed the SASS instruction order of one decode specialisation
+  (sm_90, `cuobjdump -sass`), so a timing measured before such an edit need not hold after it.
 
 Specialisations (the arguments Triton's launcher would build for contiguous tensors: every pointer
 and every `stride_*` integer with the 16-divisibility hint, other integers plain "i32", scales
@@ -138,8 +141,7 @@ def _decode_specs(configs, arch: int):
                          "qk_scale": "fp32"}
                 consts = {"HEAD_DIM": d, "HEAD_DIM_PAD": d, "BLOCK_H": block_h, "BLOCK_N": cfg.block_n,
                           "BLOCK_NEW": block_new, "IS_CAUSAL": causal, "APPEND": append, "SPLIT": split,
-                          "STORE_LSE": False, "EARLY_NEW": append,
-                          "ONE_LOOP": False}
+                          "STORE_LSE": False, "EARLY_NEW": append, "ONE_LOOP": False}
                 yield "decode", "_decode_kernel", label, types, consts, (cfg.num_warps, cfg.num_stages)
     for splits_pad in (2, 64):
         yield ("decode", "_combine_kernel", f"{dt} d{d} splits_pad{splits_pad}",
