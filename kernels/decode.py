@@ -186,7 +186,14 @@ tiles, but was slower at 27 of 30 shape / page-size points on an H200, by up to 
 results/nvidia-h200/decode_ab_stop13.log, run 2.)
 The split's first lookup is bounded by the capacity N_CACHE rather than by L_b, so it can be issued
 with the length's load instead of after it (entries past the request's pages are clamped and never
-used; on its own this measured no change at P = 64 / 256).
+used; on its own this measured no change at P = 64 / 256). It also comes before the query load in
+the source: the query tile reaches the dot's layout through shared memory, behind a barrier that
+waits for the tile to arrive, and ptxas keeps later loads after that barrier (sm_90 SASS), so a
+lookup placed after the query load was issued one memory round trip late. Interleaved on an H200
+(decode_ab_stop15.log, run 1) the move made P = 16 0.1-0.6 us faster at 6 of 11 shapes (batch 1 x
+1024 7.23 -> 7.11 us, 1 x 65536 68.55 -> 68.16, 128 x 1024 133.0 -> 132.4; 0.3% slower at 32 / 128 x
+4096) and moved P = 64 / 256 by less than 0.2 us at most shapes; issuing the last split's early
+new-row loads before the query too gained nothing more.
 Paged caches run at most DECODE_PAGED_STAGES = 3 pipeline stages, against the dense config's 4,
 which measured faster at almost every shape (kernels/_configs.py). Offline sm_90 compiles (bf16,
 D = 128, the Hopper config, split, causal, with an append; cuobjdump -res-usage) show no spills: the
@@ -196,15 +203,16 @@ early append) and 192 / 243 with ONE_LOOP, and 74 KB for its 3. What the pipelin
 the scatter itself: with one program per SM (the dense split rule) a paged request streamed 8-21%
 slower than a dense one at batch 1-8 (P = 16: 621 against 497 us at batch 8 x 65536), so paged
 caches split over two programs per SM when the splits stay long enough (DECODE_PAGED_WAVES,
-DECODE_PAGED_WAVE_MIN_BLOCKS in kernels/_configs.py). Timed on an H200
-(results/nvidia-h200/bench_decode.csv, bf16, 32:8 heads, D = 128, commit 85f95ff, random block
-tables): paged / dense 0.92-1.08 for P = 64 and 256, within 5% at every shape of the grid but batch
-1 x 1024 (0.92-0.93: 6.95-6.98 us against 6.43), and 0.88-1.02 for P = 16 (within 5% at 9 of 16
-shapes). That grid predates the per-page lookup of P = 16 (see [Note] BLOCK_N vs page size): in an
-A/B run (decode_ab_stop14.log, run 4; dense / paged) P = 16 then reached 0.96-1.00 at batch 1 x
-65536, 8 x 1024-16384 and 32 x 1024-4096, 0.95-0.96 at 128 x 4096, and stayed below 0.95 at batch
-1 x 1024 (0.90: 7.17 against 6.43 us), 1 x 4096 (0.949) and 1 x 16384 (0.948); at 128 x 1024 its two
-repetitions gave 0.96 and 0.87.
+DECODE_PAGED_WAVE_MIN_BLOCKS in kernels/_configs.py). Timed on an H200 (bf16, 32:8 heads, D = 128,
+random block tables): in the 85f95ff grid (results/nvidia-h200/bench_decode.csv) paged / dense was
+0.92-1.08 for P = 64 and 256, within 5% at every shape but batch 1 x 1024 (0.92-0.93: 6.95-6.98 us
+against 6.43), and 0.88-1.02 for P = 16 (before its per-page lookup, see [Note] BLOCK_N vs page
+size). That dense 6.43 us was the process's first CUDA-graph timing, which reads about 0.35 us fast
+whatever it times (kernels.bench.time_cuda_graph now discards one); timed later, dense batch 1 x 1024
+takes 6.72-6.79 us (decode_ab_stop15.log, runs 2-3). In an interleaved A/B at this code
+(decode_ab_stop15.log, run 1: batch 1-128 x 1024-65536, 11 shapes, dense / paged) paged was within 5%
+of dense at every shape for P = 64 (0.97-1.05) and 256 (0.98-1.04), and for P = 16 (0.95-1.00) at all
+but batch 1 x 4096 (0.949: 11.28 against 10.71 us).
 
 [Note] Bad block-table entries. A CPU block_table is checked on the host (ValueError for an entry
 outside [0, NUM_BLOCKS) among those the call uses). A device block_table cannot be checked without
@@ -400,18 +408,19 @@ def _decode_kernel(
     else:
         full_end = lo + tl.maximum(free_end - lo, 0) // BLOCK_N * BLOCK_N
 
-    q_ptrs = Q + off_b * stride_qb + offs_t[:, None].to(tl.int64) * stride_qm + offs_h[:, None] * stride_qh
-    q = load_rows(q_ptrs + offs_d[None, :], offs_r, rows_total, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
-    k_head = K_cache + off_hk * stride_kh
-    v_head = V_cache + off_hk * stride_vh
     if PAGED:  # this request's row of the block table, and the pages of the split's first key block
         table = Block_table + off_b * stride_btb
         # bounded by the capacity, not by L_b: the lookup need not wait for the length's load (rows
-        # past L_b get clamped entries and are never loaded), see [Note] Paged pipelining
+        # past L_b get clamped entries and are never loaded); and issued before the query load, whose
+        # tile's barrier it would otherwise wait behind, see [Note] Paged pipelining
         next_blocks = physical_blocks(table, lo, lo + offs_n, tl.minimum(lo + SPLIT_N, N_CACHE), NUM_BLOCKS,
                                       PAGE_SIZE, BLOCK_N)
     else:
         table = Block_table  # None: never read
+    q_ptrs = Q + off_b * stride_qb + offs_t[:, None].to(tl.int64) * stride_qm + offs_h[:, None] * stride_qh
+    q = load_rows(q_ptrs + offs_d[None, :], offs_r, rows_total, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+    k_head = K_cache + off_hk * stride_kh
+    v_head = V_cache + off_hk * stride_vh
     if APPEND:  # the new rows' first chunk, loaded now by the last split, see [Note] Fused append
         offs_u = tl.arange(0, BLOCK_NEW)  # [BLOCK_NEW]
         kn_head = K_new + off_b * stride_knb + off_hk * stride_knh
