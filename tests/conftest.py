@@ -4,8 +4,11 @@ Order matters: TRITON_INTERPRET must be set before `triton` decorates the kernel
 when `kernels` is first imported, so this file decides it before importing anything else.
 """
 
+import fcntl
+import gc
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import torch  # only to ask whether a GPU exists; triton and kernels come after the switch
@@ -71,3 +74,32 @@ def on_gpu() -> bool:
 def interpret() -> bool:
     """True when kernels run under the Triton interpreter."""
     return INTERPRET
+
+
+# pytest-xdist runs many workers on one GPU: the `slow` tests (buffers of 2^31+ elements, 10-40 GiB
+# with their references) could run at the same time and exhaust its memory, and the caching allocator
+# keeps what a test freed for that worker's later tests. So `slow` tests take a file lock shared by
+# all workers of the machine, and a test that leaves more than this much cached gives it back.
+_KEEP_CACHED_BYTES = 4 << 30
+_SLOW_LOCK = Path(tempfile.gettempdir()) / "kernels-tests-slow-gpu.lock"
+
+
+@pytest.fixture(autouse=True)
+def _share_gpu_memory(request):
+    """On a GPU: `slow` tests run one at a time across workers; big caches are emptied after each test."""
+    if not ON_GPU:
+        yield
+        return
+    lock = None
+    if "slow" in request.keywords:
+        lock = open(_SLOW_LOCK, "w")
+        fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        if torch.cuda.memory_reserved() > _KEEP_CACHED_BYTES:
+            gc.collect()
+            torch.cuda.empty_cache()
+        if lock is not None:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            lock.close()
