@@ -140,6 +140,13 @@ DECODE_PAGED_WAVE_MIN_BLOCKS = 4  # ... but the splits past one wave's count kee
 # or two, for P = 16) was slower than either (results/nvidia-h200/decode_ab_stop12.log). The dense cache
 # keeps 4: there 3 stages won at some shapes and lost at others (batch 1 x 1024, 8 x 16384, 128 x 4096).
 DECODE_PAGED_STAGES = 3
+# ... except in a deep grid: unsplit, with at least DECODE_DEEP_GRID programs per SM (more than one wave of
+# the capped kernel, see decode_paged_tiles), where a cache of at least DECODE_DEEP_MIN_BLOCKS key blocks per
+# request keeps the config's stages, and a key block that would gather more than DECODE_GATHER_MAX_PAGES
+# pages (P = 16 at BLOCK_N 128) halves BLOCK_N instead.
+DECODE_DEEP_GRID = 3
+DECODE_DEEP_MIN_BLOCKS = 32
+DECODE_GATHER_MAX_PAGES = 4  # physical_blocks in kernels/_common.py looks up one entry per page up to this
 # A split of at most this many BLOCK_N blocks streams them all through one masked loop instead of an
 # unmasked loop plus a masked one for its ragged tail (see [Note] One loop for short splits in
 # kernels/decode.py); pools that gather a key block from several pages (P % BLOCK_N != 0) only up to the
@@ -237,6 +244,45 @@ def decode_num_splits(programs: int, seqlen_cache: int, block_n: int, device: to
         one_wave = min(max_splits, sm_count // programs)
         splits = max(one_wave, min(splits, seqlen_cache // (block_n * DECODE_PAGED_WAVE_MIN_BLOCKS)))
     return max(1, splits)
+
+
+def decode_paged_tiles(config: DecodeConfig, page_size: int, programs: int, num_splits: int, seqlen_cache: int,
+                       device: torch.device) -> tuple:
+    """(BLOCK_N, pipeline stages) of a paged cache's decode plan: the config's BLOCK_N and at most
+    DECODE_PAGED_STAGES stages, except in a deep grid (one split per request and at least
+    DECODE_DEEP_GRID programs per SM), where a key block of more than DECODE_GATHER_MAX_PAGES pages halves
+    BLOCK_N and takes the config's stages, and a cache of at least DECODE_DEEP_MIN_BLOCKS blocks takes
+    the config's stages.
+
+    Why: the capped kernel fits 3 programs per SM on an H200 (74 KB of shared memory each at D = 64
+    or 128, against the 4-stage dense kernel's 106 KB, which fits 2), which helps split and short
+    grids, but a grid of more programs than that runs in waves, and a short last wave of long
+    programs leaves the memory system idle. On an H200 (bf16, 32:8 heads, append, random block
+    tables, CUDA-graph timing; results/nvidia-h200/decode_ab_stop16.log, runs 2-3), paged / dense:
+    - D = 64, P = 64 / 256 at 4 stages against 3: batch 64 x 4096 1.05 / 1.02 against 1.19 / 1.19,
+      128 x 16384 1.03 / 1.02 against 1.10 / 1.11, 128 x 65536 1.02 / 1.01 against 1.12 / 1.11;
+      but batch 128 x 1024 (8 blocks) 1.09 / 1.03 against 1.01 / 0.98, and batch 32 (256
+      programs, one wave either way) 1.00-1.04 against 0.98-1.03.
+    - D = 64, P = 16 (8 pages per BLOCK_N 128 block, a per-row gather): BLOCK_N 64 at 4 stages ran
+      batch 64 x 4096 1.03, 128 x 1024 1.04, 128 x 4096 1.03, where BLOCK_N 128 at 3 stages ran 1.29,
+      1.10, 1.07 and at 4 stages 1.11, -, 1.12; at batch 1-32 (split, or one wave) BLOCK_N 64 was up
+      to 25% slower.
+    - D = 128 (BLOCK_N 64), P = 16 at 4 stages against 3: batch 64 x 4096 1.03 against 1.23, 128 x
+      65536 1.03 against 1.11; P = 64 / 256 within 2% either way; batch 128 x 1024 (16 blocks)
+      1.07 against 1.02 for P = 16.
+    """
+    block_n, stages = config.block_n, min(config.num_stages, DECODE_PAGED_STAGES)
+    if is_interpreter() or device.type != "cuda":
+        sm_count = INTERPRETER_SM_COUNT
+    else:
+        sm_count = device_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    if num_splits > 1 or programs < DECODE_DEEP_GRID * sm_count:
+        return block_n, stages
+    if page_size < block_n and block_n % page_size == 0 and block_n // page_size > DECODE_GATHER_MAX_PAGES:
+        return block_n // 2, config.num_stages
+    if -(-seqlen_cache // block_n) >= DECODE_DEEP_MIN_BLOCKS:
+        return block_n, config.num_stages
+    return block_n, stages
 
 
 def decode_use_pdl(device: torch.device) -> bool:

@@ -602,15 +602,16 @@ def prefill_config(dtype: torch.dtype, head_dim: int, causal: bool, device: torc
 
 
 def decode_config(batch: int, seqlen_q: int, nheads: int, nheads_k: int, head_dim: int, seqlen_cache: int,
-                  dtype: torch.dtype, device: torch.device, paged: bool = False) -> str:
+                  dtype: torch.dtype, device: torch.device, page_size: int = 0) -> str:
     """The decode launch plan (tiles, warps, stages, KV splits) flash_attn_with_kvcache picks, as text
-    (seqlen_cache: a paged request's capacity, max_blocks_per_seq * page_size)."""
+    (page_size 0: a dense cache; else seqlen_cache is a paged request's capacity, max_blocks_per_seq *
+    page_size)."""
     try:
         from .decode import _plan
 
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        p = _plan(batch, seqlen_q, nheads, nheads_k, head_dim, seqlen_cache, dtype, device, 0, paged)
+        p = _plan(batch, seqlen_q, nheads, nheads_k, head_dim, seqlen_cache, dtype, device, 0, page_size)
         return f"BN{p.block_n}/BH{p.block_h}/w{p.num_warps}/s{p.num_stages}/splits{p.num_splits}"
     except Exception as exc:
         return f"unknown ({type(exc).__name__})"
@@ -1001,7 +1002,7 @@ def _decode_shape(ctx: Context, dtype: torch.dtype, shape: DecodeShape, peers: S
             if peer.page_size:
                 seqlen_cache = -(-shape.cache_len // peer.page_size) * peer.page_size
             fields["config"] = decode_config(shape.batch, 1, shape.nheads, shape.nheads_k, shape.head_dim,
-                                             seqlen_cache, dtype, ctx.device, paged=bool(peer.page_size))
+                                             seqlen_cache, dtype, ctx.device, page_size=peer.page_size)
         extra = peer.extra_bytes(shape, kv_bytes)
         free = ctx.timer.free_bytes()
         if kv_bytes + extra > MEMORY_HEADROOM * free:

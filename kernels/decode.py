@@ -195,7 +195,9 @@ lookup placed after the query load was issued one memory round trip late. Interl
 4096) and moved P = 64 / 256 by less than 0.2 us at most shapes; issuing the last split's early
 new-row loads before the query too gained nothing more.
 Paged caches run at most DECODE_PAGED_STAGES = 3 pipeline stages, against the dense config's 4,
-which measured faster at almost every shape (kernels/_configs.py). Offline sm_90 compiles (bf16,
+which measured faster at almost every split or one-wave shape (kernels/_configs.py); an unsplit grid
+of more programs than the 3-stage kernel fits at once (3 per SM) keeps the config's stages, and
+halves a BLOCK_N that would gather 8 pages (P = 16 at D <= 64), see decode_paged_tiles. Offline sm_90 compiles (bf16,
 D = 128, the Hopper config, split, causal, with an append; cuobjdump -res-usage) show no spills: the
 dense kernel uses 168 registers with two loops and 184 with ONE_LOOP (109 without an append) and
 106 KB of shared memory for its 4 stages, the paged kernel 242-243 with two loops (P = 16 / 64, the
@@ -249,10 +251,10 @@ from ._common import (
 from ._configs import (
     DECODE_ONE_LOOP_MAX_BLOCKS,
     DECODE_ONE_LOOP_MAX_BLOCKS_GATHER,
-    DECODE_PAGED_STAGES,
     INTERPRETER_SM_COUNT,
     decode_config,
     decode_num_splits,
+    decode_paged_tiles,
     decode_use_pdl,
     prefill_fwd_config,
 )
@@ -576,27 +578,29 @@ class _Plan(NamedTuple):
 
 @functools.lru_cache(maxsize=512)
 def _plan(batch: int, seqlen_q: int, nheads: int, nheads_k: int, head_dim: int, seqlen_cache: int,
-          dtype: torch.dtype, device: torch.device, num_splits: int, paged: bool = False) -> _Plan:
+          dtype: torch.dtype, device: torch.device, num_splits: int, page_size: int = 0) -> _Plan:
+    """The launch plan; page_size 0 for a dense cache, else the pool's page size (seqlen_cache is then
+    a request's capacity, max_blocks_per_seq * page_size)."""
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     config = decode_config(head_dim_pad, dtype, device)
-    num_stages = config.num_stages
-    if paged:  # see [Note] Paged pipelining
-        num_stages = min(num_stages, DECODE_PAGED_STAGES)
+    block_n, num_stages = config.block_n, config.num_stages
     rows = (nheads // nheads_k) * seqlen_q
     block_h = min(max(16, triton.next_power_of_2(rows)), max(16, config.max_rows))
     row_blocks = triton.cdiv(rows, block_h)
     programs = batch * nheads_k * row_blocks
-    blocks_total = triton.cdiv(seqlen_cache, config.block_n)
     if num_splits == 0:
-        num_splits = decode_num_splits(programs, seqlen_cache, config.block_n, device, paged)
+        num_splits = decode_num_splits(programs, seqlen_cache, block_n, device, page_size > 0)
+    if page_size:  # see [Note] Paged pipelining; an unsplit grid may change BLOCK_N here, never the splits
+        block_n, num_stages = decode_paged_tiles(config, page_size, programs, num_splits, seqlen_cache, device)
+    blocks_total = triton.cdiv(seqlen_cache, block_n)
     num_splits = max(1, min(num_splits, blocks_total))  # more splits than blocks would all be empty
     blocks_per_split = triton.cdiv(max(blocks_total, 1), num_splits)
     num_splits = triton.cdiv(max(blocks_total, 1), blocks_per_split)
-    block_new = min(config.block_n, max(16, triton.next_power_of_2(seqlen_q)))
+    block_new = min(block_n, max(16, triton.next_power_of_2(seqlen_q)))
     return _Plan(
-        head_dim_pad=head_dim_pad, block_h=block_h, block_n=config.block_n, block_new=block_new,
+        head_dim_pad=head_dim_pad, block_h=block_h, block_n=block_n, block_new=block_new,
         num_warps=config.num_warps, num_stages=num_stages, num_splits=num_splits,
-        split_n=blocks_per_split * config.block_n, grid=(programs, num_splits),
+        split_n=blocks_per_split * block_n, grid=(programs, num_splits),
         splits_pad=max(2, triton.next_power_of_2(num_splits)), pdl=num_splits > 1 and decode_use_pdl(device),
     )
 
@@ -1041,7 +1045,7 @@ def _flash_attn_with_kvcache_launch(
     if block_table is not None:  # the logical capacity of a request; k_cache.shape[1] is the page size
         seqlen_cache = block_table.shape[1] * k_cache.shape[1]
     plan = _plan(batch, seqlen_q, nheads, nheads_k, head_dim, seqlen_cache, q.dtype, device, num_splits,
-                 block_table is not None)
+                 k_cache.shape[1] if block_table is not None else 0)
 
     out = torch.empty_like(q, memory_format=torch.contiguous_format)  # (batch, seqlen_q, nheads, head_dim)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=device) if return_softmax_lse else None

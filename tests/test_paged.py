@@ -139,6 +139,37 @@ def test_paged_equals_dense_and_reference(page_size, append, dtype):
             assert torch.equal(kd, k_after) and torch.equal(vd, v_after)
 
 
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_deep_grid_equals_dense_and_reference(page_size):
+    """An unsplit grid of DECODE_DEEP_GRID programs per SM (decode_paged_tiles: the config's stages and,
+    for P = 16 at a 128-key BLOCK_N, BLOCK_N 64) still equals dense decode and the reference."""
+    from kernels import decode
+    from kernels._configs import DECODE_DEEP_GRID, DECODE_DEEP_MIN_BLOCKS, INTERPRETER_SM_COUNT
+    from kernels._utils import device_sm_count
+
+    dtype = torch.bfloat16 if ON_GPU else torch.float16
+    nheads, nheads_k, head_dim = 8, 2, 64
+    sms = device_sm_count(torch.cuda.current_device()) if ON_GPU else INTERPRETER_SM_COUNT
+    batch = -(-DECODE_DEEP_GRID * sms // nheads_k)
+    plan = decode._plan(batch, 1, nheads, nheads_k, head_dim, 64 * page_size, dtype, torch.device(DEVICE), 0, 0)
+    max_blocks = -(-DECODE_DEEP_MIN_BLOCKS * plan.block_n // page_size)  # a long enough cache
+    paged_plan = decode._plan(batch, 1, nheads, nheads_k, head_dim, max_blocks * page_size, dtype,
+                              torch.device(DEVICE), 0, page_size)
+    assert paged_plan.num_splits == 1 and paged_plan.num_stages == plan.num_stages
+    k_pool, v_pool, table, k_dense, v_dense = make_paged_cache(batch, max_blocks, page_size, nheads_k, head_dim, dtype)
+    capacity = max_blocks * page_size
+    lengths = torch.randint(0, capacity, (batch,)).tolist()
+    lengths[:3] = [0, capacity - 1, page_size]
+    q, k, v = new_tokens(batch, 1, nheads, nheads_k, head_dim, dtype)
+    ref32, _, ref_same = per_request_references(q, k_dense, v_dense, k, v, lengths, causal=False)
+    k_exp, v_exp = expected_pools(k_pool, v_pool, table, k, v, lengths)
+    out = flash_attn_with_kvcache(q, k_pool, v_pool, k, v, cache_seqlens=i32(lengths), block_table=table)
+    out_dense = flash_attn_with_kvcache(q, k_dense, v_dense, k, v, cache_seqlens=i32(lengths))
+    assert_close_to_ref(out, ref32, ref_same)
+    assert_paged_equals_dense(out, out_dense, dtype, f"deep grid, page_size={page_size}, {paged_plan}")
+    assert torch.equal(k_pool, k_exp) and torch.equal(v_pool, v_exp)
+
+
 @pytest.mark.parametrize("page_size", [1, 2, 8])
 def test_small_page_sizes(page_size):
     """Pages of 1..8 rows (smaller than a key block) are supported and match dense decode and the reference."""
@@ -299,8 +330,8 @@ def test_split_heuristic_keeps_a_second_wave_of_splits_long():
 
 
 def test_paged_caches_cap_the_pipeline_stages(monkeypatch):
-    """A paged cache's decode runs at most DECODE_PAGED_STAGES pipeline stages; a dense one keeps the
-    config's own (kernels/_configs.py says why)."""
+    """A paged cache's decode runs at most DECODE_PAGED_STAGES pipeline stages in a split or shallow
+    grid; a dense one keeps the config's own (kernels/_configs.py says why)."""
     from kernels import decode
     from kernels._configs import DECODE_PAGED_STAGES, DecodeConfig
 
@@ -308,13 +339,64 @@ def test_paged_caches_cap_the_pipeline_stages(monkeypatch):
     monkeypatch.setattr(decode, "decode_config", lambda *args, **kwargs: deep)
     decode._plan.cache_clear()
     try:
-        def stages(paged):
-            return decode._plan(1, 1, 8, 2, 128, 4096, torch.float16, torch.device(DEVICE), 0, paged).num_stages
+        def stages(page_size):
+            return decode._plan(1, 1, 8, 2, 128, 4096, torch.float16, torch.device(DEVICE), 0, page_size).num_stages
 
-        assert stages(False) == deep.num_stages
-        assert stages(True) == DECODE_PAGED_STAGES
+        assert stages(0) == deep.num_stages
+        assert stages(16) == stages(64) == DECODE_PAGED_STAGES
     finally:
         decode._plan.cache_clear()  # plans made with the fake config must not outlive the test
+
+
+def test_deep_paged_grids_keep_the_config_stages_and_split_wide_gathers():
+    """decode_paged_tiles: split or shallow grids get the stage cap; an unsplit grid of at least
+    DECODE_DEEP_GRID programs per SM keeps the config's stages for long caches and halves a BLOCK_N
+    that would gather more than DECODE_GATHER_MAX_PAGES pages; and _plan follows it."""
+    from kernels import _configs, decode
+    from kernels._configs import (
+        DECODE_DEEP_GRID,
+        DECODE_DEEP_MIN_BLOCKS,
+        DECODE_GATHER_MAX_PAGES,
+        DECODE_PAGED_STAGES,
+        DecodeConfig,
+        decode_paged_tiles,
+    )
+
+    device = torch.device("cpu")  # the SM count is INTERPRETER_SM_COUNT: no GPU query
+    sms = _configs.INTERPRETER_SM_COUNT
+    cfg = DecodeConfig(128, 4, DECODE_PAGED_STAGES + 1)
+    capped = DECODE_PAGED_STAGES
+    deep = DECODE_DEEP_GRID * sms
+    long_cache, short_cache = DECODE_DEEP_MIN_BLOCKS * 128, (DECODE_DEEP_MIN_BLOCKS - 1) * 128
+    wide = 128 // (2 * DECODE_GATHER_MAX_PAGES)  # a page size whose 128-key block holds 2x the lookup's pages
+    assert decode_paged_tiles(cfg, 64, deep - 1, 1, long_cache, device) == (128, capped)  # shallow
+    assert decode_paged_tiles(cfg, 64, deep, 2, long_cache, device) == (128, capped)  # split
+    assert decode_paged_tiles(cfg, 64, deep, 1, short_cache, device) == (128, capped)  # short cache
+    assert decode_paged_tiles(cfg, 64, deep, 1, long_cache, device) == (128, cfg.num_stages)
+    assert decode_paged_tiles(cfg, 256, deep, 1, long_cache, device) == (128, cfg.num_stages)
+    assert decode_paged_tiles(cfg, 48, deep, 1, long_cache, device) == (128, cfg.num_stages)  # P % BLOCK_N
+    assert decode_paged_tiles(cfg, 2 * wide, deep, 1, short_cache, device) == (128, capped)  # fits the lookup
+    assert decode_paged_tiles(cfg, wide, deep, 1, short_cache, device) == (64, cfg.num_stages)
+    assert decode_paged_tiles(cfg, wide, deep, 2, long_cache, device) == (128, capped)
+
+    def plan(batch, page_size, seqlen_cache):
+        return decode._plan(batch, 1, 16, 4, 64, seqlen_cache, torch.float16, device, 0, page_size)
+
+    fake = DecodeConfig(64, 4, DECODE_PAGED_STAGES + 1)
+    decode._plan.cache_clear()
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(decode, "decode_config", lambda *args, **kwargs: fake)
+            batch = -(-deep // 4)  # 4 KV heads, one row block each: at least `deep` programs, unsplit
+            p = plan(batch, 16, DECODE_DEEP_MIN_BLOCKS * 64)
+            assert (p.num_splits, p.block_n, p.num_stages) == (1, 64, fake.num_stages)
+            p = plan(batch, 16, (DECODE_DEEP_MIN_BLOCKS - 1) * 64)
+            assert (p.num_splits, p.block_n, p.num_stages) == (1, 64, capped)
+            p = plan(1, 16, DECODE_DEEP_MIN_BLOCKS * 64)  # 4 programs: split, capped
+            assert p.num_splits > 1 and p.num_stages == capped
+            assert plan(batch, 0, DECODE_DEEP_MIN_BLOCKS * 64).num_stages == fake.num_stages  # dense
+    finally:
+        decode._plan.cache_clear()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
