@@ -254,22 +254,27 @@ def decode_paged_tiles(config: DecodeConfig, page_size: int, programs: int, num_
     BLOCK_N and takes the config's stages, and a cache of at least DECODE_DEEP_MIN_BLOCKS blocks takes
     the config's stages.
 
-    Why: the capped kernel fits 3 programs per SM on an H200 (74 KB of shared memory each at D = 64
-    or 128, against the 4-stage dense kernel's 106 KB, which fits 2), which helps split and short
-    grids, but a grid of more programs than that runs in waves, and a short last wave of long
-    programs leaves the memory system idle. On an H200 (bf16, 32:8 heads, append, random block
-    tables, CUDA-graph timing; results/nvidia-h200/decode_ab_stop16.log, runs 2-3), paged / dense:
+    Why: the capped kernel fits 3 programs per SM (offline sm_90 compiles of the unsplit kernel at
+    D = 64 / 128: 70 KB of shared memory and 113-162 registers per thread, against 102 KB at 4
+    stages, which fits 2), which helps split and short grids; a grid of more programs than that runs
+    in waves, and the measured cliff just past one wave fits a short last wave of long programs
+    leaving the memory system idle. On an H200 (bf16, 32:8 heads, append, random block
+    tables, CUDA-graph timing; results/nvidia-h200/decode_ab_stop16.log, runs 2-4), paged / dense:
+    - The threshold: at batch 48 (384 programs, one wave of the capped kernel on 132 SMs) the cap
+      ran 0.85-0.92 at batch 48 x 4096 (dense, 2 per SM, runs a half second wave); at batch 56 (448
+      programs) it ran 1.20-1.33 at D = 64 and 1.31 for P = 16 at D = 128, against 1.00-1.05 at 4 stages.
     - D = 64, P = 64 / 256 at 4 stages against 3: batch 64 x 4096 1.05 / 1.02 against 1.19 / 1.19,
       128 x 16384 1.03 / 1.02 against 1.10 / 1.11, 128 x 65536 1.02 / 1.01 against 1.12 / 1.11;
       but batch 128 x 1024 (8 blocks) 1.09 / 1.03 against 1.01 / 0.98, and batch 32 (256
       programs, one wave either way) 1.00-1.04 against 0.98-1.03.
     - D = 64, P = 16 (8 pages per BLOCK_N 128 block, a per-row gather): BLOCK_N 64 at 4 stages ran
       batch 64 x 4096 1.03, 128 x 1024 1.04, 128 x 4096 1.03, where BLOCK_N 128 at 3 stages ran 1.29,
-      1.10, 1.07 and at 4 stages 1.11, -, 1.12; at batch 1-32 (split, or one wave) BLOCK_N 64 was up
-      to 25% slower.
+      1.10, 1.07 and at 4 stages 1.11, -, 1.12; at batch 1-32 (split, or one wave) BLOCK_N 64 was
+      8-14% slower than 128 at 6 of 8 shapes.
     - D = 128 (BLOCK_N 64), P = 16 at 4 stages against 3: batch 64 x 4096 1.03 against 1.23, 128 x
       65536 1.03 against 1.11; P = 64 / 256 within 2% either way; batch 128 x 1024 (16 blocks)
-      1.07 against 1.02 for P = 16.
+      1.07 against 1.02 for P = 16, and at the 32-block threshold (batch 128 x 2048) P = 16 went from
+      1.05 to 1.07 while P = 64 / 256 went from 1.03 to 1.01.
     """
     block_n, stages = config.block_n, min(config.num_stages, DECODE_PAGED_STAGES)
     if is_interpreter() or device.type != "cuda":

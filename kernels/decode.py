@@ -156,7 +156,9 @@ tuning), the kernel keeps the dense BLOCK_N and finds each key's physical row (`
   decode_ab_stop14.log, run 4) P = 16 at D = 128 took 11.3 against 12.0 us at batch 1 x 4096, 14.6
   against 15.5 at 8 x 1024 and 128.4 against 132.8 at 32 x 4096, faster at every shape, and P = 64
   at D = 64 (2 pages per block) 0.5-0.9 us less at batch 1-8. With 8 pages per block (P = 16 at
-  D = 64) it was slower at 6 of 11 shapes, so more pages per block keep the per-key gather.
+  D = 64) it was slower at 6 of 11 shapes, and again (decode_ab_stop16.log, run 2) 1-3% faster at
+  batch 1 x 1024-4096 and 8 x 1024 but up to 4.5% slower elsewhere, so more pages per block keep the
+  per-key gather; an unsplit deep grid instead halves BLOCK_N to 4 pages (decode_paged_tiles).
 - otherwise (P = 48 and P <= 8 at BLOCK_N 64, P = 16 at BLOCK_N 128): each key gathers its own
   table entry (BLOCK_N int32 loads from one cached table row, as vLLM's paged attention does); rows
   are still loaded whole, so a K/V row is as coalesced as in the dense cache (a row of one KV head is
@@ -197,24 +199,23 @@ new-row loads before the query too gained nothing more.
 Paged caches run at most DECODE_PAGED_STAGES = 3 pipeline stages, against the dense config's 4,
 which measured faster at almost every split or one-wave shape (kernels/_configs.py); an unsplit grid
 of more programs than the 3-stage kernel fits at once (3 per SM) keeps the config's stages, and
-halves a BLOCK_N that would gather 8 pages (P = 16 at D <= 64), see decode_paged_tiles. Offline sm_90 compiles (bf16,
-D = 128, the Hopper config, split, causal, with an append; cuobjdump -res-usage) show no spills: the
-dense kernel uses 168 registers with two loops and 184 with ONE_LOOP (109 without an append) and
-106 KB of shared memory for its 4 stages, the paged kernel 242-243 with two loops (P = 16 / 64, the
-early append) and 192 / 243 with ONE_LOOP, and 74 KB for its 3. What the pipeline does not hide is
-the scatter itself: with one program per SM (the dense split rule) a paged request streamed 8-21%
-slower than a dense one at batch 1-8 (P = 16: 621 against 497 us at batch 8 x 65536), so paged
-caches split over two programs per SM when the splits stay long enough (DECODE_PAGED_WAVES,
-DECODE_PAGED_WAVE_MIN_BLOCKS in kernels/_configs.py). Timed on an H200 (bf16, 32:8 heads, D = 128,
-random block tables): in the 85f95ff grid (results/nvidia-h200/bench_decode.csv) paged / dense was
-0.92-1.08 for P = 64 and 256, within 5% at every shape but batch 1 x 1024 (0.92-0.93: 6.95-6.98 us
-against 6.43), and 0.88-1.02 for P = 16 (before its per-page lookup, see [Note] BLOCK_N vs page
-size). That dense 6.43 us was the process's first CUDA-graph timing, which reads about 0.35 us fast
-whatever it times (kernels.bench.time_cuda_graph now discards one); timed later, dense batch 1 x 1024
-takes 6.72-6.79 us (decode_ab_stop15.log, runs 2-3). In an interleaved A/B at this code
-(decode_ab_stop15.log, run 1: batch 1-128 x 1024-65536, 11 shapes, dense / paged) paged was within 5%
-of dense at every shape for P = 64 (0.97-1.05) and 256 (0.98-1.04), and for P = 16 (0.95-1.00) at all
-but batch 1 x 4096 (0.949: 11.28 against 10.71 us).
+halves a BLOCK_N that would gather 8 pages (P = 16 at D <= 64), see decode_paged_tiles. Offline
+sm_90 compiles (bf16, D = 128, the Hopper config, split, causal, with an append; cuobjdump
+-res-usage) show no spills: the dense kernel uses 168 registers with two loops and 184 with ONE_LOOP
+(109 without an append) and 106 KB of shared memory for its 4 stages, the paged kernel 242-243
+with two loops (P = 16 / 64, the early append) and 192 / 243 with ONE_LOOP, and 74 KB for its 3
+(unsplit, as a batch-128 step runs: 162 / 113 registers for P = 16 / 64, and 70 KB). What the
+pipeline does not hide is the scatter itself: with one program per SM (the dense split rule) a paged
+request streamed 8-21% slower than a dense one at batch 1-8 (P = 16: 621 against 497 us at batch 8 x
+65536), so paged caches split over two programs per SM when the splits stay long enough
+(DECODE_PAGED_WAVES, DECODE_PAGED_WAVE_MIN_BLOCKS in kernels/_configs.py). Timed on an H200 (bf16, 32:8 heads, random
+block tables) in the d2e97b9 grid (results/nvidia-h200/bench_decode.csv, 16 shapes of batch 1-128 x
+1024-65536 per head dim), paged / dense was at most 1.034 for P = 64 and 1.023 for P = 256 at D =
+128, 1.046 and 1.036 at D = 64; P = 16 was within 1.05 at 15 of 16 shapes at D = 128 (batch 1 x
+16384: 1.059) and 11 of 16 at D = 64, where its 128-key blocks gather 8 pages one entry per key
+(1.07-1.10 at batch 1 / 8 / 32 x 1024 and 1 / 32 x 4096). Earlier grids' dense batch 1 x 1024 was
+the process's first CUDA-graph timing, which reads about 0.35 us fast whatever it times
+(decode_ab_stop15.log, runs 2-3; kernels.bench.time_cuda_graph now discards it).
 
 [Note] Bad block-table entries. A CPU block_table is checked on the host (ValueError for an entry
 outside [0, NUM_BLOCKS) among those the call uses). A device block_table cannot be checked without
