@@ -247,7 +247,7 @@ def decode_num_splits(programs: int, seqlen_cache: int, block_n: int, device: to
 
 
 def decode_paged_tiles(config: DecodeConfig, page_size: int, programs: int, num_splits: int, seqlen_cache: int,
-                       device: torch.device) -> tuple:
+                       device: torch.device) -> tuple[int, int]:
     """(BLOCK_N, pipeline stages) of a paged cache's decode plan: the config's BLOCK_N and at most
     DECODE_PAGED_STAGES stages, except in a deep grid (one split per request and at least
     DECODE_DEEP_GRID programs per SM), where a key block of more than DECODE_GATHER_MAX_PAGES pages halves

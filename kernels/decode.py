@@ -208,8 +208,8 @@ with two loops (P = 16 / 64, the early append) and 192 / 243 with ONE_LOOP, and 
 pipeline does not hide is the scatter itself: with one program per SM (the dense split rule) a paged
 request streamed 8-21% slower than a dense one at batch 1-8 (P = 16: 621 against 497 us at batch 8 x
 65536), so paged caches split over two programs per SM when the splits stay long enough
-(DECODE_PAGED_WAVES, DECODE_PAGED_WAVE_MIN_BLOCKS in kernels/_configs.py). Timed on an H200 (bf16, 32:8 heads, random
-block tables) in the d2e97b9 grid (results/nvidia-h200/bench_decode.csv, 16 shapes of batch 1-128 x
+(DECODE_PAGED_WAVES, DECODE_PAGED_WAVE_MIN_BLOCKS in kernels/_configs.py). Timed on an H200 (bf16,
+32:8 heads, random block tables) in the d2e97b9 grid (results/nvidia-h200/bench_decode.csv, 16 shapes of batch 1-128 x
 1024-65536 per head dim), paged / dense was at most 1.034 for P = 64 and 1.023 for P = 256 at D =
 128, 1.046 and 1.036 at D = 64; P = 16 was within 1.05 at 15 of 16 shapes at D = 128 (batch 1 x
 16384: 1.059) and 11 of 16 at D = 64, where its 128-key blocks gather 8 pages one entry per key
