@@ -197,6 +197,13 @@ def decode_config(head_dim_pad: int, dtype: torch.dtype, device: torch.device) -
     return config
 
 
+def planning_sm_count(device: torch.device) -> int:
+    """The SM count the launch heuristics plan for: the device's, or INTERPRETER_SM_COUNT without a GPU."""
+    if is_interpreter() or device.type != "cuda":
+        return INTERPRETER_SM_COUNT
+    return device_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def decode_num_splits(programs: int, seqlen_cache: int, block_n: int, device: torch.device,
                       paged: bool = False) -> int:
     """num_splits=0 heuristic: how many chunks to split each request's cache into.
@@ -230,10 +237,7 @@ def decode_num_splits(programs: int, seqlen_cache: int, block_n: int, device: to
     13.3 for P = 16, dense 11.7), while batch 1 x 16384 keeps its 32 splits of 8 blocks (24.3 us
     against 25.2 at 16 splits for P = 64).
     """
-    if is_interpreter() or device.type != "cuda":
-        sm_count = INTERPRETER_SM_COUNT
-    else:
-        sm_count = device_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    sm_count = planning_sm_count(device)
     slots = sm_count * (DECODE_PAGED_WAVES if paged else 1)  # programs the splits may fill
     programs = max(programs, 1)
     if programs >= DECODE_FULL_GRID * slots:
@@ -277,13 +281,10 @@ def decode_paged_tiles(config: DecodeConfig, page_size: int, programs: int, num_
       1.05 to 1.07 while P = 64 / 256 went from 1.03 to 1.01.
     """
     block_n, stages = config.block_n, min(config.num_stages, DECODE_PAGED_STAGES)
-    if is_interpreter() or device.type != "cuda":
-        sm_count = INTERPRETER_SM_COUNT
-    else:
-        sm_count = device_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    sm_count = planning_sm_count(device)
     if num_splits > 1 or programs < DECODE_DEEP_GRID * sm_count:
         return block_n, stages
-    if page_size < block_n and block_n % page_size == 0 and block_n // page_size > DECODE_GATHER_MAX_PAGES:
+    if block_n % page_size == 0 and block_n // page_size > DECODE_GATHER_MAX_PAGES:
         return block_n // 2, config.num_stages
     if -(-seqlen_cache // block_n) >= DECODE_DEEP_MIN_BLOCKS:
         return block_n, config.num_stages

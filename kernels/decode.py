@@ -252,11 +252,11 @@ from ._common import (
 from ._configs import (
     DECODE_ONE_LOOP_MAX_BLOCKS,
     DECODE_ONE_LOOP_MAX_BLOCKS_GATHER,
-    INTERPRETER_SM_COUNT,
     decode_config,
     decode_num_splits,
     decode_paged_tiles,
     decode_use_pdl,
+    planning_sm_count,
     prefill_fwd_config,
 )
 from ._launch import DirectLaunch, LaunchCache, launch_hooks_active
@@ -269,7 +269,6 @@ from ._utils import (
     _validate_softmax_scale,
     _validate_tensor,
     default_device,
-    device_sm_count,
     is_interpreter,
 )
 from .prefill import _flash_attn_kvcache_forward
@@ -854,10 +853,7 @@ def _chunked_prefill_pays(batch: int, seqlen_q: int, nheads: int, head_dim: int,
 def _prefill_programs_fill(batch: int, seqlen_q: int, nheads: int, head_dim: int, dtype: torch.dtype, causal: bool,
                            device: torch.device) -> bool:
     block_m = prefill_fwd_config(max(16, triton.next_power_of_2(head_dim)), dtype, causal, device).block_m
-    if is_interpreter() or device.type != "cuda":
-        sm_count = INTERPRETER_SM_COUNT
-    else:
-        sm_count = device_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    sm_count = planning_sm_count(device)
     return triton.cdiv(seqlen_q, block_m) * batch * nheads >= CHUNKED_PREFILL_MIN_WAVE * sm_count
 
 

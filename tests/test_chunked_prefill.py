@@ -178,7 +178,7 @@ def test_dispatch_needs_enough_tokens_and_a_full_grid(monkeypatch):
 
     monkeypatch.setattr(decode, "_flash_attn_kvcache_forward", recording_forward)
     dtype, head_dim = torch.float16, HEAD_DIM
-    sm_count = decode.INTERPRETER_SM_COUNT if INTERPRET else decode.device_sm_count(torch.cuda.current_device())
+    sm_count = decode.planning_sm_count(torch.device(DEVICE))
     block_m = decode.prefill_fwd_config(head_dim, dtype, True, DEVICE).block_m
     threshold = decode.CHUNKED_PREFILL_MIN_SEQLEN_Q
     # one query block per head: the grid is batch x nheads programs
