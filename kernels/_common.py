@@ -7,8 +7,8 @@ Written once so their semantics cannot drift between kernels:
 - `finalize`: the epilogue that turns (acc, m_i, l_i) into the output and its log-sum-exp.
 - `load_rows`: a [rows, HEAD_DIM_PAD] tile load masked by row count and by head-dim padding.
 - `merge_partials`: merge partial results (split-KV decode) by their log-sum-exp.
-- `kv_row_offsets`, `physical_blocks`: where a cache row lives, dense or paged (decode and chunked
-  prefill read caches through them).
+- `kv_row_offsets`, `kv_block_offsets`, `physical_blocks`: where a cache row lives, dense or paged
+  (decode and chunked prefill read caches through them; `wide_pages` is their host-side check).
 
 Notation: m_i is the running row max of the *scaled* scores in base 2 (scores * softmax_scale *
 log2(e)), l_i the running sum of exp2(scaled score - m_i), acc the unnormalised [rows, D] output.
@@ -136,20 +136,62 @@ def tile_ptrs(base, start, stride, BLOCK: tl.constexpr, offs_d):
     return base + tl.cast(start, tl.int64) * stride + offs[:, None] * stride + offs_d[None, :]
 
 
+def wide_pages(page_size: int, *pools) -> bool:
+    """Host side of `kv_row_offsets`' WIDE_PAGES: True when a row offset inside a page, up to
+    (page_size - 1) * stride(1) elements of a (num_blocks, page_size, nheads_k, headdim) pool, may not
+    fit in 32 bits. Only exotic views get there (rows of one page 2^31 / (P - 1) elements apart, e.g.
+    a permuted (page_size, num_blocks, ...) buffer); they take 64-bit in-page offsets."""
+    return any((page_size - 1) * abs(t.stride(1)) >= 2**31 for t in pools)
+
+
 @triton.jit
-def kv_row_offsets(blocks, rows, stride_b, stride_n, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr):
+def _page_offsets(blocks, in_page, stride_b, stride_n, WIDE_PAGES: tl.constexpr):
+    """int64 offsets of rows `in_page` (< PAGE_SIZE) of physical blocks `blocks` (int32): the page base
+    in 64 bits, the offset inside the page in 32 unless WIDE_PAGES (see `wide_pages`)."""
+    if WIDE_PAGES:
+        return blocks.to(tl.int64) * stride_b + in_page.to(tl.int64) * stride_n
+    else:
+        return blocks.to(tl.int64) * stride_b + (in_page * stride_n).to(tl.int64)
+
+
+@triton.jit
+def kv_row_offsets(blocks, rows, stride_b, stride_n, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr,
+                   WIDE_PAGES: tl.constexpr):
     """int64 element offsets of the logical cache rows `rows` [BLOCK] (the KV head's offset is added
     by the caller): the one place that maps (request, position) to memory.
 
-    Dense: `blocks` is the request index b and row j lives at b * stride_b + j * stride_n.
-    Paged: `blocks` holds the physical block of each row ([BLOCK] int64, or one scalar when the
+    Dense: `blocks` is the request index b (int64) and row j lives at b * stride_b + j * stride_n.
+    Paged: `blocks` holds the physical block of each row ([BLOCK] int32, or one scalar when the
     rows lie in one page, see `physical_blocks`), stride_b is the stride of a block, and logical
-    row j lives at row j % PAGE_SIZE of its block.
+    row j lives at row j % PAGE_SIZE of its block. See `kv_block_offsets` for a whole key block.
     """
     if PAGED:
-        return blocks * stride_b + (rows % PAGE_SIZE).to(tl.int64) * stride_n
+        return _page_offsets(blocks, rows % PAGE_SIZE, stride_b, stride_n, WIDE_PAGES)
     else:
         return blocks * stride_b + rows.to(tl.int64) * stride_n
+
+
+@triton.jit
+def kv_block_offsets(blocks, start_n, offs_n, stride_b, stride_n, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr,
+                     WIDE_PAGES: tl.constexpr, BLOCK_N: tl.constexpr):
+    """`kv_row_offsets` of the key block at rows start_n + offs_n, for start_n a multiple of BLOCK_N
+    (the attention loops' blocks).
+
+    Paged, the rows' places inside their pages are written from what the block's alignment gives
+    away: when a page holds whole blocks (P a multiple of BLOCK_N) they are start_n % P + offs_n;
+    when a block holds several whole pages, offs_n % P, the same for every block (loop-invariant).
+    See [Note] Paged address arithmetic in kernels/decode.py.
+    """
+    if PAGED:
+        if PAGE_SIZE % BLOCK_N == 0:  # the block lies in one page
+            in_page = start_n % PAGE_SIZE + offs_n
+        elif BLOCK_N % PAGE_SIZE == 0:  # start_n % PAGE_SIZE == 0: loop-invariant
+            in_page = offs_n % PAGE_SIZE
+        else:  # e.g. P = 48 at BLOCK_N 64: blocks straddle pages
+            in_page = (start_n + offs_n) % PAGE_SIZE
+        return _page_offsets(blocks, in_page, stride_b, stride_n, WIDE_PAGES)
+    else:
+        return kv_row_offsets(blocks, start_n + offs_n, stride_b, stride_n, PAGE_SIZE, False, WIDE_PAGES)
 
 
 @triton.jit
@@ -174,4 +216,4 @@ def physical_blocks(Table, start_n, rows, n_rows, NUM_BLOCKS, PAGE_SIZE: tl.cons
         blocks = tl.reshape(tl.broadcast_to(entries[:, None], (BLOCK_N // PAGE_SIZE, PAGE_SIZE)), (BLOCK_N,))
     else:
         blocks = tl.load(Table + rows // PAGE_SIZE, mask=rows < n_rows, other=0)  # [BLOCK_N]
-    return tl.minimum(tl.maximum(blocks, 0), NUM_BLOCKS - 1).to(tl.int64)
+    return tl.minimum(tl.maximum(blocks, 0), NUM_BLOCKS - 1)  # int32, widened where it is used

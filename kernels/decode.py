@@ -241,6 +241,7 @@ import triton.language as tl
 
 from ._common import (
     finalize,
+    kv_block_offsets,
     kv_row_offsets,
     load_rows,
     mask_scores,
@@ -248,6 +249,7 @@ from ._common import (
     online_softmax,
     physical_blocks,
     store_rows,
+    wide_pages,
 )
 from ._configs import (
     DECODE_ONE_LOOP_MAX_BLOCKS,
@@ -297,7 +299,8 @@ def _new_row_pages(table, seqlen, us, n_write, PAGED: tl.constexpr, PAGE_SIZE: t
 @triton.jit
 def _store_new_rows(k_head, v_head, kn, vn, us, raw_pages, seqlen, M, n_write, NUM_BLOCKS, off_b,
                     stride_kb, stride_kn, stride_vb, stride_vn, offs_d,
-                    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
+                    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                    WIDE_PAGES: tl.constexpr):
     """Write new rows kn, vn [BLOCK, D_PAD] (token indices `us`) of one (request, KV head) into its
     cache at rows seqlen + us; rows at or past n_write (they would pass the buffer) are dropped.
     Paged, each row goes to its own page, raw_pages from `_new_row_pages` (an append may cross page
@@ -305,14 +308,14 @@ def _store_new_rows(k_head, v_head, kn, vn, us, raw_pages, seqlen, M, n_write, N
     block-table entries."""
     dst = seqlen + us  # [BLOCK] cache rows
     if PAGED:
-        blocks = tl.minimum(tl.maximum(raw_pages, 0), NUM_BLOCKS - 1).to(tl.int64)
+        blocks = tl.minimum(tl.maximum(raw_pages, 0), NUM_BLOCKS - 1)
         us_write = tl.where((raw_pages >= 0) & (raw_pages < NUM_BLOCKS), us, M)  # bad page: row dropped
     else:
         blocks = off_b
         us_write = us
-    store_rows(k_head + kv_row_offsets(blocks, dst, stride_kb, stride_kn, PAGE_SIZE, PAGED)[:, None]
+    store_rows(k_head + kv_row_offsets(blocks, dst, stride_kb, stride_kn, PAGE_SIZE, PAGED, WIDE_PAGES)[:, None]
                + offs_d[None, :], kn, us_write, n_write, offs_d, HEAD_DIM, HEAD_DIM_PAD)
-    store_rows(v_head + kv_row_offsets(blocks, dst, stride_vb, stride_vn, PAGE_SIZE, PAGED)[:, None]
+    store_rows(v_head + kv_row_offsets(blocks, dst, stride_vb, stride_vn, PAGE_SIZE, PAGED, WIDE_PAGES)[:, None]
                + offs_d[None, :], vn, us_write, n_write, offs_d, HEAD_DIM, HEAD_DIM_PAD)
 
 
@@ -326,7 +329,7 @@ def _append_kernel(
     H_KV, M, N_CACHE,
     Block_table, stride_btb, NUM_BLOCKS,  # paged only; None (compiled out) for a dense cache
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK: tl.constexpr,
-    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, WIDE_PAGES: tl.constexpr,
 ):
     """Append BLOCK of the M new tokens of one (request, KV head) to the cache (chunked prefill's
     first launch; the decode kernel fuses its appends instead, see [Note] Chunked prefill)."""
@@ -349,7 +352,7 @@ def _append_kernel(
     _store_new_rows(K_cache + off_hk * stride_kh, V_cache + off_hk * stride_vh, kn, vn, us,
                     _new_row_pages(table, seqlen, us, n_write, PAGED, PAGE_SIZE), seqlen, M, n_write,
                     NUM_BLOCKS, off_b, stride_kb, stride_kn, stride_vb, stride_vn, offs_d,
-                    HEAD_DIM, HEAD_DIM_PAD, PAGED, PAGE_SIZE)
+                    HEAD_DIM, HEAD_DIM_PAD, PAGED, PAGE_SIZE, WIDE_PAGES)
 
 
 @triton.jit
@@ -365,8 +368,8 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_NEW: tl.constexpr,
     IS_CAUSAL: tl.constexpr, APPEND: tl.constexpr, SPLIT: tl.constexpr, STORE_LSE: tl.constexpr,
-    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, EARLY_NEW: tl.constexpr, ONE_LOOP: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, WIDE_PAGES: tl.constexpr,
+    EARLY_NEW: tl.constexpr, ONE_LOOP: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     tl.static_assert(BLOCK_H >= 16 and BLOCK_N >= 16 and BLOCK_NEW >= 16, "tl.dot needs tiles of at least 16")
     if USE_PDL:  # let the combine launch now; it waits for this grid to finish, see [Note] Combine launch
@@ -449,12 +452,15 @@ def _decode_kernel(
                                                BLOCK_N)
             else:
                 blocks = off_b
-            k = load_rows(k_head + kv_row_offsets(blocks, rows, stride_kb, stride_kn, PAGE_SIZE, PAGED)[:, None]
-                          + offs_d[None, :], rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD, False)  # [BLOCK_N, D_PAD]
+            k_offs = kv_block_offsets(blocks, start_n, offs_n, stride_kb, stride_kn, PAGE_SIZE, PAGED, WIDE_PAGES,
+                                      BLOCK_N)
+            k = load_rows(k_head + k_offs[:, None] + offs_d[None, :], rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD,
+                          False)  # [BLOCK_N, D_PAD]
             qk = tl.dot(q, tl.trans(k))  # [BLOCK_H, BLOCK_N]
             p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, False)
-            v = load_rows(v_head + kv_row_offsets(blocks, rows, stride_vb, stride_vn, PAGE_SIZE, PAGED)[:, None]
-                          + offs_d[None, :], rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD, False)
+            v_offs = kv_block_offsets(blocks, start_n, offs_n, stride_vb, stride_vn, PAGE_SIZE, PAGED, WIDE_PAGES,
+                                      BLOCK_N)
+            v = load_rows(v_head + v_offs[:, None] + offs_d[None, :], rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD, False)
             acc = tl.dot(p.to(v.dtype), v, acc)
     # stage 2: the ragged tail of the split (and, without an append, the causal band), masked; with
     # ONE_LOOP all of the split's blocks
@@ -466,13 +472,13 @@ def _decode_kernel(
                                            BLOCK_N)
         else:
             blocks = off_b
-        k = load_rows(k_head + kv_row_offsets(blocks, rows, stride_kb, stride_kn, PAGE_SIZE, PAGED)[:, None]
-                      + offs_d[None, :], rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+        k_offs = kv_block_offsets(blocks, start_n, offs_n, stride_kb, stride_kn, PAGE_SIZE, PAGED, WIDE_PAGES, BLOCK_N)
+        k = load_rows(k_head + k_offs[:, None] + offs_d[None, :], rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
         qk = tl.dot(q, tl.trans(k))
         qk = mask_scores(qk, rows, hi, row_limit, IS_CAUSAL)
         p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, True)
-        v = load_rows(v_head + kv_row_offsets(blocks, rows, stride_vb, stride_vn, PAGE_SIZE, PAGED)[:, None]
-                      + offs_d[None, :], rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+        v_offs = kv_block_offsets(blocks, start_n, offs_n, stride_vb, stride_vn, PAGE_SIZE, PAGED, WIDE_PAGES, BLOCK_N)
+        v = load_rows(v_head + v_offs[:, None] + offs_d[None, :], rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
         acc = tl.dot(p.to(v.dtype), v, acc)
 
     # stage 3: the new keys, read from k/v and written to the cache, see [Note] Fused append
@@ -486,7 +492,7 @@ def _decode_kernel(
                 if pid_rb == 0:  # one row block writes the cache
                     _store_new_rows(k_head, v_head, kn0, vn0, offs_u, pages0, seqlen, M, n_write, NUM_BLOCKS, off_b,
                                     stride_kb, stride_kn, stride_vb, stride_vn, offs_d,
-                                    HEAD_DIM, HEAD_DIM_PAD, PAGED, PAGE_SIZE)
+                                    HEAD_DIM, HEAD_DIM_PAD, PAGED, PAGE_SIZE, WIDE_PAGES)
             for start_u in tl.range(BLOCK_NEW if EARLY_NEW else 0, M, BLOCK_NEW):
                 us = start_u + offs_u
                 kn = load_rows(kn_head + us[:, None].to(tl.int64) * stride_knm + offs_d[None, :],
@@ -501,7 +507,7 @@ def _decode_kernel(
                     pages = _new_row_pages(table, seqlen, us, n_write, PAGED, PAGE_SIZE)
                     _store_new_rows(k_head, v_head, kn, vn, us, pages, seqlen, M, n_write, NUM_BLOCKS, off_b,
                                     stride_kb, stride_kn, stride_vb, stride_vn, offs_d,
-                                    HEAD_DIM, HEAD_DIM_PAD, PAGED, PAGE_SIZE)
+                                    HEAD_DIM, HEAD_DIM_PAD, PAGED, PAGE_SIZE, WIDE_PAGES)
 
     # -- epilogue --------------------------------------------------------------------------------
     out, lse = finalize(acc, m_i, l_i)  # empty rows: 0 and +inf
@@ -873,7 +879,8 @@ def _launch_append(k_cache, v_cache, k, v, cache_seqlens, block_table, key) -> N
         paging, paged, page_size = (block_table, block_table.stride(0), k_cache.shape[0]), True, k_cache.shape[1]
     args = (k_cache, v_cache, k, v, cache_seqlens,
             *k_cache.stride()[:3], *v_cache.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-            nheads_k, seqlen_new, capacity, *paging, head_dim, head_dim_pad, block, paged, page_size)
+            nheads_k, seqlen_new, capacity, *paging, head_dim, head_dim_pad, block, paged, page_size,
+            paged and wide_pages(page_size, k_cache, v_cache))
     _launch_append_kernel(key, (triton.cdiv(seqlen_new, block), batch * nheads_k, 1), args, 4,
                           device_index=k.device.index if k.device.index is not None else 0)
 
@@ -1086,7 +1093,7 @@ def _flash_attn_with_kvcache_launch(
         nheads_k, nheads // nheads_k, seqlen_q, seqlen_cache, plan.split_n, softmax_scale * LOG2E,
         *paging,
         head_dim, plan.head_dim_pad, plan.block_h, plan.block_n, plan.block_new,
-        causal, append, split, store_lse, paged, page_size,
+        causal, append, split, store_lse, paged, page_size, paged and wide_pages(page_size, k_cache, v_cache),
         _early_new(append, paged, page_size, plan.block_n, plan.num_splits),
         _one_loop(plan.split_n // plan.block_n, paged and page_size % plan.block_n != 0), plan.pdl,
     )

@@ -76,13 +76,14 @@ import triton.language as tl
 
 from ._common import (
     finalize,
-    kv_row_offsets,
+    kv_block_offsets,
     load_rows,
     mask_scores,
     online_softmax,
     physical_blocks,
     store_rows,
     tile_ptrs,
+    wide_pages,
 )
 from ._configs import AttnConfig, prefill_bwd_config, prefill_fwd_config
 from ._launch import LaunchCache
@@ -131,7 +132,7 @@ def _fwd_kernel(
     Cu_seqlens_q=None, Cu_seqlens_k=None, stride_lseh=None, IS_VARLEN: tl.constexpr = False,
     Cache_seqlens=None, Block_table=None, stride_btb=None, NUM_BLOCKS=None, stride_kblk=None, stride_vblk=None,
     IS_KVCACHE: tl.constexpr = False, KV_APPEND: tl.constexpr = False, PAGED: tl.constexpr = False,
-    PAGE_SIZE: tl.constexpr = 1,
+    PAGE_SIZE: tl.constexpr = 1, WIDE_PAGES: tl.constexpr = False,
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
     # -- which query block and head ------------------------------------------------------------
@@ -249,13 +250,15 @@ def _fwd_kernel(
             blocks = next_blocks
             next_blocks = physical_blocks(table, start_n + BLOCK_N, rows + BLOCK_N, n_end, NUM_BLOCKS, PAGE_SIZE,
                                           BLOCK_N)
-            k = load_rows(k_base + kv_row_offsets(blocks, rows, stride_kblk, stride_kn, PAGE_SIZE, True)[:, None]
-                          + offs_d[None, :], rows, n_end, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+            k_offs = kv_block_offsets(blocks, start_n, offs_n, stride_kblk, stride_kn, PAGE_SIZE, True, WIDE_PAGES,
+                                      BLOCK_N)
+            k = load_rows(k_base + k_offs[:, None] + offs_d[None, :], rows, n_end, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
             qk = tl.dot(q, tl.trans(k))
             qk = mask_scores(qk, rows, n_end, row_limit, IS_CAUSAL)
             p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, True)
-            v = load_rows(v_base + kv_row_offsets(blocks, rows, stride_vblk, stride_vn, PAGE_SIZE, True)[:, None]
-                          + offs_d[None, :], rows, n_end, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+            v_offs = kv_block_offsets(blocks, start_n, offs_n, stride_vblk, stride_vn, PAGE_SIZE, True, WIDE_PAGES,
+                                      BLOCK_N)
+            v = load_rows(v_base + v_offs[:, None] + offs_d[None, :], rows, n_end, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
             acc = tl.dot(p.to(v.dtype), v, acc)
     else:
         q = load_rows(tile_ptrs(q_base, start_m, stride_qm, BLOCK_M, offs_d), offs_m, M, offs_d,
@@ -806,7 +809,7 @@ def _flash_attn_kvcache_forward(
         k_strides, v_strides = (0, *k_cache.stride()[1:3]), (0, *v_cache.stride()[1:3])  # no batch offset
         cache_args.update(Block_table=block_table, stride_btb=block_table.stride(0), NUM_BLOCKS=num_blocks,
                           stride_kblk=k_cache.stride(0), stride_vblk=v_cache.stride(0), PAGED=True,
-                          PAGE_SIZE=page_size)
+                          PAGE_SIZE=page_size, WIDE_PAGES=wide_pages(page_size, k_cache, v_cache))
     _launch_forward(q, k_cache, v_cache, out, lse, batch, seqlen_q, capacity, softmax_scale, causal, config,
                     cache_args, use_tma=use_tma, kv_strides=(k_strides, v_strides), launch_key=launch_key)
     return out, lse

@@ -26,6 +26,8 @@ from helpers import (
     references,
 )
 from kernels import PagedKVCache, PoolExhaustedError, attention_ref, flash_attn_with_kvcache, rel_err
+from kernels._common import wide_pages
+from kernels._launch import LaunchCache
 from kernels.decode import _flash_attn_with_kvcache_launch
 
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if ON_GPU else [])
@@ -439,6 +441,89 @@ def test_transposed_pool_views():
         assert_close_to_ref(out, ref32, ref_same, msg=f"num_splits={num_splits}")
         assert_paged_equals_dense(out, out_dense, dtype, f"num_splits={num_splits}")
         assert torch.equal(kp, k_exp) and torch.equal(vp, v_exp)
+
+
+def test_wide_pages_only_where_in_page_offsets_pass_32_bits():
+    """`wide_pages` (64-bit in-page offsets) is off for real pool layouts and on only where (P - 1) rows
+    of one page span 2^31 elements or more: a (page_size, num_blocks, ...) buffer seen as a pool."""
+    meta = dict(dtype=torch.float16, device="meta")
+    assert not wide_pages(256, torch.empty(4096, 256, 128, 256, **meta))  # rows nheads_k * D apart
+    assert not wide_pages(256, torch.empty(4096, 128, 256, 256, **meta).transpose(1, 2))
+    near = 2**31 // 15  # (P - 1) * stride(1) just below 2^31 at P = 16
+    page_major = torch.empty(16, near // 64, 1, 64, **meta).transpose(0, 1)  # rows num_blocks * D apart
+    assert page_major.stride(1) * 15 < 2**31 and not wide_pages(16, page_major)
+    page_major = torch.empty(16, near // 64 + 1, 1, 64, **meta).transpose(0, 1)
+    assert page_major.stride(1) * 15 >= 2**31 and wide_pages(16, page_major)
+    assert wide_pages(16, torch.empty(8, 16, 1, 64, **meta), page_major)  # either pool
+    assert not wide_pages(1, page_major)  # one row per page: no in-page offset
+
+
+@pytest.mark.parametrize("path", ["decode", "prefill"])
+def test_wide_page_offsets_read_and_write_the_same_rows(monkeypatch, path):
+    """With WIDE_PAGES forced on (64-bit in-page offsets, taken by pools whose page rows lie 2^31 / (P - 1)
+    elements apart or more), the decode kernel, the append and the chunked-prefill path give the same
+    output and caches as the 32-bit offsets, and match the reference."""
+    from kernels import decode, prefill
+
+    dtype, page_size = torch.float16, 16
+    lengths = [0, 5, page_size - 2, 3 * page_size + 7]
+    seqlen_q = 3 if path == "decode" else 20  # the appends cross page boundaries
+    batch, nheads, nheads_k, head_dim = len(lengths), NHEADS, 2, HEAD_DIM
+    max_blocks = (max(lengths) + seqlen_q) // page_size + 1
+    k_pool, v_pool, table, k_dense, v_dense = make_paged_cache(batch, max_blocks, page_size, nheads_k, head_dim, dtype)
+    q, k, v = new_tokens(batch, seqlen_q, nheads, nheads_k, head_dim, dtype)
+    ref32, _, ref_same = per_request_references(q, k_dense, v_dense, k, v, lengths, causal=True)
+    k_exp, v_exp = expected_pools(k_pool, v_pool, table, k, v, lengths)
+    if path == "prefill":
+        monkeypatch.setattr(decode, "_chunked_prefill_pays", lambda *args: True)
+    num_splits = 1 if path == "decode" else 0  # 0: the dispatch, patched to the prefill path
+    results, asked = [], set()
+    for wide in (False, True):
+        if wide:
+            for module in (decode, prefill):
+                monkeypatch.setattr(module, "wide_pages", lambda *args, name=module.__name__: asked.add(name) or True)
+            # the fast launches key on the call's signature, which decides WIDE_PAGES in real use: go
+            # through Triton's dispatcher, which specialises on the forced flag
+            monkeypatch.setattr(LaunchCache, "enabled", False)
+            monkeypatch.setattr(decode, "_REPLAYS", {})
+        kp, vp = k_pool.clone(), v_pool.clone()
+        out = flash_attn_with_kvcache(q, kp, vp, k, v, cache_seqlens=i32(lengths), block_table=table, causal=True,
+                                      num_splits=num_splits)
+        assert_close_to_ref(out, ref32, ref_same, msg=f"{path}, wide={wide}")
+        assert torch.equal(kp, k_exp) and torch.equal(vp, v_exp), f"{path}, wide={wide}: wrong cache rows"
+        results.append(out)
+    # the decode kernel, or the append kernel and the prefill kernel, specialised on WIDE_PAGES=True
+    assert asked == ({"kernels.decode"} if path == "decode" else {"kernels.decode", "kernels.prefill"}), asked
+    assert_paged_equals_dense(results[1], results[0], dtype, f"{path}: wide vs 32-bit in-page offsets")
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_pool_with_page_rows_2_31_elements_apart():
+    """A real pool whose page rows lie num_blocks * D elements apart (a (page_size, num_blocks, 1, D) buffer seen
+    as (num_blocks, page_size, 1, D)), so row 15 of every page sits past 2^31 elements: decode with an
+    append reads and writes the right rows (32-bit in-page offsets would wrap)."""
+    dtype, page_size, nheads_k, head_dim = torch.float16, 16, 1, 64
+    num_blocks = 2**31 // ((page_size - 1) * head_dim) + 1
+    k_buf, v_buf = (torch.randn(page_size, num_blocks, nheads_k, head_dim, dtype=dtype, device=DEVICE)
+                    for _ in range(2))
+    k_pool, v_pool = k_buf.transpose(0, 1), v_buf.transpose(0, 1)
+    assert (page_size - 1) * k_pool.stride(1) >= 2**31 and wide_pages(page_size, k_pool, v_pool)
+    lengths = [page_size - 1, 5 * page_size + 3, 0]
+    batch, nheads, seqlen_q, max_blocks = len(lengths), 4, 2, 8
+    table = torch.randperm(num_blocks, device=DEVICE)[: batch * max_blocks].view(batch, max_blocks).to(torch.int32)
+    table[0, 0] = num_blocks - 1  # the pool's last block: its last row is the pool's last element
+    k_dense, v_dense = gather_dense(k_pool, table), gather_dense(v_pool, table)
+    q, k, v = new_tokens(batch, seqlen_q, nheads, nheads_k, head_dim, dtype)
+    ref32, _, ref_same = per_request_references(q, k_dense, v_dense, k, v, lengths, causal=True)
+    for num_splits in (1, 3):
+        out = flash_attn_with_kvcache(q, k_pool, v_pool, k, v, cache_seqlens=i32(lengths), block_table=table,
+                                      causal=True, num_splits=num_splits)
+        assert_close_to_ref(out, ref32, ref_same, msg=f"num_splits={num_splits}")
+    for b, length in enumerate(lengths):  # the append (request 0 fills its first page's last row)
+        for t in range(seqlen_q):
+            block, row = int(table[b, (length + t) // page_size]), (length + t) % page_size
+            assert torch.equal(k_pool[block, row], k[b, t]) and torch.equal(v_pool[block, row], v[b, t])
 
 
 # --------------------------------------------------------------------------------------------
