@@ -134,12 +134,13 @@ N_CACHE are dropped. Lengths known on the host (an int, a CPU tensor, KVCache, P
 checked before launch and overflow raises ValueError.
 
 [Note] Paged caches. Logical key j of request b lives in row j % P of physical block
-Block_table[b, j // P]; `kv_row_offsets` (kernels/_common.py) turns (block, row) into an int64 offset with the pool's
-block and row strides, so pool views with any strides work. Paging is a constexpr: with
-PAGED=False the paging arguments are passed as None (Triton makes them constexprs) and every paged
-branch is compiled out, so the dense kernel is the very code it was before paging existed (its
-TTGIR and PTX for sm_90 were compared identical, line info aside). The grid, the splits and the
-heuristic see a paged request as a dense one of N_CACHE = max_blocks_per_seq * P keys.
+Block_table[b, j // P]; `kv_row_offsets` / `kv_block_offsets` (kernels/_common.py) turn (block, row) into an int64
+offset with the pool's block and row strides, so pool views with any strides work (see
+[Note] Paged address arithmetic). Paging is a constexpr: with PAGED=False the paging arguments are
+passed as None (Triton makes them constexprs) and every paged branch is compiled out, so the dense
+kernel is the very code it was before paging existed (its TTGIR and PTX for sm_90 were compared
+identical, line info aside). The grid, the splits and the heuristic see a paged request as a dense
+one of N_CACHE = max_blocks_per_seq * P keys.
 
 [Note] BLOCK_N vs page size. A key block of BLOCK_N rows may span several pages (P < BLOCK_N) or a
 page several key blocks (P >= BLOCK_N). Rather than tie BLOCK_N to P (48 would force BLOCK_N = 16,
@@ -168,6 +169,27 @@ The append always gathers (its rows start anywhere). Table loads are masked to r
 end, so a program never reads past max_blocks_per_seq entries: its first lookup is bounded by the
 capacity N_CACHE (it may read entries past the request's pages, which are clamped and never used,
 see [Note] Paged pipelining), later ones by N_b.
+
+[Note] Paged address arithmetic. A key's offset is block * stride_b (64 bits: pools pass 2^31
+elements) plus its row inside the page times stride_n, which is below (P - 1) * stride_n and so
+computed in 32 bits: the int64 multiplies and adds per row were most of the loop's integer work
+(offline sm_90, split, append, one loop: 618 instructions per iteration for P = 16 at D = 64 against
+428 dense, 316 of them integer address arithmetic). `kv_block_offsets` also writes the in-page row
+from the key block's alignment (start_n is a multiple of BLOCK_N): start_n % P + offs_n when a page
+holds whole blocks, offs_n % P, the same for every block, when a block holds whole pages. The loop
+body went to 453 instructions at P = 16 / D = 64, 407 at P = 64 / D = 64 and 401-412 at D = 128.
+Interleaved on an H200 (results/nvidia-h200/decode_ab_stop17.log, runs 1-2) P = 16 at D = 64 went
+from 1.07-1.10 of dense to 1.00-1.05 at batch 1 / 8 / 32 x 1024-4096, and P = 64 / 256 gained up to
+5.5% at split shapes. Not kept: hoisting the rest of the offset out of the loop too (the
+page-holds-blocks case as a scalar plus a loop-invariant vector, and the same for the dense path):
+fewer instructions (dense D = 128: 389 -> 334) but 1-11% slower at D = 128 split shapes (dense batch
+1 x 16384: 24.6 against 22.1 us). One shape lost: P = 64 at D = 64, batch 128 x 1024 (unsplit, 8 key
+blocks per program), 1.051 of dense in the 2f0d92a grid against 1.006 in d2e97b9's (74.0 against
+71.0 us in run 1). Its unsplit kernel takes 139 registers against 95, still 3 programs per SM at its
+70 KB of shared memory, so it is not occupancy; not explained yet. A pool whose page rows lie
+2^31 / (P - 1) elements apart or more (a permuted (P, num_blocks, ...) buffer) would overflow the
+32-bit in-page offset; the host sees it from the strides (`wide_pages`) and compiles such calls with
+WIDE_PAGES, 64-bit in-page offsets.
 
 [Note] Paged pipelining. Triton's software pipeliner gives each load that feeds a `tl.dot` a
 latency of (num_stages - 1) // (indirection level + 1) iterations (AssignLatencies.cpp). Looking
@@ -201,21 +223,22 @@ which measured faster at almost every split or one-wave shape (kernels/_configs.
 of more programs than the 3-stage kernel fits at once (3 per SM) keeps the config's stages, and
 halves a BLOCK_N that would gather 8 pages (P = 16 at D <= 64), see decode_paged_tiles. Offline
 sm_90 compiles (bf16, D = 128, the Hopper config, split, causal, with an append; cuobjdump
--res-usage) show no spills: the dense kernel uses 168 registers with two loops and 184 with ONE_LOOP
-(109 without an append) and 106 KB of shared memory for its 4 stages, the paged kernel 242-243
-with two loops (P = 16 / 64, the early append) and 192 / 243 with ONE_LOOP, and 74 KB for its 3
-(unsplit, as a batch-128 step runs: 162 / 113 registers for P = 16 / 64, and 70 KB). What the
-pipeline does not hide is the scatter itself: with one program per SM (the dense split rule) a paged
-request streamed 8-21% slower than a dense one at batch 1-8 (P = 16: 621 against 497 us at batch 8 x
-65536), so paged caches split over two programs per SM when the splits stay long enough
-(DECODE_PAGED_WAVES, DECODE_PAGED_WAVE_MIN_BLOCKS in kernels/_configs.py). Timed on an H200 (bf16,
-32:8 heads, random block tables) in the d2e97b9 grid (results/nvidia-h200/bench_decode.csv, 16 shapes of batch 1-128 x
-1024-65536 per head dim), paged / dense was at most 1.034 for P = 64 and 1.023 for P = 256 at D =
-128, 1.046 and 1.036 at D = 64; P = 16 was within 1.05 at 15 of 16 shapes at D = 128 (batch 1 x
-16384: 1.059) and 11 of 16 at D = 64, where its 128-key blocks gather 8 pages one entry per key
-(1.07-1.10 at batch 1 / 8 / 32 x 1024 and 1 / 32 x 4096). Earlier grids' dense batch 1 x 1024 was
-the process's first CUDA-graph timing, which reads about 0.35 us fast whatever it times
-(decode_ab_stop15.log, runs 2-3; kernels.bench.time_cuda_graph now discards it).
+-res-usage; before the 32-bit in-page offsets of 2f0d92a) show no spills: the dense kernel uses 168
+registers with two loops and 184 with ONE_LOOP (109 without an append) and 106 KB of shared memory
+for its 4 stages, the paged kernel 242-243 with two loops (P = 16 / 64, the early append) and
+192 / 243 with ONE_LOOP, and 74 KB for its 3 (unsplit, as a batch-128 step runs: 162 / 113 registers
+for P = 16 / 64, and 70 KB). What the pipeline does not hide is the scatter itself: with one program
+per SM (the dense split rule) a paged request streamed 8-21% slower than a dense one at batch 1-8
+(P = 16: 621 against 497 us at batch 8 x 65536), so paged caches split over two programs per SM when
+the splits stay long enough (DECODE_PAGED_WAVES, DECODE_PAGED_WAVE_MIN_BLOCKS in
+kernels/_configs.py). Timed on an H200 (bf16, 32:8 heads, random block tables) in the 2f0d92a grid
+(results/nvidia-h200/bench_decode.csv, 16 shapes of batch 1-128 x 1024-65536 per head dim),
+paged / dense was at most 1.030 for P = 64 and 1.028 for P = 256 at D = 128, 1.051 and 1.033 at
+D = 64; P = 16 at most 1.054 at D = 128 (batch 1 x 16384, the one shape above 1.05) and 1.046 at
+D = 64, where the d2e97b9 grid had 5 shapes at 1.07-1.10 (see [Note] Paged address arithmetic for
+the D = 64, P = 64 miss at batch 128 x 1024). Earlier grids' dense batch 1 x 1024 was the process's
+first CUDA-graph timing, which reads about 0.35 us fast whatever it times (decode_ab_stop15.log,
+runs 2-3; kernels.bench.time_cuda_graph now discards it).
 
 [Note] Bad block-table entries. A CPU block_table is checked on the host (ValueError for an entry
 outside [0, NUM_BLOCKS) among those the call uses). A device block_table cannot be checked without
