@@ -511,8 +511,8 @@ def test_pool_with_page_rows_2_31_elements_apart():
     assert (page_size - 1) * k_pool.stride(1) >= 2**31 and wide_pages(page_size, k_pool, v_pool)
     lengths = [page_size - 1, 5 * page_size + 3, 0]
     batch, nheads, seqlen_q, max_blocks = len(lengths), 4, 2, 8
-    table = torch.randperm(num_blocks, device=DEVICE)[: batch * max_blocks].view(batch, max_blocks).to(torch.int32)
-    table[0, 0] = num_blocks - 1  # the pool's last block: its last row is the pool's last element
+    table = torch.randperm(num_blocks - 1, device=DEVICE)[: batch * max_blocks].view(batch, max_blocks).to(torch.int32)
+    table[0, 0] = num_blocks - 1  # the pool's last block (no other entry has it): its last row is the last element
     k_dense, v_dense = gather_dense(k_pool, table), gather_dense(v_pool, table)
     q, k, v = new_tokens(batch, seqlen_q, nheads, nheads_k, head_dim, dtype)
     ref32, _, ref_same = per_request_references(q, k_dense, v_dense, k, v, lengths, causal=True)
