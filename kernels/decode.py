@@ -186,10 +186,13 @@ fewer instructions (dense D = 128: 389 -> 334) but 1-11% slower at D = 128 split
 1 x 16384: 24.6 against 22.1 us). One shape lost: P = 64 at D = 64, batch 128 x 1024 (unsplit, 8 key
 blocks per program), 1.051 of dense in the 2f0d92a grid against 1.006 in d2e97b9's (74.0 against
 71.0 us in run 1). Its unsplit kernel takes 139 registers against 95, still 3 programs per SM at its
-70 KB of shared memory, so it is not occupancy; not explained yet. A pool whose page rows lie
-2^31 / (P - 1) elements apart or more (a permuted (P, num_blocks, ...) buffer) would overflow the
-32-bit in-page offset; the host sees it from the strides (`wide_pages`) and compiles such calls with
-WIDE_PAGES, 64-bit in-page offsets.
+70 KB of shared memory, so it is not occupancy; not explained yet. Off the grid, unsplit batch
+40 / 48 x 4096 at D = 128 (320 / 384 programs, one wave at 3 per SM; run 2): P = 16 went from
+0.84 / 0.92 of dense to 1.12 / 1.05 (its unsplit kernel: 159 -> 149 registers, 3 per SM before and
+after), while P = 64 / 256 went from 1.11-1.12 / 1.04 to 1.05 / 0.98-0.99; not explained either. A
+pool whose page rows lie 2^31 / (P - 1) elements apart or more (a permuted (P, num_blocks, ...)
+buffer) would overflow the 32-bit in-page offset; the host sees it from the strides (`wide_pages`)
+and compiles such calls with WIDE_PAGES, 64-bit in-page offsets.
 
 [Note] Paged pipelining. Triton's software pipeliner gives each load that feeds a `tl.dot` a
 latency of (num_stages - 1) // (indirection level + 1) iterations (AssignLatencies.cpp). Looking
