@@ -136,6 +136,26 @@ def per_request_references(q, k_cache, v_cache, k, v, lengths, *, causal: bool,
     return torch.cat(outs32), torch.cat(lses), torch.cat(outs_same)
 
 
+def padded_references(q, k_cache, v_cache, k, v, lengths, *, softmax_scale: Optional[float] = None):
+    """`per_request_references` (not causal, one new token or none) in one batched call: the new rows
+    k[:, 0], v[:, 0] written at each request's length into copies of the dense caches, and the keys
+    past each request's length + 1 masked (`attention_ref`'s key_padding_lengths). A few large ops
+    instead of a few per request: the form that stays fast under compute-sanitizer."""
+    assert k is None or k.shape[1] == 1, "one new token per request"
+    n_keys = torch.tensor(lengths, device=q.device) + (0 if k is None else 1)
+    if k is not None:
+        rows = torch.arange(len(lengths), device=q.device)
+        k_cache, v_cache = k_cache.clone(), v_cache.clone()
+        k_cache[rows, n_keys - 1], v_cache[rows, n_keys - 1] = k[:, 0], v[:, 0]
+    out_fp32, lse = attention_ref(q.float(), k_cache.float(), v_cache.float(), key_padding_lengths=n_keys,
+                                  softmax_scale=softmax_scale)
+    if q.dtype == torch.float32:
+        return out_fp32, lse, out_fp32
+    out_same, _ = attention_ref(q, k_cache, v_cache, key_padding_lengths=n_keys, softmax_scale=softmax_scale,
+                                upcast=False)
+    return out_fp32, lse, out_same
+
+
 def sdpa_references(q, k, v, *, causal: bool, softmax_scale: Optional[float] = None):
     """(out_fp32, out_same_dtype) from torch's scaled_dot_product_attention, in our (b, s, h, d)
     layout. Only valid where its conventions match ours: causal only with seqlen_q == seqlen_k
