@@ -134,9 +134,9 @@ N_CACHE are dropped. Lengths known on the host (an int, a CPU tensor, KVCache, P
 checked before launch and overflow raises ValueError.
 
 [Note] Paged caches. Logical key j of request b lives in row j % P of physical block
-Block_table[b, j // P]; `kv_row_offsets` / `kv_block_offsets` (kernels/_common.py) turn (block, row) into an int64
-offset with the pool's block and row strides, so pool views with any strides work (see
-[Note] Paged address arithmetic). Paging is a constexpr: with PAGED=False the paging arguments are
+Block_table[b, j // P]; `kv_row_offsets` / `kv_block_offsets` (kernels/_common.py) turn (block,
+row) into an int64 offset with the pool's block and row strides, so pool views with any strides
+work (see [Note] Paged address arithmetic). Paging is a constexpr: with PAGED=False the paging arguments are
 passed as None (Triton makes them constexprs) and every paged branch is compiled out, so the dense
 kernel is the very code it was before paging existed (its TTGIR and PTX for sm_90 were compared
 identical, line info aside). The grid, the splits and the heuristic see a paged request as a dense
