@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -289,6 +290,32 @@ def decode_paged_tiles(config: DecodeConfig, page_size: int, programs: int, num_
     if -(-seqlen_cache // block_n) >= DECODE_DEEP_MIN_BLOCKS:
         return block_n, config.num_stages
     return block_n, stages
+
+
+DECODE_REGISTERS_PER_SM = 65536  # 32-bit registers per SM from Volta to Hopper (Ada included)
+DECODE_CAPPED_PROGRAMS_PER_SM = 3  # programs of a stage-capped paged plan that Hopper's shared memory holds
+
+
+def decode_max_registers(num_warps: int, num_stages: int, paged: bool, programs: int, device: torch.device
+                         ) -> Optional[int]:
+    """Registers per thread to cap the decode kernel at (Triton's `maxnreg`), or None for no cap.
+
+    A paged plan of at most DECODE_PAGED_STAGES stages takes 70-75 KB of shared memory on Hopper
+    (D <= 128), so 3 programs fit in an SM's 228 KB, but ptxas left to itself gives the unsplit kernel
+    178-186 registers per thread (sm_90, one new token; the offline compiles of [Note] Paged pipelining
+    missed the 1 that Triton specialises seqlen_q = 1 to), and 3 x 128 threads x 178 > 65536: 2 programs
+    per SM. A grid of more than 2 programs per SM (`programs` counts every split) then ran a second wave
+    or a larger one. Capped at 65536 / (3 x 32 x num_warps) = 168 (4 warps) the kernel compiles without
+    spills (sm_90, cuobjdump: no stack) and 3 programs share an SM again. Split and short grids (at most
+    2 programs per SM) are left uncapped: there the registers limit nothing.
+    """
+    if not paged or num_stages > DECODE_PAGED_STAGES or is_interpreter() or device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if device_smem_bytes(index) < HOPPER_SMEM or programs <= 2 * planning_sm_count(device):
+        return None
+    per_thread = DECODE_REGISTERS_PER_SM // (DECODE_CAPPED_PROGRAMS_PER_SM * 32 * num_warps)
+    return per_thread // 8 * 8  # ptxas allocates registers in groups of 8 per thread
 
 
 def decode_use_pdl(device: torch.device) -> bool:

@@ -80,7 +80,7 @@ class LaunchCache:
 
     def __call__(self, key: Optional[Hashable], grid: Tuple[int, int, int], args: Sequence[Any], num_warps: int,
                  num_stages: int = 1, kwargs: Optional[Dict[str, Any]] = None, device_index: int = 0,
-                 launch_pdl: bool = False) -> None:
+                 launch_pdl: bool = False, maxnreg: Optional[int] = None) -> None:
         entry = self.kernels.get(key) if key is not None else None
         if entry is not None and not launch_hooks_active():
             kernel, pointers, direct = entry
@@ -95,6 +95,8 @@ class LaunchCache:
                            None, *full)
             return
         options = {"launch_pdl": True} if launch_pdl else {}  # programmatic dependent launch (sm_90+)
+        if maxnreg is not None:  # a register cap (ptx .maxnreg)
+            options["maxnreg"] = maxnreg
         kernel = self.fn[grid](*args, **(kwargs or {}), num_warps=num_warps, num_stages=num_stages, **options)
         if (self.enabled and key is not None and hasattr(kernel, "run") and hasattr(kernel, "function")
                 and hasattr(kernel, "packed_metadata")):

@@ -612,7 +612,8 @@ def decode_config(batch: int, seqlen_q: int, nheads: int, nheads_k: int, head_di
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         p = _plan(batch, seqlen_q, nheads, nheads_k, head_dim, seqlen_cache, dtype, device, 0, page_size)
-        return f"BN{p.block_n}/BH{p.block_h}/w{p.num_warps}/s{p.num_stages}/splits{p.num_splits}"
+        cap = f"/r{p.max_registers}" if p.max_registers else ""
+        return f"BN{p.block_n}/BH{p.block_h}/w{p.num_warps}/s{p.num_stages}/splits{p.num_splits}{cap}"
     except Exception as exc:
         return f"unknown ({type(exc).__name__})"
 

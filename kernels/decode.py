@@ -281,6 +281,7 @@ from ._configs import (
     DECODE_ONE_LOOP_MAX_BLOCKS,
     DECODE_ONE_LOOP_MAX_BLOCKS_GATHER,
     decode_config,
+    decode_max_registers,
     decode_num_splits,
     decode_paged_tiles,
     decode_use_pdl,
@@ -606,6 +607,7 @@ class _Plan(NamedTuple):
     grid: Tuple[int, int]
     splits_pad: int
     pdl: bool  # the combine launch overlaps the decode grid (programmatic dependent launch, sm_90+)
+    max_registers: Optional[int]  # the decode kernel's register cap (Triton's maxnreg), None for none
 
 
 @functools.lru_cache(maxsize=512)
@@ -634,6 +636,7 @@ def _plan(batch: int, seqlen_q: int, nheads: int, nheads_k: int, head_dim: int, 
         num_warps=config.num_warps, num_stages=num_stages, num_splits=num_splits,
         split_n=blocks_per_split * block_n, grid=(programs, num_splits),
         splits_pad=max(2, triton.next_power_of_2(num_splits)), pdl=num_splits > 1 and decode_use_pdl(device),
+        max_registers=decode_max_registers(config.num_warps, num_stages, page_size > 0, programs * num_splits, device),
     )
 
 
@@ -1127,7 +1130,8 @@ def _flash_attn_with_kvcache_launch(
     combine_args = (out_part, lse_part, out, lse_arg, nheads, seqlen_q, plan.num_splits,
                     head_dim, plan.head_dim_pad, plan.splits_pad, store_lse, plan.pdl)
     with ctx:
-        _launch_decode(key, decode_grid, decode_args, plan.num_warps, plan.num_stages, device_index=device_index)
+        _launch_decode(key, decode_grid, decode_args, plan.num_warps, plan.num_stages, device_index=device_index,
+                       maxnreg=plan.max_registers)
         if split:
             _launch_combine(key, combine_grid, combine_args, 4 if plan.splits_pad * plan.head_dim_pad >= 4096 else 1,
                             device_index=device_index, launch_pdl=plan.pdl)

@@ -401,6 +401,60 @@ def test_deep_paged_grids_keep_the_config_stages_and_split_wide_gathers():
         decode._plan.cache_clear()
 
 
+def test_register_cap_only_where_registers_would_cut_occupancy(monkeypatch):
+    """decode_max_registers: a stage-capped paged plan in a grid of more than 2 programs per SM, on a
+    Hopper-sized SM, is capped at 65536 / (3 x 32 x warps) registers rounded down to 8; dense plans,
+    deeper plans, grids of at most 2 programs per SM and small-smem GPUs get no cap."""
+    from kernels import _configs
+    from kernels._configs import DECODE_PAGED_STAGES, HOPPER_SMEM, decode_max_registers
+
+    monkeypatch.setattr(_configs, "is_interpreter", lambda: False)
+    monkeypatch.setattr(_configs, "planning_sm_count", lambda device: 132)
+    smem = {"bytes": HOPPER_SMEM + 27 * 1024}
+    monkeypatch.setattr(_configs, "device_smem_bytes", lambda index: smem["bytes"])
+    cuda = torch.device("cuda", 0)  # an explicit index: no device query
+    s = DECODE_PAGED_STAGES
+    assert decode_max_registers(4, s, True, 2 * 132 + 1, cuda) == 168
+    assert decode_max_registers(8, s, True, 2 * 132 + 1, cuda) == 80
+    assert decode_max_registers(4, s, True, 2 * 132, cuda) is None  # 2 per SM: registers limit nothing
+    assert decode_max_registers(4, s + 1, True, 1000, cuda) is None  # deeper: shared memory holds 2
+    assert decode_max_registers(4, s, False, 1000, cuda) is None  # dense
+    assert decode_max_registers(4, s, True, 1000, torch.device("cpu")) is None
+    smem["bytes"] = 99 * 1024  # an L4
+    assert decode_max_registers(4, s, True, 1000, cuda) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_capped_registers_compile_and_match_dense(page_size):
+    """A paged grid of more than 2 programs per SM with a short cache (3 stages) compiles within its
+    register cap and still equals dense decode and the reference."""
+    from kernels import decode
+    from kernels._utils import device_sm_count
+
+    dtype, nheads, nheads_k, head_dim = torch.bfloat16, 32, 8, 128
+    batch = -(-(2 * device_sm_count(torch.cuda.current_device()) + 1) // nheads_k)
+    max_blocks = 1024 // page_size
+    plan = decode._plan(batch, 1, nheads, nheads_k, head_dim, max_blocks * page_size, dtype, torch.device(DEVICE), 0,
+                        page_size)
+    if plan.max_registers is None:
+        pytest.skip(f"no register cap on this GPU ({plan})")
+    assert plan.num_splits == 1
+    k_pool, v_pool, table, k_dense, v_dense = make_paged_cache(batch, max_blocks, page_size, nheads_k, head_dim, dtype)
+    lengths = torch.randint(0, max_blocks * page_size, (batch,)).tolist()
+    lengths[:2] = [0, max_blocks * page_size - 1]
+    q, k, v = new_tokens(batch, 1, nheads, nheads_k, head_dim, dtype)
+    ref32, _, ref_same = padded_references(q, k_dense, v_dense, k, v, lengths)
+    out = flash_attn_with_kvcache(q, k_pool, v_pool, k, v, cache_seqlens=i32(lengths), block_table=table)
+    out_dense = flash_attn_with_kvcache(q, k_dense, v_dense, k, v, cache_seqlens=i32(lengths))
+    assert_close_to_ref(out, ref32, ref_same)
+    assert_paged_equals_dense(out, out_dense, dtype, f"capped registers, page_size={page_size}, {plan}")
+    compiled = [entry[0] for key, entry in decode._launch_decode.kernels.items() if key[1] == plan]
+    assert compiled, "the capped plan's kernel was not launched through the launch cache"
+    for kernel in compiled:
+        assert 0 < kernel.n_regs <= plan.max_registers, f"{kernel.n_regs} registers > cap {plan.max_registers}"
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_split_and_unsplit_agree(dtype):
     """num_splits 1, 3 and 0 (heuristic) over a paged cache give the same output and LSE up to rounding."""
