@@ -259,9 +259,9 @@ def decode_paged_tiles(config: DecodeConfig, page_size: int, programs: int, num_
     BLOCK_N and takes the config's stages, and a cache of at least DECODE_DEEP_MIN_BLOCKS blocks takes
     the config's stages.
 
-    Why: the capped kernel fits 3 programs per SM (offline sm_90 compiles of the unsplit kernel at
-    D = 64 / 128: 70 KB of shared memory and 113-162 registers per thread, against 102 KB at 4
-    stages, which fits 2), which helps split and short grids; a grid of more programs than that runs
+    Why: the capped kernel fits 3 programs per SM (70-75 KB of shared memory at D = 64 / 128, against
+    102 KB at 4 stages, which fits 2; registers capped by `decode_max_registers` where the grid needs
+    more than 2 per SM), which helps split and short grids; a grid of more programs than that runs
     in waves, and the measured cliff just past one wave fits a short last wave of long programs
     leaving the memory system idle. On an H200 (bf16, 32:8 heads, append, random block
     tables, CUDA-graph timing; results/nvidia-h200/decode_ab_stop16.log, runs 2-4), paged / dense:
@@ -294,6 +294,7 @@ def decode_paged_tiles(config: DecodeConfig, page_size: int, programs: int, num_
 
 DECODE_REGISTERS_PER_SM = 65536  # 32-bit registers per SM from Volta to Hopper (Ada included)
 DECODE_CAPPED_PROGRAMS_PER_SM = 3  # programs of a stage-capped paged plan that Hopper's shared memory holds
+DECODE_MIN_REGISTER_CAP = 128  # decode_max_registers caps no lower than this
 
 
 def decode_max_registers(num_warps: int, num_stages: int, paged: bool, programs: int, device: torch.device
@@ -307,15 +308,18 @@ def decode_max_registers(num_warps: int, num_stages: int, paged: bool, programs:
     per SM. A grid of more than 2 programs per SM (`programs` counts every split) then ran a second wave
     or a larger one. Capped at 65536 / (3 x 32 x num_warps) = 168 (4 warps) the kernel compiles without
     spills (sm_90, cuobjdump: no stack) and 3 programs share an SM again. Split and short grids (at most
-    2 programs per SM) are left uncapped: there the registers limit nothing.
+    2 programs per SM) are left uncapped: there the registers limit nothing; so are plans whose cap would
+    fall below DECODE_MIN_REGISTER_CAP (8 warps and more; none on Hopper's table).
     """
     if not paged or num_stages > DECODE_PAGED_STAGES or is_interpreter() or device.type != "cuda":
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
     if device_smem_bytes(index) < HOPPER_SMEM or programs <= 2 * planning_sm_count(device):
         return None
-    per_thread = DECODE_REGISTERS_PER_SM // (DECODE_CAPPED_PROGRAMS_PER_SM * 32 * num_warps)
-    return per_thread // 8 * 8  # ptxas allocates registers in groups of 8 per thread
+    per_thread = DECODE_REGISTERS_PER_SM // (DECODE_CAPPED_PROGRAMS_PER_SM * 32 * num_warps) // 8 * 8
+    # ptxas allocates registers in groups of 8 per thread; a cap far below what the kernel wants (8 warps: 80)
+    # would spill, and no such plan was measured: those keep their registers
+    return per_thread if per_thread >= DECODE_MIN_REGISTER_CAP else None
 
 
 def decode_use_pdl(device: torch.device) -> bool:
