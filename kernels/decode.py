@@ -183,13 +183,13 @@ from 1.07-1.10 of dense to 1.00-1.05 at batch 1 / 8 / 32 x 1024-4096, and P = 64
 5.5% at split shapes. Not kept: hoisting the rest of the offset out of the loop too (the
 page-holds-blocks case as a scalar plus a loop-invariant vector, and the same for the dense path):
 fewer instructions (dense D = 128: 389 -> 334) but 1-11% slower at D = 128 split shapes (dense batch
-1 x 16384: 24.6 against 22.1 us). One shape lost: P = 64 at D = 64, batch 128 x 1024 (unsplit, 8 key
-blocks per program), 1.051 of dense in the 2f0d92a grid against 1.006 in d2e97b9's (74.0 against
-71.0 us in run 1). Its unsplit kernel takes 139 registers against 95, still 3 programs per SM at its
-70 KB of shared memory, so it is not occupancy; not explained yet. Off the grid, unsplit batch
-40 / 48 x 4096 at D = 128 (320 / 384 programs, one wave at 3 per SM; run 2): P = 16 went from
-0.84 / 0.92 of dense to 1.12 / 1.05 (its unsplit kernel: 159 -> 149 registers, 3 per SM before and
-after), while P = 64 / 256 went from 1.11-1.12 / 1.04 to 1.05 / 0.98-0.99; not explained either. A
+1 x 16384: 24.6 against 22.1 us). The same change left the unsplit 3-stage kernel at 178-186 registers
+(as compiled on the device, with seqlen_q = 1 a constexpr), 2 programs per SM instead of the 3 its
+shared memory allows (the earlier kernel's registers on the device were not read; its 0.84 of dense at
+batch 40 x 4096 fits 3 per SM): P = 64 at D = 64, batch 128 x 1024 went from 1.006 to 1.051 of dense,
+and off the grid, batch 40 / 48 x 4096 at D = 128, P = 16 from 0.84 / 0.92 to 1.12 / 1.05. The register
+cap of `decode_max_registers` (kernels/_configs.py, see [Note] Paged pipelining) took them back to 1.009
+and 0.86 / 0.91 (results/nvidia-h200/decode_ab_stop18.log, run 3). A
 pool whose page rows lie 2^31 / (P - 1) elements apart or more (a permuted (P, num_blocks, ...)
 buffer) would overflow the 32-bit in-page offset; the host sees it from the strides (`wide_pages`)
 and compiles such calls with WIDE_PAGES, 64-bit in-page offsets.
@@ -229,17 +229,23 @@ sm_90 compiles (bf16, D = 128, the Hopper config, split, causal, with an append;
 -res-usage; before the 32-bit in-page offsets of 2f0d92a) show no spills: the dense kernel uses 168
 registers with two loops and 184 with ONE_LOOP (109 without an append) and 106 KB of shared memory
 for its 4 stages, the paged kernel 242-243 with two loops (P = 16 / 64, the early append) and
-192 / 243 with ONE_LOOP, and 74 KB for its 3 (unsplit, as a batch-128 step runs: 162 / 113 registers
-for P = 16 / 64, and 70 KB). What the pipeline does not hide is the scatter itself: with one program
+192 / 243 with ONE_LOOP, and 74 KB for its 3. Those compiles passed seqlen_q as a plain integer;
+Triton specialises the 1 of a decode step to a constant, and so compiled on the device the unsplit
+3-stage paged kernel of 2f0d92a takes 178-186 registers (D = 64 / 128, one new token; 70-75 KB), too
+many for 3 programs of 4 warps in an SM's 65536 registers. So a stage-capped paged plan in a grid of
+more than 2 programs per SM is compiled with Triton's maxnreg = 168 (`decode_max_registers`; no
+spills on sm_90) and 3 programs share an SM, as their shared memory allows.
+What the pipeline does not hide is the scatter itself: with one program
 per SM (the dense split rule) a paged request streamed 8-21% slower than a dense one at batch 1-8
 (P = 16: 621 against 497 us at batch 8 x 65536), so paged caches split over two programs per SM when
 the splits stay long enough (DECODE_PAGED_WAVES, DECODE_PAGED_WAVE_MIN_BLOCKS in
-kernels/_configs.py). Timed on an H200 (bf16, 32:8 heads, random block tables) in the 2f0d92a grid
+kernels/_configs.py). Timed on an H200 (bf16, 32:8 heads, random block tables) in the 219a0ab grid
 (results/nvidia-h200/bench_decode.csv, 16 shapes of batch 1-128 x 1024-65536 per head dim),
-paged / dense was at most 1.030 for P = 64 and 1.028 for P = 256 at D = 128, 1.051 and 1.033 at
-D = 64; P = 16 at most 1.054 at D = 128 (batch 1 x 16384, the one shape above 1.05) and 1.046 at
-D = 64, where the d2e97b9 grid had 5 shapes at 1.07-1.10 (see [Note] Paged address arithmetic for
-the D = 64, P = 64 miss at batch 128 x 1024). Earlier grids' dense batch 1 x 1024 was the process's
+paged / dense was at most 1.029 for P = 64 and 1.028 for P = 256 at D = 128, 1.041 and 1.032 at
+D = 64; P = 16 at most 1.046 at D = 64 and, at D = 128, 1.054 at batch 1 x 16384, the one point above
+1.05: not occupancy (its split grid needs 2 programs per SM); a sorted block table ran it at 1.040,
+so about a third of its gap is the pages' scatter and the rest the 4-page gather of each key block
+(decode_ab_stop18.log, run 2). Earlier grids' dense batch 1 x 1024 was the process's
 first CUDA-graph timing, which reads about 0.35 us fast whatever it times (decode_ab_stop15.log,
 runs 2-3; kernels.bench.time_cuda_graph now discards it).
 
