@@ -317,7 +317,16 @@ def time_cuda_graph(fn: Callable[[], Any], *, rep: int = 100, repeat: int = 1) -
 
 def _graph_median_ms(fn: Callable[[], Any], rep: int, repeat: int) -> float:
     """Median ms of `rep` replays of one graph holding `repeat` calls of fn (see time_cuda_graph)."""
-    # Warm up on a side stream (compiles Triton kernels, settles allocator pools) before capturing.
+    graph = capture_graph(fn, repeat)
+    median = replay_median_ms(graph, rep)
+    del graph
+    return median
+
+
+def capture_graph(fn: Callable[[], Any], repeat: int = 1) -> "torch.cuda.CUDAGraph":
+    """One CUDA graph holding `repeat` calls of fn, after 3 warm-up calls on a side stream (they compile
+    Triton kernels and settle the allocator's pools). The caller keeps fn's inputs alive while the
+    graph lives."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -329,6 +338,11 @@ def _graph_median_ms(fn: Callable[[], Any], rep: int, repeat: int) -> float:
     with torch.cuda.graph(graph):
         for _ in range(repeat):
             fn()
+    return graph
+
+
+def replay_median_ms(graph: "torch.cuda.CUDAGraph", rep: int) -> float:
+    """Median ms of `rep` replays of a captured graph, after 3 untimed ones."""
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()
@@ -339,9 +353,7 @@ def _graph_median_ms(fn: Callable[[], Any], rep: int, repeat: int) -> float:
         graph.replay()
         ends[i].record()
     torch.cuda.synchronize()
-    median = _summary([s.elapsed_time(e) for s, e in zip(starts, ends)])["median_ms"]
-    del graph
-    return median
+    return _summary([s.elapsed_time(e) for s, e in zip(starts, ends)])["median_ms"]
 
 
 def peak_memory_delta(fn: Callable[[], Any]) -> int:

@@ -29,7 +29,13 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from kernels import flash_attn_with_kvcache  # noqa: E402
-from kernels.bench import GRAPH_MIN_CALLS, decode_kv_bytes, l2_cache_bytes  # noqa: E402
+from kernels.bench import (  # noqa: E402
+    GRAPH_MIN_CALLS,
+    capture_graph,
+    decode_kv_bytes,
+    l2_cache_bytes,
+    replay_median_ms,
+)
 from kernels.reference import attention_ref, rel_err  # noqa: E402
 
 H, HK, D = 32, 8, 128
@@ -78,35 +84,9 @@ def check(step, q, k, v, kc, vc, table, n: int) -> float:
 
 
 def graph_of(steps):
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            for s in steps:
-                s()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
+    """One graph of GRAPH_MIN_CALLS steps (whole rotations of the copies) and its call count."""
     repeat = -(-GRAPH_MIN_CALLS // len(steps))
-    with torch.cuda.graph(graph):
-        for _ in range(repeat):
-            for s in steps:
-                s()
-    return graph, repeat * len(steps)
-
-
-def replay_us(graph, calls: int, rep: int) -> float:
-    for _ in range(3):
-        graph.replay()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
-    for i in range(rep):
-        starts[i].record()
-        graph.replay()
-        ends[i].record()
-    torch.cuda.synchronize()
-    times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
-    return times[len(times) // 2] * 1e3 / calls
+    return capture_graph(lambda: [s() for s in steps], repeat), repeat * len(steps)
 
 
 def measure(n: int, copies: int, pages_sizes, orders, rounds: int, rep: int, seed: int) -> str:
@@ -140,7 +120,7 @@ def measure(n: int, copies: int, pages_sizes, orders, rounds: int, rep: int, see
     best = {name: math.inf for name in variants}
     for _ in range(rounds):
         for name, (graph, calls) in variants.items():
-            best[name] = min(best[name], replay_us(graph, calls, rep))
+            best[name] = min(best[name], replay_median_ms(graph, rep) * 1e3 / calls)
     dense = min(best["denseA"], best["denseB"])
     bad = [f"{k}={e:.1e}" for k, e in errs.items() if not e < 2e-2]
     parts = [f"{k}={t:.2f}({t / dense:.3f})" for k, t in best.items()]
