@@ -24,6 +24,7 @@ import argparse
 import math
 import os
 import sys
+from types import SimpleNamespace
 
 import torch
 
@@ -36,6 +37,7 @@ from kernels.bench import (  # noqa: E402
     l2_cache_bytes,
     replay_median_ms,
 )
+from kernels.bench_suite import _decode_keys, _random_block_table  # noqa: E402
 from kernels.reference import attention_ref, rel_err  # noqa: E402
 
 H, HK, D = 32, 8, 128
@@ -43,20 +45,20 @@ DTYPE = torch.bfloat16
 
 
 def block_table(pages: int, order: str, seed: int) -> torch.Tensor:
-    """(1, pages) int32 over a pool of `pages` blocks: random, sorted or random within windows of W."""
-    gen = torch.Generator()
-    gen.manual_seed(seed)
+    """(1, pages) int32 over a pool of `pages` blocks: random (the suite's table), sorted or random within
+    windows of W."""
     if order == "random":
-        table = torch.randperm(pages, generator=gen)
-    elif order == "sorted":
+        return _random_block_table(1, pages, seed, "cuda")
+    if order == "sorted":
         table = torch.arange(pages)
     else:
         window = int(order[1:])
         assert pages % window == 0, (pages, window)
+        gen = torch.Generator()
+        gen.manual_seed(seed)
         base = torch.arange(0, pages, window)[:, None]
         table = torch.stack([torch.randperm(window, generator=gen) for _ in range(pages // window)]) + base
-        table = table.reshape(-1)
-    return table.view(1, pages).to(torch.int32).cuda()
+    return table.reshape(1, pages).to(torch.int32).cuda()
 
 
 def new_step(n: int, page: int, gen: torch.Generator):
@@ -70,15 +72,13 @@ def new_step(n: int, page: int, gen: torch.Generator):
     return q, k, v, kc, vc
 
 
-def check(step, q, k, v, kc, vc, table, n: int) -> float:
+def check(step, q, kc, vc, table, n: int) -> float:
     """Rel err of one step against attention_ref over the request's n - 1 cached keys + the new one."""
     out = step()
-    if table is None:
-        keys, vals = kc[:, :n], vc[:, :n]
-    else:
-        blocks = table[0].long()
-        keys = kc[blocks].reshape(1, -1, HK, D)[:, :n]
-        vals = vc[blocks].reshape(1, -1, HK, D)[:, :n]
+    state = SimpleNamespace(cache_len=n - 1, k_cache=kc, v_cache=vc)
+    if table is not None:
+        state.block_table = table
+    keys, vals = _decode_keys(state, 0)
     ref, _ = attention_ref(q, keys, vals, causal=False)
     return rel_err(out, ref)
 
@@ -102,9 +102,9 @@ def measure(n: int, copies: int, pages_sizes, orders, rounds: int, rep: int, see
         for (q, k, v, kc, vc) in states:
             steps.append(lambda q=q, k=k, v=v, kc=kc, vc=vc: flash_attn_with_kvcache(
                 q, kc, vc, k, v, cache_seqlens=seqlens, block_table=table))
-        q, k, v, kc, vc = states[0]
+        q, _, _, kc, vc = states[0]
         # the check appends row n - 1 once more; the cache keeps n - 1 valid rows + the new one
-        errs[name] = check(steps[0], q, k, v, kc, vc, table, n)
+        errs[name] = check(steps[0], q, kc, vc, table, n)
         variants[name] = graph_of(steps)
         alive.append((states, table))
 
