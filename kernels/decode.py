@@ -272,7 +272,6 @@ import triton
 import triton.language as tl
 
 from ._common import (
-    _page_offsets,
     finalize,
     kv_block_offsets,
     kv_row_offsets,
@@ -390,79 +389,6 @@ def _append_kernel(
 
 
 @triton.jit
-def _four_pages(table, start_n, n_rows, NUM_BLOCKS, PAGE_SIZE: tl.constexpr):
-    """Physical blocks of the 4 pages of the key block at rows start_n + [0, 4 P) of one request (table:
-    its block-table row), as 4 scalars; a page that no row below n_rows needs is not read (block 0),
-    and each entry is clamped into [0, NUM_BLOCKS), see [Note] Bad block-table entries."""
-    lim = NUM_BLOCKS - 1
-    first = table + start_n // PAGE_SIZE
-    b0 = tl.minimum(tl.maximum(tl.load(first, mask=start_n < n_rows, other=0), 0), lim)
-    b1 = tl.minimum(tl.maximum(tl.load(first + 1, mask=start_n + PAGE_SIZE < n_rows, other=0), 0), lim)
-    b2 = tl.minimum(tl.maximum(tl.load(first + 2, mask=start_n + 2 * PAGE_SIZE < n_rows, other=0), 0), lim)
-    b3 = tl.minimum(tl.maximum(tl.load(first + 3, mask=start_n + 3 * PAGE_SIZE < n_rows, other=0), 0), lim)
-    return b0, b1, b2, b3
-
-
-@triton.jit
-def _attend_four_pages(q, k_head, v_head, b0, b1, b2, b3, start_n, offs_p, n_end, row_limit, m_i, l_i, acc, qk_scale,
-                       offs_d, stride_kb, stride_kn, stride_vb, stride_vn,
-                       HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, MASKED: tl.constexpr,
-                       IS_CAUSAL: tl.constexpr, PAGE_SIZE: tl.constexpr, WIDE_PAGES: tl.constexpr):
-    """One FlashAttention-2 step over the key block at start_n that lies in 4 pages (physical blocks
-    b0..b3, scalars): each page's K and V tile [P, D_PAD] is addressed as its block's base plus the
-    loop-invariant in-page offsets, and the 4 score tiles [rows, P] take one online-softmax update
-    together (one row max and one row sum, as a [rows, 4 P] tile would). MASKED as in the loops:
-    keys at or past n_end (and, causal, past row_limit) are masked. See [Note] Four-page key blocks."""
-    r0 = start_n + offs_p
-    r1 = r0 + PAGE_SIZE
-    r2 = r1 + PAGE_SIZE
-    r3 = r2 + PAGE_SIZE
-    k0 = load_rows(k_head + _page_offsets(b0, offs_p, stride_kb, stride_kn, WIDE_PAGES)[:, None] + offs_d[None, :],
-                   r0, n_end, offs_d, HEAD_DIM, HEAD_DIM_PAD, MASKED)
-    k1 = load_rows(k_head + _page_offsets(b1, offs_p, stride_kb, stride_kn, WIDE_PAGES)[:, None] + offs_d[None, :],
-                   r1, n_end, offs_d, HEAD_DIM, HEAD_DIM_PAD, MASKED)
-    k2 = load_rows(k_head + _page_offsets(b2, offs_p, stride_kb, stride_kn, WIDE_PAGES)[:, None] + offs_d[None, :],
-                   r2, n_end, offs_d, HEAD_DIM, HEAD_DIM_PAD, MASKED)
-    k3 = load_rows(k_head + _page_offsets(b3, offs_p, stride_kb, stride_kn, WIDE_PAGES)[:, None] + offs_d[None, :],
-                   r3, n_end, offs_d, HEAD_DIM, HEAD_DIM_PAD, MASKED)
-    s0 = tl.dot(q, tl.trans(k0))  # [BLOCK_H, P]
-    s1 = tl.dot(q, tl.trans(k1))
-    s2 = tl.dot(q, tl.trans(k2))
-    s3 = tl.dot(q, tl.trans(k3))
-    if MASKED:
-        s0 = mask_scores(s0, r0, n_end, row_limit, IS_CAUSAL)
-        s1 = mask_scores(s1, r1, n_end, row_limit, IS_CAUSAL)
-        s2 = mask_scores(s2, r2, n_end, row_limit, IS_CAUSAL)
-        s3 = mask_scores(s3, r3, n_end, row_limit, IS_CAUSAL)
-    # online_softmax over the 4 tiles at once: their element-wise max first, then one row reduction
-    m_new = tl.maximum(m_i, tl.max(tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3)), 1) * qk_scale)
-    if MASKED:
-        m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        m_new_safe = m_new
-    p0 = tl.math.exp2(s0 * qk_scale - m_new_safe[:, None])
-    p1 = tl.math.exp2(s1 * qk_scale - m_new_safe[:, None])
-    p2 = tl.math.exp2(s2 * qk_scale - m_new_safe[:, None])
-    p3 = tl.math.exp2(s3 * qk_scale - m_new_safe[:, None])
-    alpha = tl.math.exp2(m_i - m_new_safe)
-    l_i = l_i * alpha + tl.sum(p0 + p1 + p2 + p3, 1)
-    acc = acc * alpha[:, None]
-    v0 = load_rows(v_head + _page_offsets(b0, offs_p, stride_vb, stride_vn, WIDE_PAGES)[:, None] + offs_d[None, :],
-                   r0, n_end, offs_d, HEAD_DIM, HEAD_DIM_PAD, MASKED)
-    v1 = load_rows(v_head + _page_offsets(b1, offs_p, stride_vb, stride_vn, WIDE_PAGES)[:, None] + offs_d[None, :],
-                   r1, n_end, offs_d, HEAD_DIM, HEAD_DIM_PAD, MASKED)
-    v2 = load_rows(v_head + _page_offsets(b2, offs_p, stride_vb, stride_vn, WIDE_PAGES)[:, None] + offs_d[None, :],
-                   r2, n_end, offs_d, HEAD_DIM, HEAD_DIM_PAD, MASKED)
-    v3 = load_rows(v_head + _page_offsets(b3, offs_p, stride_vb, stride_vn, WIDE_PAGES)[:, None] + offs_d[None, :],
-                   r3, n_end, offs_d, HEAD_DIM, HEAD_DIM_PAD, MASKED)
-    acc = tl.dot(p0.to(v0.dtype), v0, acc)
-    acc = tl.dot(p1.to(v1.dtype), v1, acc)
-    acc = tl.dot(p2.to(v2.dtype), v2, acc)
-    acc = tl.dot(p3.to(v3.dtype), v3, acc)
-    return m_new, l_i, acc
-
-
-@triton.jit
 def _decode_kernel(
     Q, K_cache, V_cache, K_new, V_new, Cache_seqlens, Out, Lse, Out_part, Lse_part,
     stride_qb, stride_qm, stride_qh,
@@ -481,8 +407,6 @@ def _decode_kernel(
     tl.static_assert(BLOCK_H >= 16 and BLOCK_N >= 16 and BLOCK_NEW >= 16, "tl.dot needs tiles of at least 16")
     if USE_PDL:  # let the combine launch now; it waits for this grid to finish, see [Note] Combine launch
         tl.extra.cuda.gdc_launch_dependents()
-    # a key block of 4 whole pages (P = 16 at BLOCK_N 64): 4 page tiles, see [Note] Four-page key blocks
-    FOUR_PAGES: tl.constexpr = PAGED and BLOCK_N == 4 * PAGE_SIZE
     # -- which (request, KV head, row block) and which split -------------------------------------
     rows_total = GROUP * M  # query rows sharing this KV head
     row_blocks = tl.cdiv(rows_total, BLOCK_H)
@@ -527,11 +451,8 @@ def _decode_kernel(
         # bounded by the capacity, not by L_b: the lookup need not wait for the length's load (rows
         # past L_b get clamped entries and are never loaded); and issued before the query load, whose
         # tile's barrier it would otherwise wait behind, see [Note] Paged pipelining
-        if FOUR_PAGES:
-            nb0, nb1, nb2, nb3 = _four_pages(table, lo, tl.minimum(lo + SPLIT_N, N_CACHE), NUM_BLOCKS, PAGE_SIZE)
-        else:
-            next_blocks = physical_blocks(table, lo, lo + offs_n, tl.minimum(lo + SPLIT_N, N_CACHE), NUM_BLOCKS,
-                                          PAGE_SIZE, BLOCK_N)
+        next_blocks = physical_blocks(table, lo, lo + offs_n, tl.minimum(lo + SPLIT_N, N_CACHE), NUM_BLOCKS,
+                                      PAGE_SIZE, BLOCK_N)
     else:
         table = Block_table  # None: never read
     q_ptrs = Q + off_b * stride_qb + offs_t[:, None].to(tl.int64) * stride_qm + offs_h[:, None] * stride_qh
@@ -555,47 +476,8 @@ def _decode_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM_PAD], dtype=tl.float32)
 
-    if FOUR_PAGES:  # the same two stages, each key block as its 4 pages' tiles; the lookups one block ahead
-        offs_p = tl.arange(0, PAGE_SIZE)
-        if not ONE_LOOP:
-            for start_n in tl.range(lo, full_end, BLOCK_N):
-                b0, b1, b2, b3 = nb0, nb1, nb2, nb3
-                nb0, nb1, nb2, nb3 = _four_pages(table, start_n + BLOCK_N, hi, NUM_BLOCKS, PAGE_SIZE)
-                m_i, l_i, acc = _attend_four_pages(q, k_head, v_head, b0, b1, b2, b3, start_n, offs_p, hi, row_limit,
-                                                   m_i, l_i, acc, qk_scale, offs_d, stride_kb, stride_kn, stride_vb,
-                                                   stride_vn, HEAD_DIM, HEAD_DIM_PAD, False, IS_CAUSAL, PAGE_SIZE,
-                                                   WIDE_PAGES)
-        for start_n in tl.range(full_end, hi, BLOCK_N):
-            b0, b1, b2, b3 = nb0, nb1, nb2, nb3
-            nb0, nb1, nb2, nb3 = _four_pages(table, start_n + BLOCK_N, hi, NUM_BLOCKS, PAGE_SIZE)
-            m_i, l_i, acc = _attend_four_pages(q, k_head, v_head, b0, b1, b2, b3, start_n, offs_p, hi, row_limit,
-                                               m_i, l_i, acc, qk_scale, offs_d, stride_kb, stride_kn, stride_vb,
-                                               stride_vn, HEAD_DIM, HEAD_DIM_PAD, True, IS_CAUSAL, PAGE_SIZE,
-                                               WIDE_PAGES)
-    else:
-        if not ONE_LOOP:  # stage 1: whole blocks every row sees, no mask
-            for start_n in tl.range(lo, full_end, BLOCK_N):
-                rows = start_n + offs_n
-                if PAGED:  # this block's pages were fetched one iteration ahead, see [Note] Paged pipelining
-                    blocks = next_blocks
-                    next_blocks = physical_blocks(table, start_n + BLOCK_N, rows + BLOCK_N, hi, NUM_BLOCKS, PAGE_SIZE,
-                                                   BLOCK_N)
-                else:
-                    blocks = off_b
-                k_offs = kv_block_offsets(blocks, start_n, offs_n, stride_kb, stride_kn, PAGE_SIZE, PAGED, WIDE_PAGES,
-                                          BLOCK_N)
-                k = load_rows(k_head + k_offs[:, None] + offs_d[None, :], rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD,
-                              False)  # [BLOCK_N, D_PAD]
-                qk = tl.dot(q, tl.trans(k))  # [BLOCK_H, BLOCK_N]
-                p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, False)
-                v_offs = kv_block_offsets(blocks, start_n, offs_n, stride_vb, stride_vn, PAGE_SIZE, PAGED, WIDE_PAGES,
-                                          BLOCK_N)
-                v = load_rows(v_head + v_offs[:, None] + offs_d[None, :], rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD,
-                              False)
-                acc = tl.dot(p.to(v.dtype), v, acc)
-        # stage 2: the ragged tail of the split (and, without an append, the causal band), masked; with
-        # ONE_LOOP all of the split's blocks
-        for start_n in tl.range(full_end, hi, BLOCK_N):
+    if not ONE_LOOP:  # stage 1: whole blocks every row sees, no mask
+        for start_n in tl.range(lo, full_end, BLOCK_N):
             rows = start_n + offs_n
             if PAGED:  # this block's pages were fetched one iteration ahead, see [Note] Paged pipelining
                 blocks = next_blocks
@@ -605,14 +487,32 @@ def _decode_kernel(
                 blocks = off_b
             k_offs = kv_block_offsets(blocks, start_n, offs_n, stride_kb, stride_kn, PAGE_SIZE, PAGED, WIDE_PAGES,
                                       BLOCK_N)
-            k = load_rows(k_head + k_offs[:, None] + offs_d[None, :], rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
-            qk = tl.dot(q, tl.trans(k))
-            qk = mask_scores(qk, rows, hi, row_limit, IS_CAUSAL)
-            p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, True)
+            k = load_rows(k_head + k_offs[:, None] + offs_d[None, :], rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD,
+                          False)  # [BLOCK_N, D_PAD]
+            qk = tl.dot(q, tl.trans(k))  # [BLOCK_H, BLOCK_N]
+            p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, False)
             v_offs = kv_block_offsets(blocks, start_n, offs_n, stride_vb, stride_vn, PAGE_SIZE, PAGED, WIDE_PAGES,
                                       BLOCK_N)
-            v = load_rows(v_head + v_offs[:, None] + offs_d[None, :], rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+            v = load_rows(v_head + v_offs[:, None] + offs_d[None, :], rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD, False)
             acc = tl.dot(p.to(v.dtype), v, acc)
+    # stage 2: the ragged tail of the split (and, without an append, the causal band), masked; with
+    # ONE_LOOP all of the split's blocks
+    for start_n in tl.range(full_end, hi, BLOCK_N):
+        rows = start_n + offs_n
+        if PAGED:  # this block's pages were fetched one iteration ahead, see [Note] Paged pipelining
+            blocks = next_blocks
+            next_blocks = physical_blocks(table, start_n + BLOCK_N, rows + BLOCK_N, hi, NUM_BLOCKS, PAGE_SIZE,
+                                           BLOCK_N)
+        else:
+            blocks = off_b
+        k_offs = kv_block_offsets(blocks, start_n, offs_n, stride_kb, stride_kn, PAGE_SIZE, PAGED, WIDE_PAGES, BLOCK_N)
+        k = load_rows(k_head + k_offs[:, None] + offs_d[None, :], rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+        qk = tl.dot(q, tl.trans(k))
+        qk = mask_scores(qk, rows, hi, row_limit, IS_CAUSAL)
+        p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, True)
+        v_offs = kv_block_offsets(blocks, start_n, offs_n, stride_vb, stride_vn, PAGE_SIZE, PAGED, WIDE_PAGES, BLOCK_N)
+        v = load_rows(v_head + v_offs[:, None] + offs_d[None, :], rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+        acc = tl.dot(p.to(v.dtype), v, acc)
 
     # stage 3: the new keys, read from k/v and written to the cache, see [Note] Fused append
     if APPEND:

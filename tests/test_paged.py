@@ -192,44 +192,6 @@ def test_small_page_sizes(page_size):
     assert torch.equal(k_pool, k_exp) and torch.equal(v_pool, v_exp)
 
 
-@pytest.mark.parametrize("append", [True, False])
-@pytest.mark.parametrize("seqlen_q", [1, 4])
-def test_four_page_key_blocks(seqlen_q, append):
-    """Pages of a quarter key block (P = 16 at D = 128 on the GPU, 8 under the interpreter) take the
-    kernel's four-page path (4 page tiles per key block, see [Note] Four-page key blocks): ragged
-    lengths that end inside each of a block's pages, split or not, match dense decode and the reference."""
-    from kernels import decode
-    from kernels._configs import decode_config
-
-    dtype = torch.bfloat16 if ON_GPU else torch.float16
-    nheads, nheads_k, head_dim = NHEADS, 2, HEAD_DIM
-    page_size = decode_config(head_dim, dtype, torch.device(DEVICE)).block_n // 4
-    lengths = [0, 1, page_size - 1, 2 * page_size + 1, 3 * page_size + 2, 4 * page_size, LONG]
-    batch = len(lengths)
-    max_blocks = (max(lengths) + seqlen_q) // page_size + 1
-    plan = decode._plan(batch, seqlen_q, nheads, nheads_k, head_dim, max_blocks * page_size, dtype,
-                        torch.device(DEVICE), 0, page_size)
-    assert plan.block_n == 4 * page_size, plan
-    k_pool, v_pool, table, k_dense, v_dense = make_paged_cache(batch, max_blocks, page_size, nheads_k, head_dim, dtype)
-    q, k, v = new_tokens(batch, seqlen_q, nheads, nheads_k, head_dim, dtype)
-    if not append:
-        k = v = None
-    ref32, ref_lse, ref_same = per_request_references(q, k_dense, v_dense, k, v, lengths, causal=True)
-    for num_splits in (1, 3):
-        kp, vp, kd, vd = k_pool.clone(), v_pool.clone(), k_dense.clone(), v_dense.clone()
-        msg = f"(page_size={page_size}, seqlen_q={seqlen_q}, append={append}, num_splits={num_splits})"
-        out, lse = flash_attn_with_kvcache(q, kp, vp, k, v, cache_seqlens=i32(lengths), block_table=table,
-                                           causal=True, num_splits=num_splits, return_softmax_lse=True)
-        out_dense = flash_attn_with_kvcache(q, kd, vd, k, v, cache_seqlens=i32(lengths), causal=True,
-                                            num_splits=num_splits)
-        assert_close_to_ref(out, ref32, ref_same, msg=msg)
-        assert_lse_close(lse, ref_lse, dtype, msg=msg)
-        # the same keys in 4 page tiles: the sums run in another order than the dense kernel's, so close, not equal
-        diff = rel_err(out, out_dense)
-        assert diff <= AGREE_TOL[dtype], f"paged vs dense rel err {diff:.2e} {msg}"
-        assert torch.equal(gather_dense(kp, table), kd) and torch.equal(gather_dense(vp, table), vd)
-
-
 # --------------------------------------------------------------------------------------------
 # The append, seqlen_q > 1, splits, layouts
 # --------------------------------------------------------------------------------------------
