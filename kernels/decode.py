@@ -243,7 +243,8 @@ kernels/_configs.py). Timed on an H200 (bf16, 32:8 heads, random block tables) i
 (results/nvidia-h200/bench_decode.csv, 16 shapes of batch 1-128 x 1024-65536 per head dim),
 paged / dense was at most 1.029 for P = 64 and 1.028 for P = 256 at D = 128, 1.041 and 1.032 at
 D = 64; P = 16 at most 1.046 at D = 64 and, at D = 128, 1.054 at batch 1 x 16384, the one point above
-1.05: not occupancy (its split grid needs 2 programs per SM). A sorted block table ran it at 1.040 (the pages'
+1.05 (1.066 / 1.063 in the 8aeb96e / c1c3755 grids): not occupancy (its split grid needs 2
+programs per SM). A sorted block table ran it at 1.040 (the pages'
 scatter); the rest is not the 4-page gather: on one sorted pool the P = 64 addressing inside this kernel ran 23.52
 against 22.95 us; L1 prefetches of the table, 16-byte lookups and BLOCK_N 32 gained nothing; the point measures
 1.044-1.065 from process to process (decode_ab_stop18.log, run 2; decode_ab_stop19.log). On the very same pool
