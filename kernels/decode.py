@@ -251,7 +251,7 @@ against 22.95 us; L1 prefetches of the table, 16-byte lookups and BLOCK_N 32 gai
 (sorted) the P = 64 kernel, reading it as 64-row pages, runs 1.004-1.010 of dense against 1.037-1.043: the cost is
 this kernel's code, not memory; per-key or scalar lookups, loop-variant in-page rows, packed KV heads and 4 page
 tiles per key block were no faster with an append (decode_ab_stop21.log), and TMA page tiles (tensor descriptors)
-were slower at every shape, for P = 64 too (decode_ab_stop22.log). Earlier grids' dense batch 1 x 1024 was
+were slower at every shape (for P = 64 at 11 of 12; decode_ab_stop22.log). Earlier grids' dense batch 1 x 1024 was
 the process's first CUDA-graph timing, which reads ~0.35 us fast (decode_ab_stop15.log, runs 2-3; now discarded).
 
 [Note] Bad block-table entries. A CPU block_table is checked on the host (ValueError for an entry
