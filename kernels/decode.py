@@ -242,16 +242,16 @@ the splits stay long enough (DECODE_PAGED_WAVES, DECODE_PAGED_WAVE_MIN_BLOCKS in
 kernels/_configs.py). Timed on an H200 (bf16, 32:8 heads, random block tables) in the 219a0ab grid
 (results/nvidia-h200/bench_decode.csv, 16 shapes of batch 1-128 x 1024-65536 per head dim),
 paged / dense was at most 1.029 for P = 64 and 1.028 for P = 256 at D = 128, 1.041 and 1.032 at
-D = 64; P = 16 at most 1.046 at D = 64 and, at D = 128, 1.054 at batch 1 x 16384, the one point above
-1.05 (1.066 / 1.063 in the 8aeb96e / c1c3755 grids): not occupancy (its split grid needs 2
-programs per SM). A sorted block table ran it at 1.040 (the pages'
-scatter); the rest is not the 4-page gather: on one sorted pool the P = 64 addressing inside this kernel ran 23.52
-against 22.95 us; L1 prefetches of the table, 16-byte lookups and BLOCK_N 32 gained nothing; the point measures
-1.044-1.065 from process to process (decode_ab_stop18.log, run 2; decode_ab_stop19.log). On the very same pool
-(sorted) the P = 64 kernel, reading it as 64-row pages, runs 1.004-1.010 of dense against 1.037-1.043: the cost is
-this kernel's code, not memory; per-key or scalar lookups, loop-variant in-page rows, packed KV heads and 4 page
-tiles per key block were no faster with an append (decode_ab_stop21.log), and TMA page tiles (tensor descriptors)
-were slower at every shape (for P = 64 at 11 of 12; decode_ab_stop22.log). Earlier grids' dense batch 1 x 1024 was
+D = 64; P = 16 at most 1.046 at D = 64 and, at D = 128, 1.054 at batch 1 x 16384, the one point above 1.05 (1.066 /
+1.063 in the 8aeb96e / c1c3755 grids): not occupancy (its split grid needs 2 programs per SM). A sorted block table
+ran it at 1.040 (the pages' scatter); the rest is not the 4-page gather: on one sorted pool the P = 64 addressing
+inside this kernel ran 23.52 against 22.95 us; L1 prefetches of the table, 16-byte lookups and BLOCK_N 32 gained
+nothing; the point measures 1.044-1.065 from process to process (decode_ab_stop18.log, run 2;
+decode_ab_stop19.log). On the very same pool (sorted) the P = 64 kernel, reading it as 64-row pages, runs
+1.004-1.010 of dense against 1.037-1.043: the cost is this kernel's code, not memory; per-key or scalar lookups,
+loop-variant in-page rows, packed KV heads and 4 page tiles per key block were no faster with an append
+(decode_ab_stop21.log), and TMA page tiles (tensor descriptors) were slower at every shape (for P = 64 at 11 of 12;
+decode_ab_stop22.log). Earlier grids' dense batch 1 x 1024 was
 the process's first CUDA-graph timing, which reads ~0.35 us fast (decode_ab_stop15.log, runs 2-3; now discarded).
 
 [Note] Bad block-table entries. A CPU block_table is checked on the host (ValueError for an entry
