@@ -20,4 +20,4 @@ notebooks:
 	$(PYTHON) scripts/run_notebooks.py
 
 lint:
-	$(PYTHON) -m ruff check kernels tests scripts
+	$(PYTHON) -m ruff check kernels benchmarks notebooks tests scripts

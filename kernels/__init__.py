@@ -9,12 +9,19 @@ Public API:
     PagedKVCache:    a paged K/V block pool with a free list (add/extend/prefill/decode/free requests);
                      PoolExhaustedError when its blocks or request slots run out.
     attention_ref:   eager reference used by tests, notebooks and benchmarks.
+    rel_err:         ||out - ref|| / ||ref||; kernels.testing holds the error rule built on it.
+
+Layout (docs/design.md): prefill.py / decode.py / kv_cache.py / serving.py launch the @triton.jit
+kernels of prefill_kernels.py / decode_kernels.py, which share the jit helpers of _jit.py; the
+options of a call travel as one _options.AttnOptions; _configs.py picks tiles per GPU.
 """
 
 from ._utils import default_device, env_summary, has_gpu, is_interpreter
-from .decode import KVCache, PagedKVCache, PoolExhaustedError, flash_attn_with_kvcache
+from .decode import flash_attn_with_kvcache
+from .kv_cache import KVCache, PagedKVCache, PoolExhaustedError
 from .prefill import flash_attn_func, flash_attn_varlen_func
-from .reference import attention_ref, causal_mask, rel_err
+from .reference import attention_ref, causal_mask
+from .testing import rel_err
 
 __all__ = [
     "flash_attn_func",

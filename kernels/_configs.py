@@ -3,7 +3,7 @@
 Configs are picked by a table, not by `triton.autotune`: a fixed choice per (GPU class, head dim,
 dtype, causal) compiles once, never re-tunes while shapes change (so CUDA graphs and serving loops
 stay stable), and keeps test compilation cheap. The tables were measured on an H200 (see
-results/ and scripts/tune_prefill.py); GPUs with less shared memory per block than Hopper (the
+results/ and benchmarks/tune_prefill.py); GPUs with less shared memory per block than Hopper (the
 L4 has 99 KB) get tiles that fit it. Under the interpreter one small config is used.
 """
 
@@ -43,7 +43,7 @@ class AttnConfig:
 INTERPRETER_CONFIG = AttnConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
 
 # Hopper (H100/H200, 227 KB smem), 2-byte dtypes, tensor-descriptor loads. key: head_dim_pad.
-# D=128 was swept on an H200 (scripts/tune_prefill.py, results/nvidia-h200/tune_fwd.csv):
+# D=128 was swept on an H200 (benchmarks/tune_prefill.py, results/nvidia-h200/tune_fwd.csv):
 # (128, 64, 4 warps, 2 stages) won causal and not; the pointer path without descriptors reached
 # only ~100 TFLOP/s there. Other head dims follow the same shape, with 8 warps at D=256 so the
 # [128, 256] fp32 accumulator fits in registers.
@@ -112,7 +112,7 @@ def prefill_bwd_config(
 
 
 # --------------------------------------------------------------------------------------------
-# Decode (kernels/decode.py): one program streams one split of one (request, KV head)'s cache for
+# Decode (kernels/decode_kernels.py): one program streams one split of one (request, KV head)'s cache for
 # a block of up to `max_rows` query rows (the q heads of the group x seqlen_q). Decode is bound by
 # memory bandwidth, so the configs aim at deep load pipelines rather than big tiles.
 # --------------------------------------------------------------------------------------------
@@ -147,10 +147,10 @@ DECODE_PAGED_STAGES = 3
 # pages (P = 16 at BLOCK_N 128) halves BLOCK_N instead.
 DECODE_DEEP_GRID = 3
 DECODE_DEEP_MIN_BLOCKS = 32
-DECODE_GATHER_MAX_PAGES = 4  # physical_blocks in kernels/_common.py looks up one entry per page up to this
+DECODE_GATHER_MAX_PAGES = 4  # physical_blocks in kernels/_jit.py looks up one entry per page up to this
 # A split of at most this many BLOCK_N blocks streams them all through one masked loop instead of an
 # unmasked loop plus a masked one for its ragged tail (see [Note] One loop for short splits in
-# kernels/decode.py); pools that gather a key block from several pages (P % BLOCK_N != 0) only up to the
+# kernels/decode_kernels.py); pools that gather a key block from several pages (P % BLOCK_N != 0) only up to the
 # second count. On an H200 (bf16, 32:8 heads, D = 128, append, L_b = n - 1, CUDA-graph timing;
 # results/nvidia-h200/decode_ab_stop14.log) one loop was faster for splits of 1-32 blocks at every shape
 # of batch 1-128 x 1024-65536 for the dense cache and P = 64 / 256 (by 0.1-1.7 us at batch 1-8, up to
@@ -163,7 +163,7 @@ DECODE_ONE_LOOP_MAX_BLOCKS_GATHER = 16
 DECODE_PDL = os.environ.get("KERNELS_PDL", "1") not in ("0", "")  # read once, at import (see decode_use_pdl)
 
 # Hopper (227 KB smem): K and V tiles of 2-byte dtypes, num_stages deep. key: head_dim_pad.
-# D=128 swept on an H200 (scripts/tune_decode.py -> results/nvidia-h200/tune_decode.csv: BLOCK_N 32/64/128
+# D=128 swept on an H200 (benchmarks/tune_decode.py -> results/nvidia-h200/tune_decode.csv: BLOCK_N 32/64/128
 # x 4/8 warps x 2-6 stages x split counts, bf16, 32 q / 8 KV heads, CUDA-graph timing): (64, 4 warps,
 # 4 stages) was the fastest at batch 1 x 16384/32768 and batch 8 x 16384, within 1% of the fastest at
 # batch 1 x 65536 and batch 32 x 4096, and 5% behind (BLOCK_N 32, 3 stages) at batch 1 x 4096, a

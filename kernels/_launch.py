@@ -19,6 +19,7 @@ from typing import Any, Dict, Hashable, Optional, Sequence, Tuple
 
 import torch
 import triton
+import triton.language as tl
 
 from ._utils import is_interpreter
 
@@ -53,12 +54,15 @@ def launch_hooks_active() -> bool:
 class LaunchCache:
     """Launch a `@triton.jit` kernel straight through its compiled handle after the first launch.
 
-    The caller's key must hold everything Triton specialises on: exact integer arguments and
-    strides (or what determines them), dtypes, 16-byte alignment of every pointer, constexprs,
-    launch options and the device. A hit is then the very kernel Triton's dispatcher would pick,
-    launched with the same arguments; a miss (or key None) goes through the dispatcher, which
-    compiles if needed, and stores the compiled kernel. Off under the interpreter, with
-    KERNELS_FAST_LAUNCH=0, and while Triton launch hooks are installed (profilers see every launch).
+    A compiled kernel is stored under `key_of`: the caller's key, plus what the arguments themselves
+    show -- every constexpr's value (the options' compiled part, tiles, flags), which other arguments
+    are None (Triton compiles those out) -- and the launch options. So no constexpr can be
+    left out of a key by hand. The caller's key must hold what the values do not show: the tensors'
+    shapes and strides (every integer argument derives from them), dtypes, the 16-byte alignment of
+    each pointer, and the device. A hit is then the very kernel Triton's dispatcher would pick,
+    launched with the same arguments; a miss (or key None) goes through the dispatcher, which compiles
+    if needed, and stores the compiled kernel. Off under the interpreter, with KERNELS_FAST_LAUNCH=0,
+    and while Triton launch hooks are installed (profilers see every launch).
     """
 
     enabled = os.environ.get("KERNELS_FAST_LAUNCH", "1") not in ("0", "") and not is_interpreter()
@@ -71,20 +75,34 @@ class LaunchCache:
         params = list(inspect.signature(getattr(fn, "fn", fn)).parameters.values())
         self.names = [p.name for p in params]
         self.defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+        self.constexprs = tuple(i for i, p in enumerate(params) if _is_constexpr(p.annotation))
+        self.values = tuple(i for i, p in enumerate(params) if i not in self.constexprs)
 
-    def _positional(self, args: Sequence[Any], kwargs: Optional[Dict[str, Any]]) -> list:
+    def positional(self, args: Sequence[Any], kwargs: Optional[Dict[str, Any]]) -> list:
+        """The kernel's full argument list, in parameter order, of a launch with `args` and `kwargs`."""
         full = list(args)
-        if kwargs:
-            full.extend(kwargs[name] if name in kwargs else self.defaults[name] for name in self.names[len(args):])
+        kwargs = kwargs or {}
+        full.extend(kwargs[name] if name in kwargs else self.defaults[name] for name in self.names[len(args):])
         return full
+
+    def key_of(self, key: Hashable, full: Sequence[Any], num_warps: int, num_stages: int, launch_pdl: bool,
+               maxnreg: Optional[int]) -> Hashable:
+        """The cache key of a launch with the positional arguments `full` (see the class docstring)."""
+        return (key, tuple([full[i] for i in self.constexprs]), tuple([full[i] is None for i in self.values]),
+                num_warps, num_stages, launch_pdl, maxnreg)
 
     def __call__(self, key: Optional[Hashable], grid: Tuple[int, int, int], args: Sequence[Any], num_warps: int,
                  num_stages: int = 1, kwargs: Optional[Dict[str, Any]] = None, device_index: int = 0,
-                 launch_pdl: bool = False, maxnreg: Optional[int] = None) -> None:
-        entry = self.kernels.get(key) if key is not None else None
+                 launch_pdl: bool = False, maxnreg: Optional[int] = None) -> Optional[Hashable]:
+        """Launch; returns the cache key the kernel is stored under (None when the fast path is off)."""
+        if key is None or not self.enabled:
+            self._dispatch(grid, args, kwargs, num_warps, num_stages, launch_pdl, maxnreg)
+            return None
+        full = self.positional(args, kwargs)
+        key = self.key_of(key, full, num_warps, num_stages, launch_pdl, maxnreg)
+        entry = self.kernels.get(key)
         if entry is not None and not launch_hooks_active():
             kernel, pointers, direct = entry
-            full = self._positional(args, kwargs)
             for i in pointers:  # raw pointers: no data_ptr() / cuPointerGetAttribute in the C launcher
                 full[i] = full[i].data_ptr()
             stream = torch._C._cuda_getCurrentRawStream(device_index)
@@ -93,16 +111,11 @@ class LaunchCache:
             else:
                 kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, None, None,
                            None, *full)
-            return
-        options = {"launch_pdl": True} if launch_pdl else {}  # programmatic dependent launch (sm_90+)
-        if maxnreg is not None:  # a register cap (ptx .maxnreg)
-            options["maxnreg"] = maxnreg
-        kernel = self.fn[grid](*args, **(kwargs or {}), num_warps=num_warps, num_stages=num_stages, **options)
-        if (self.enabled and key is not None and hasattr(kernel, "run") and hasattr(kernel, "function")
-                and hasattr(kernel, "packed_metadata")):
+            return key
+        kernel = self._dispatch(grid, args, kwargs, num_warps, num_stages, launch_pdl, maxnreg)
+        if hasattr(kernel, "run") and hasattr(kernel, "function") and hasattr(kernel, "packed_metadata"):
             if len(self.kernels) >= self.max_entries:  # shapes churn: start over rather than grow without bound
                 self.kernels.clear()
-            full = self._positional(args, kwargs)
             pointers = tuple(i for i, arg in enumerate(full) if isinstance(arg, torch.Tensor))
             launch = _direct_launch(kernel.run)
             direct = None
@@ -111,10 +124,21 @@ class LaunchCache:
                 direct = DirectLaunch(launch, (kernel.function, run.launch_cooperative_grid, run.launch_pdl, None,
                                                None, kernel.packed_metadata, None, None, None), pointers)
             self.kernels[key] = (kernel, pointers, direct)
+        return key
 
-    def direct(self, key: Hashable) -> Optional["DirectLaunch"]:
-        """The cached kernel of `key` as a `DirectLaunch`, if it has one that needs no scratch; None
-        when the key was never launched, the fast path is off, or launch hooks are installed."""
+    def _dispatch(self, grid, args, kwargs, num_warps, num_stages, launch_pdl, maxnreg):
+        """A launch through Triton's dispatcher (compiling if needed); returns its compiled kernel."""
+        options = {"launch_pdl": True} if launch_pdl else {}  # programmatic dependent launch (sm_90+)
+        if maxnreg is not None:  # a register cap (ptx .maxnreg)
+            options["maxnreg"] = maxnreg
+        return self.fn[grid](*args, **(kwargs or {}), num_warps=num_warps, num_stages=num_stages, **options)
+
+    def direct(self, key: Optional[Hashable]) -> Optional["DirectLaunch"]:
+        """The cached kernel stored under `key` (what `__call__` returned) as a `DirectLaunch`, if it has
+        one that needs no scratch; None when nothing is stored there, the fast path is off, or launch
+        hooks are installed."""
+        if key is None:
+            return None
         entry = self.kernels.get(key)
         if entry is None or not self.enabled or launch_hooks_active():
             return None
@@ -133,6 +157,11 @@ class DirectLaunch:
 
     def launch(self, grid: Tuple[int, int, int], stream: int, args: Sequence[Any]) -> None:
         self._launch(grid[0], grid[1], grid[2], stream, *self._head, *args)
+
+
+def _is_constexpr(annotation) -> bool:
+    """Whether a kernel parameter is annotated `tl.constexpr` (as Triton itself decides)."""
+    return annotation is tl.constexpr or (isinstance(annotation, str) and annotation.split(".")[-1] == "constexpr")
 
 
 def _direct_launch(run):

@@ -157,15 +157,6 @@ def _validate_heads(nheads: int, nheads_k: int) -> None:
         )
 
 
-def _validate_softmax_scale(softmax_scale: Optional[float], head_dim: int) -> float:
-    if softmax_scale is None:
-        return head_dim**-0.5
-    scale = float(softmax_scale)
-    if not (scale > 0.0 and scale != float("inf")):
-        raise ValueError(f"Expected softmax_scale to be a finite positive number, got {softmax_scale}.")
-    return scale
-
-
 def _validate_dropout(dropout_p: float) -> None:
     if dropout_p != 0.0:
         raise NotImplementedError(f"dropout_p={dropout_p} is not supported; only dropout_p=0.0 is implemented.")

@@ -69,16 +69,6 @@ def attention_ref(
     return out.to(dtype), lse
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """||out - ref|| / ||ref|| in float64 (0 when both are empty or zero)."""
-    out, ref = out.double(), ref.double()
-    denom = ref.norm().item()
-    diff = (out - ref).norm().item()
-    if denom == 0.0:
-        return diff
-    return diff / denom
-
-
 def attention_padded_keys_ref(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -44,24 +44,20 @@ D * element size.
 from __future__ import annotations
 
 import bisect
-import datetime
 import itertools
 import math
 import numbers
 import time
 from dataclasses import dataclass
-from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 
-from . import bench
 from ._utils import is_interpreter
-from .decode import PagedKVCache
-from .notebook_utils import ATOL_FLOOR, FP32_RTOL_GPU, FP32_RTOL_INTERPRET, FWD_FACTOR
-from .reference import attention_ref, rel_err
+from .kv_cache import PagedKVCache
+from .reference import attention_ref
+from .testing import check_close
 
 VERIFY_MODES = ("all", "sample", "none")
 
@@ -114,26 +110,15 @@ class _Active:
         return not self.in_prefill and self.generated >= self.request.max_new_tokens
 
 
-def error_bound(dtype: torch.dtype, eager_err: float) -> float:
-    """The largest relative error the tests' rule accepts for a kernel output in `dtype`: 2x PyTorch's
-    own same-dtype error plus a floor for fp16/bf16; plain bounds for fp32 (exact under the
-    interpreter, tf32 on a GPU). See tests/helpers.py."""
-    if dtype == torch.float32:
-        return FP32_RTOL_INTERPRET if is_interpreter() else FP32_RTOL_GPU
-    return FWD_FACTOR * eager_err + ATOL_FLOOR[dtype]
-
-
 def check_attention(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Tuple[float, float]:
     """(err, bound) of `out` (M, H, D), the causal attention of q (M, H, D) over k, v (N, H_KV, D)
-    aligned bottom-right, against the fp32 reference; err is inf when out is not finite."""
+    aligned bottom-right, against the fp32 reference, by the error rule of kernels/testing.py; err is
+    inf when out is not finite."""
     q, k, v = q[None], k[None], v[None]
     ref32, _ = attention_ref(q.float(), k.float(), v.float(), causal=True)
-    eager = 0.0
-    if q.dtype != torch.float32:
-        same, _ = attention_ref(q, k, v, causal=True, upcast=False)
-        eager = rel_err(same, ref32)
-    err = rel_err(out[None], ref32) if bool(torch.isfinite(out).all()) else math.inf
-    return err, error_bound(q.dtype, eager)
+    same = ref32 if q.dtype == torch.float32 else attention_ref(q, k, v, causal=True, upcast=False)[0]
+    _, err, bound = check_close(out[None], ref32, same)
+    return err, bound
 
 
 def _positive_int(name: str, value, minimum: int = 1) -> int:
@@ -457,7 +442,7 @@ class ServingEngine:
 
 
 # ============================================================================================
-# Workloads and sizes
+# Workloads
 # ============================================================================================
 def make_workload(num_requests: int, prompt_range: Tuple[int, int], new_tokens_range: Tuple[int, int],
                   arrival_span: int, *, seed: int = 0) -> List[Request]:
@@ -476,214 +461,3 @@ def make_workload(num_requests: int, prompt_range: Tuple[int, int], new_tokens_r
     arrivals = np.sort(rng.integers(0, arrival_span, num_requests))
     arrivals[0] = 0
     return [Request(int(p), int(g), int(t)) for p, g, t in zip(prompts, new_tokens, arrivals)]
-
-
-def serving_sizes(on_gpu: bool) -> SimpleNamespace:
-    """Sizes for notebook 04: realistic on a GPU, small enough for the Triton interpreter on a CPU.
-
-    GPU: bf16, 32 q heads over 8 KV heads, head dim 128, pages of 64 tokens, 32 requests with prompts of
-    100..4000 tokens and 16..256 new tokens arriving over 200 steps, 16 slots, a pool of 512 pages (a
-    dense cache for 16 requests of max_seqlen would need 1088), chunks of 512 tokens, 2048 tokens per step.
-    CPU: fp16, 4 q heads over 2 KV heads, head dim 32, pages of 16, 6 requests with prompts of 5..80
-    tokens and 2..8 new tokens, 4 slots, a pool of 14 pages (so admission has to wait), chunks of 32.
-    """
-    if on_gpu:
-        return SimpleNamespace(
-            dtype=torch.bfloat16, nheads=32, nheads_k=8, head_dim=128, page_size=64, num_blocks=512, max_batch=16,
-            max_seqlen=4352, chunk_size=512, token_budget=2048, num_requests=32, prompt_range=(100, 4000),
-            new_tokens_range=(16, 256), arrival_span=200, verify="sample", chunks=(5, 17, 1, 33, 700, 1000, 300),
-        )
-    return SimpleNamespace(
-        dtype=torch.float16, nheads=4, nheads_k=2, head_dim=32, page_size=16, num_blocks=14, max_batch=4,
-        max_seqlen=96, chunk_size=32, token_budget=40, num_requests=6, prompt_range=(5, 80),
-        new_tokens_range=(2, 8), arrival_span=6, verify="all", chunks=(5, 17, 1, 33),
-    )
-
-
-def engine_from_sizes(S: SimpleNamespace, device=None, **overrides) -> ServingEngine:
-    """A ServingEngine with the sizes of `serving_sizes` (keyword overrides win)."""
-    kwargs = dict(nheads=S.nheads, nheads_k=S.nheads_k, head_dim=S.head_dim, page_size=S.page_size,
-                  num_blocks=S.num_blocks, max_batch=S.max_batch, max_seqlen=S.max_seqlen, chunk_size=S.chunk_size,
-                  token_budget=S.token_budget, dtype=S.dtype, device=device, verify=S.verify)
-    kwargs.update(overrides)
-    return ServingEngine(**kwargs)
-
-
-# ============================================================================================
-# Chunked prefill against a cache, one request
-# ============================================================================================
-def chunked_prefill_table(chunks: Sequence[int], *, nheads: int, nheads_k: int, head_dim: int, page_size: int,
-                          dtype: torch.dtype, device=None, seed: int = 0):
-    """One prompt of sum(chunks) tokens prefilled chunk by chunk into a dense cache buffer and into a
-    PagedKVCache (flash_attn_with_kvcache with seqlen_q = chunk: append, then attend bottom-right
-    causal over the cache plus the chunk), against one-shot causal prefill (flash_attn_func) and the
-    fp32 reference. The dense buffer's rows past the prompt and the pool's unused pages hold NaN: a
-    read of a row that is not the request's poisons the output.
-
-    One row per chunk and cache: tokens [start, end), err (vs the reference), bound, diff_one_shot
-    (relative difference to the same rows of the one-shot prefill), ok.
-    """
-    import pandas as pd
-
-    from .decode import flash_attn_with_kvcache
-    from .prefill import flash_attn_func
-
-    device = torch.device(device) if device is not None else (torch.device("cuda") if torch.cuda.is_available()
-                                                              else torch.device("cpu"))
-    chunks = [_positive_int("chunk", c) for c in chunks]
-    total = sum(chunks)
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
-
-    q = randn(1, total, nheads, head_dim)
-    k, v = randn(1, total, nheads_k, head_dim), randn(1, total, nheads_k, head_dim)
-    one_shot = flash_attn_func(q, k, v, causal=True)
-    k_dense = torch.full((1, total + 7, nheads_k, head_dim), float("nan"), dtype=dtype, device=device)
-    v_dense = k_dense.clone()
-    paged = PagedKVCache(-(-total // page_size) + 3, page_size, nheads_k, head_dim, max_batch=2,
-                         max_blocks_per_seq=-(-total // page_size), dtype=dtype, device=device)
-    paged.k_cache.fill_(float("nan"))
-    paged.v_cache.fill_(float("nan"))
-    paged.add_request()  # slot 0 takes nothing; slot 1's pages are then not simply blocks 0, 1, ...
-    paged.extend(0, page_size)
-    slot = paged.add_request()
-    rows, start = [], 0
-    agree = one_shot_tolerance(dtype)
-    for n in chunks:
-        end = start + n
-        part = (q[:, start:end], k[:, start:end], v[:, start:end])
-        outs = {
-            "dense": flash_attn_with_kvcache(part[0], k_dense, v_dense, part[1], part[2], cache_seqlens=start,
-                                             causal=True),
-            "paged": paged.decode(*part, slots=[slot]),
-        }
-        for cache, out in outs.items():
-            err, bound = check_attention(out[0], q[0, start:end], k[0, :end], v[0, :end])
-            diff = rel_err(out, one_shot[:, start:end])
-            rows.append({"cache": cache, "chunk": n, "start": start, "end": end, "err": err, "bound": bound,
-                         "diff_one_shot": diff, "ok": bool(err <= bound and diff <= agree)})
-        start = end
-    return pd.DataFrame(rows)
-
-
-def one_shot_tolerance(dtype: torch.dtype) -> float:
-    """Largest relative difference allowed between chunked and one-shot prefill of the same data: two
-    kernels summing in another order, each rounding its output once."""
-    if dtype == torch.float32:
-        return 2e-5 if is_interpreter() else 1e-2  # exact fp32 dots under the interpreter, tf32 on a GPU
-    return {torch.float16: 4e-3, torch.bfloat16: 3.2e-2}[dtype]
-
-
-# ============================================================================================
-# Summaries, results and plots
-# ============================================================================================
-def summary(stats) -> Dict[str, float]:
-    """Totals of a run from its stats rows (a list of dicts or a DataFrame)."""
-    import pandas as pd
-
-    df = pd.DataFrame(stats) if not isinstance(stats, pd.DataFrame) else stats
-    wall_s = df["wall_ms"].sum() / 1e3
-    decode_only = df[(df["prefill_tokens"] == 0) & (df["decode_tokens"] > 0)]
-    with_prefill = df[df["prefill_tokens"] > 0]
-    return {
-        "steps": int(len(df)), "tokens": int(df["tokens"].sum()), "prefill_tokens": int(df["prefill_tokens"].sum()),
-        "decode_tokens": int(df["decode_tokens"].sum()), "attention_s": wall_s,
-        "tokens_per_s": df["tokens"].sum() / wall_s if wall_s > 0 else math.nan,
-        "tokens_per_s_decode_only_steps": (decode_only["tokens"].sum() / (decode_only["wall_ms"].sum() / 1e3)
-                                           if len(decode_only) else math.nan),
-        "tokens_per_s_prefill_steps": (with_prefill["tokens"].sum() / (with_prefill["wall_ms"].sum() / 1e3)
-                                       if len(with_prefill) else math.nan),
-        "max_running": int(df["running"].max()),
-        "peak_pool_in_use_mib": float(df["pool_in_use_mib"].max()), "pool_mib": float(df["pool_mib"].max()),
-        "peak_live_kv_mib": float(df["live_kv_mib"].max()),
-        "peak_dense_running_mib": float(df["dense_running_mib"].max()),
-        "dense_max_batch_mib": float(df["dense_max_batch_mib"].max()),
-    }
-
-
-def save_stats(stats: Sequence[Dict[str, Any]], config: Dict[str, Any], name: str = "serving_steps",
-               results_dir: Union[str, Path] = "results") -> Path:
-    """Append a run's stats rows, tagged with the config, a run id and the environment
-    (kernels.bench.make_row), to results/<gpu>/<name>.csv."""
-    run = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S.%f")  # sorts by time
-    config = {key: (str(value).replace("torch.", "") if isinstance(value, torch.dtype) else value)
-              for key, value in config.items() if isinstance(value, (numbers.Number, str, torch.dtype))}
-    rows = [bench.make_row(**{**config, **row, "run": run}) for row in stats]
-    return bench.write_csv(rows, name, results_dir=results_dir)
-
-
-def load_stats(name: str = "serving_steps", results_dir: Union[str, Path] = "results"):
-    """The latest run per GPU of results/<gpu>/<name>.csv as a DataFrame, or None if there is none."""
-    try:
-        df = bench.read_csv(name, results_dir=results_dir)
-    except FileNotFoundError:
-        return None
-    latest = df.groupby("gpu")["run"].transform("max")
-    return df[df["run"] == latest].reset_index(drop=True)
-
-
-def figure_path(gpu: str, name: str, figures_dir: Union[str, Path] = "figures") -> Path:
-    """figures/<gpu-slug>/<name>.png (a relative figures_dir is taken from the repo root)."""
-    root = Path(figures_dir)
-    root = root if root.is_absolute() else bench.REPO_ROOT / root
-    return root / bench.gpu_slug(str(gpu)) / f"{name}.png"
-
-
-def plot_serving(stats, *, title: str, path: Optional[Union[str, Path]] = None):
-    """Four panels over the engine steps: tokens/s, tokens per step (prefill and decode), memory (pool in
-    use and live K/V against the dense reservations), running and waiting requests. Saved to `path`
-    when given; shown in a notebook; returns the figure (closed)."""
-    import matplotlib
-    import matplotlib.pyplot as plt
-    import pandas as pd
-
-    df = pd.DataFrame(stats) if not isinstance(stats, pd.DataFrame) else stats
-    x = df["step"]
-    fig, axes = plt.subplots(4, 1, figsize=(13, 12), sharex=True)
-    mixed = df["prefill_tokens"] > 0
-    ax = axes[0]
-    ax.plot(x, df["tokens_per_s"], color="0.6", linewidth=0.8)
-    ax.scatter(x[mixed], df["tokens_per_s"][mixed], s=12, label="steps with prefill chunks", color="tab:orange")
-    ax.scatter(x[~mixed], df["tokens_per_s"][~mixed], s=12, label="decode-only steps", color="tab:blue")
-    ax.set_yscale("log")
-    ax.set_ylabel("tokens / s")
-    ax = axes[1]
-    ax.bar(x, df["decode_tokens"], width=1.0, label="decode tokens", color="tab:blue")
-    ax.bar(x, df["prefill_tokens"], width=1.0, bottom=df["decode_tokens"], label="prefill tokens", color="tab:orange")
-    ax.set_ylabel("tokens per step")
-    ax = axes[2]
-    unit, scale = ("MiB", 1.0) if df["dense_max_batch_mib"].max() >= 1 else ("KiB", 1024.0)
-    mem = {c: df[c] * scale for c in ("dense_running_mib", "dense_max_batch_mib", "pool_in_use_mib", "live_kv_mib",
-                                      "pool_mib")}
-    ax.plot(x, mem["dense_running_mib"], label="dense: max_seqlen reserved per running request", color="tab:red")
-    ax.axhline(mem["dense_max_batch_mib"].max(), color="tab:red", linestyle=":",
-               label="dense: max_seqlen x max_batch, allocated up front")
-    ax.plot(x, mem["pool_in_use_mib"], label="paged: pages in use", color="tab:green", linewidth=2)
-    ax.plot(x, mem["live_kv_mib"], label="live K/V (tokens cached)", color="black", linewidth=1, linestyle="--")
-    ax.axhline(mem["pool_mib"].max(), color="tab:green", linestyle=":", label="paged: whole pool")
-    ax.set_ylabel(f"K/V memory, one layer ({unit})")
-    ax.set_ylim(bottom=0)
-    ax = axes[3]
-    ax.step(x, df["running"], where="mid", label="running")
-    ax.step(x, df["waiting"], where="mid", label="arrived, waiting for admission")
-    ax.set_ylabel("requests")
-    ax.set_xlabel("engine step")
-    ax.yaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-    for ax in axes:
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    if path is not None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=110, metadata={"Software": None})
-        shown = path.relative_to(bench.REPO_ROOT) if path.is_relative_to(bench.REPO_ROOT) else path
-        print(f"saved {shown}")
-    if "agg" not in matplotlib.get_backend().lower():
-        plt.show()
-    plt.close(fig)
-    return fig

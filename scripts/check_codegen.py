@@ -3,7 +3,7 @@
 Usage:
     python scripts/check_codegen.py                  # HEAD against the working tree
     python scripts/check_codegen.py --new HEAD       # self-check: HEAD against HEAD, all identical
-    python scripts/check_codegen.py --base HEAD~2 --new HEAD --arch 90 --kernel _fwd_kernel
+    python scripts/check_codegen.py --base HEAD~2 --new HEAD --arch 90 --kernel fwd_kernel
 Options: --jobs N (parallel compiler processes, default: CPU count), --out DIR (keep the artifacts
 there; by default a temporary folder, kept only when something differs), --show-diff N (lines of
 diff printed per differing kernel, default 30).
@@ -32,13 +32,13 @@ Specialisations (the arguments Triton's launcher would build for contiguous tens
 and every `stride_*` integer with the 16-divisibility hint, other integers plain "i32", scales
 "fp32"; arguments that only the varlen or paged paths use are passed as Triton makes them when they
 are None / False, see DENSE_VALUES, and are simply absent from older trees):
-- prefill `_fwd_kernel`, `_bwd_dkdv_kernel`, `_bwd_dq_kernel`: bf16, fp16 x head dim 64, 128 x causal
+- prefill `fwd_kernel`, `bwd_dkdv_kernel`, `bwd_dq_kernel`: bf16, fp16 x head dim 64, 128 x causal
   or not x USE_TMA (sm_90: True and False, with `_HOPPER_FWD` / `_HOPPER_BWD` of kernels/_configs.py;
   sm_89: False, with `_SMALL_SMEM_FWD` / `_SMALL_SMEM_BWD`, what an Ada GPU is given).
-  `_bwd_preprocess_kernel`: bf16, fp16 x 64, 128 (BLOCK_M=64, Triton's default 4 warps, 3 stages).
-- decode `_decode_kernel`: bf16, head dim 128, append x split x causal, STORE_LSE=False (the API's
+  `bwd_preprocess_kernel`: bf16, fp16 x 64, 128 (BLOCK_M=64, Triton's default 4 warps, 3 stages).
+- decode `decode_kernel`: bf16, head dim 128, append x split x causal, STORE_LSE=False (the API's
   default), BLOCK_H=BLOCK_NEW=16 (GQA group 4, one new token) with `_HOPPER_DECODE` (sm_90) or
-  `_SMALL_SMEM_DECODE` (sm_89). `_combine_kernel`: bf16, head dim 128, SPLITS_PAD 2 (1 warp) and
+  `_SMALL_SMEM_DECODE` (sm_89). `combine_kernel`: bf16, head dim 128, SPLITS_PAD 2 (1 warp) and
   64 (4 warps), the launcher's warp rule.
 The tile tables are read from each side's own kernels/_configs.py, so a config change shows up as
 a difference (in the "config" column).
@@ -101,22 +101,21 @@ def _prefill_specs(configs, arch: int):
     for dt in ("bf16", "fp16"):
         for d in (64, 128):
             dims = {"HEAD_DIM": d, "HEAD_DIM_PAD": d}
-            yield ("prefill", "_bwd_preprocess_kernel", f"{dt} d{d}",
+            yield ("prefill_kernels", "bwd_preprocess_kernel", f"{dt} d{d}",
                    {"Out": f"*{dt}", "DO": f"*{dt}", "Delta": "*fp32", "H": "i32", "M": "i32"},
                    {**dims, "BLOCK_M": 64}, (4, 3))
             for causal in (False, True):
                 for tma in ((True, False) if arch >= 90 else (False,)):
                     label = f"{dt} d{d} {'causal' if causal else 'full'} {'tma' if tma else 'ptr'}"
                     flags = {**dims, "IS_CAUSAL": causal, "USE_TMA": tma}
-                    ints = {"H": "i32", "M": "i32", "N": "i32", "GROUP": "i32", "qk_scale": "fp32"}
+                    ints = {"H": "i32", "M": "i32", "N": "i32", "GROUP": "i32", "softmax_scale": "fp32"}
                     cfg = fwd_table[d]
-                    yield ("prefill", "_fwd_kernel", label,
+                    yield ("prefill_kernels", "fwd_kernel", label,
                            {**{p: f"*{dt}" for p in ("Q", "K", "V", "Out")}, "Lse": "*fp32", **ints},
                            {**flags, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n}, (cfg.num_warps, cfg.num_stages))
-                    ints["sm_scale"] = "fp32"
-                    for kernel, cfg, outs in (("_bwd_dkdv_kernel", bwd_table[d][0], ("DK", "DV")),
-                                              ("_bwd_dq_kernel", bwd_table[d][1], ("DQ",))):
-                        yield ("prefill", kernel, label,
+                    for kernel, cfg, outs in (("bwd_dkdv_kernel", bwd_table[d][0], ("DK", "DV")),
+                                              ("bwd_dq_kernel", bwd_table[d][1], ("DQ",))):
+                        yield ("prefill_kernels", kernel, label,
                                {**{p: f"*{dt}" for p in ("Q", "K", "V", "DO", *outs)}, "Lse": "*fp32",
                                 "Delta": "*fp32", **ints},
                                {**flags, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n},
@@ -138,13 +137,13 @@ def _decode_specs(configs, arch: int):
                          "Cache_seqlens": "*i32", "Lse": f"*{dt}", "Out_part": part, "Lse_part": part,
                          "H_KV": "i32", "GROUP": "i32", "M": "i32", "N_CACHE": "i32",
                          "SPLIT_N": "i32:D",  # a multiple of BLOCK_N
-                         "qk_scale": "fp32"}
+                         "softmax_scale": "fp32"}
                 consts = {"HEAD_DIM": d, "HEAD_DIM_PAD": d, "BLOCK_H": block_h, "BLOCK_N": cfg.block_n,
                           "BLOCK_NEW": block_new, "IS_CAUSAL": causal, "APPEND": append, "SPLIT": split,
                           "STORE_LSE": False, "EARLY_NEW": append, "ONE_LOOP": False}
-                yield "decode", "_decode_kernel", label, types, consts, (cfg.num_warps, cfg.num_stages)
+                yield "decode_kernels", "decode_kernel", label, types, consts, (cfg.num_warps, cfg.num_stages)
     for splits_pad in (2, 64):
-        yield ("decode", "_combine_kernel", f"{dt} d{d} splits_pad{splits_pad}",
+        yield ("decode_kernels", "combine_kernel", f"{dt} d{d} splits_pad{splits_pad}",
                {"Out_part": "*fp32", "Lse_part": "*fp32", "Out": f"*{dt}", "Lse": f"*{dt}",
                 "H": "i32", "M": "i32", "NUM_SPLITS": "i32"},
                {"HEAD_DIM": d, "HEAD_DIM_PAD": d, "SPLITS_PAD": splits_pad, "STORE_LSE": False},
@@ -291,8 +290,8 @@ def worker(pkg_root: Path, out: Path, shard: int, shards: int, archs, kernel_fil
         record = {"name": name, "kernel": f"{module}.{kernel}", "arch": arch, "label": label}
         t0 = time.time()
         try:
-            fn = getattr(importlib.import_module(f"kernels.{module}"), kernel)
-            signature, constexprs, attrs, notes = build_source_args(fn, types, consts)
+            fn = _find_kernel(importlib, module, kernel)
+            signature, constexprs, attrs, notes = build_source_args(fn, _scale_types(fn, types), consts)
             record["notes"] = notes
             # compared: what the tile tables and the spec decide (the full signature is in the TTGIR)
             record["config"] = {**{k: repr(v) for k, v in consts.items()}, "num_warps": num_warps,
@@ -314,6 +313,27 @@ def worker(pkg_root: Path, out: Path, shard: int, shards: int, archs, kernel_fil
         (out / f"{name}.json").write_text(json.dumps(record, indent=1, sort_keys=True))
         print(f"{'FAIL' if 'error' in record else 'ok  '} {record['seconds']:6.1f}s {name}", flush=True)
     return 0
+
+
+def _find_kernel(importlib, module: str, kernel: str):
+    """kernels.<module>.<kernel>; in trees that kept the jit code beside its launcher (kernels.prefill,
+    kernels.decode), the same kernel under its older, underscored name."""
+    try:
+        return getattr(importlib.import_module(f"kernels.{module}"), kernel)
+    except ModuleNotFoundError:
+        return getattr(importlib.import_module(f"kernels.{module.replace('_kernels', '')}"), f"_{kernel}")
+
+
+SCALE_PARAMETERS = ("softmax_scale", "qk_scale", "sm_scale")  # the runtime scale, by tree: all fp32 scalars
+
+
+def _scale_types(fn, types: dict) -> dict:
+    """`types` with the scale parameters this kernel has (softmax_scale; older trees: qk_scale, sm_scale)."""
+    if "softmax_scale" not in types:
+        return types
+    types = {k: v for k, v in types.items() if k not in SCALE_PARAMETERS}
+    types.update({name: "fp32" for name in SCALE_PARAMETERS if name in fn.arg_names})
+    return types
 
 
 # ============================================================================================

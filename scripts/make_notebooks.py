@@ -5,120 +5,24 @@
 
 The notebooks are written with no outputs and fixed cell ids, so regenerating them changes nothing
 unless a cell does. Every notebook opens with an "Open in Colab" badge and the same setup cell
-(SETUP below): it finds (or in Colab clones) the repo, sets TRITON_INTERPRET=1 before importing
+(SETUP in scripts/notebook_cells.py): it finds (or in Colab clones) the repo, sets TRITON_INTERPRET=1 before importing
 `kernels` when there is no GPU, and checks that `kernels` is this repo's. Cells hold no IPython
 magics: scripts/run_notebooks.py executes them with plain `exec`.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
-import textwrap
-from pathlib import Path
-from typing import List, Tuple
+from typing import List
 
-import nbformat
-
-# Fill in once the repository is public: the badges and Colab's `git clone` use it.
-GITHUB_REPO = "OWNER/REPO"
-BRANCH = "main"
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-NOTEBOOKS = REPO_ROOT / "notebooks"
-
-Cell = Tuple[str, str]  # ("markdown" | "code", source)
-
-
-def md(text: str) -> Cell:
-    return ("markdown", textwrap.dedent(text).strip("\n"))
-
-
-def code(text: str) -> Cell:
-    return ("code", textwrap.dedent(text).strip("\n"))
-
-
-def badge(name: str) -> str:
-    url = f"https://colab.research.google.com/github/{GITHUB_REPO}/blob/{BRANCH}/notebooks/{name}.ipynb"
-    return f"[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]({url})"
-
-
-# --------------------------------------------------------------------------------------------
-# The setup cell, identical in every notebook
-# --------------------------------------------------------------------------------------------
-SETUP = code(
-    '''
-    # Setup (the same cell in every notebook): find or fetch this repo, pick the device, import `kernels`.
-    # Works in Colab (clones the repo, installs requirements.txt), locally, and headless (nbmake,
-    # scripts/run_notebooks.py). Without a GPU the Triton kernels run on the CPU under the interpreter.
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    REPO_URL = "https://github.com/__GITHUB_REPO__.git"
-    COLAB_CLONE = Path("/content") / "__REPO_NAME__"
-
-
-    def find_repo_root(start):
-        """The nearest folder at or above `start` that holds kernels/__init__.py and pyproject.toml."""
-        for folder in (start, *start.parents):
-            if (folder / "kernels" / "__init__.py").is_file() and (folder / "pyproject.toml").is_file():
-                return folder
-        return None
-
-
-    IN_COLAB = "google.colab" in sys.modules or "COLAB_RELEASE_TAG" in os.environ
-    REPO_ROOT = find_repo_root(Path.cwd().resolve())
-    if REPO_ROOT is None and IN_COLAB:
-        if find_repo_root(COLAB_CLONE) is None:
-            subprocess.run(["git", "clone", "--depth", "1", REPO_URL, str(COLAB_CLONE)], check=True)
-            requirements = str(COLAB_CLONE / "requirements.txt")  # never replaces Colab's torch/triton
-            subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-r", requirements], check=True)
-        REPO_ROOT = find_repo_root(COLAB_CLONE)
-    if REPO_ROOT is None:
-        raise RuntimeError(
-            f"Could not find the repo root (a folder holding kernels/__init__.py and pyproject.toml) at or above "
-            f"{Path.cwd()}. Open this notebook from a clone of {REPO_URL}, or in Colab."
-        )
-    if str(REPO_ROOT) in sys.path:
-        sys.path.remove(str(REPO_ROOT))
-    sys.path.insert(0, str(REPO_ROOT))
-
-    import torch  # only to ask for a GPU: triton and kernels are imported after the switch below
-
-    ON_GPU = torch.cuda.is_available()
-    DEVICE = torch.device("cuda" if ON_GPU else "cpu")
-    if not ON_GPU:
-        os.environ["TRITON_INTERPRET"] = "1"  # before the first `import kernels`: Triton reads it at decoration
-
-    # An unrelated PyPI package is also named `kernels`. Forget one imported earlier, then check which we get.
-    _earlier = sys.modules.get("kernels")
-    if _earlier is not None and REPO_ROOT not in Path(getattr(_earlier, "__file__", None) or "/").resolve().parents:
-        for _name in [m for m in sys.modules if m == "kernels" or m.startswith("kernels.")]:
-            del sys.modules[_name]
-    import kernels
-
-    KERNELS_FILE = getattr(kernels, "__file__", None)
-    if KERNELS_FILE is None or not Path(KERNELS_FILE).resolve().is_relative_to(REPO_ROOT):
-        raise ImportError(
-            f"`import kernels` found {KERNELS_FILE or kernels}, not this repo's package ({REPO_ROOT / 'kernels'}). "
-            "An unrelated PyPI package is also named `kernels`: run `pip uninstall -y kernels`, restart the "
-            "runtime, and run this cell again."
-        )
-    print(f"repo root: {REPO_ROOT}")
-    print(f"kernels:   {KERNELS_FILE}")
-    MODE = "compiled Triton kernels" if ON_GPU else "Triton interpreter on the CPU, small shapes"
-    print(f"device:    {DEVICE} ({MODE})")
-    for _key, _value in kernels.env_summary().items():
-        print(f"{_key:>18}: {_value}")
-    '''
-)
+from nb_benchmarks import benchmarks
+from nb_serving import serving
+from notebook_cells import SETUP, Cell, badge, cli, code, md
 
 IMPORTS = code(
     """
+    import nbutils as nbu
     from kernels import attention_ref, causal_mask, flash_attn_func, rel_err
-    from kernels import notebook_utils as nbu
 
     torch.manual_seed(0)
     # The fp32 references must be true fp32 on a GPU: no tf32 in the ground truth.
@@ -470,25 +374,26 @@ def hardening() -> List[Cell]:
             """
             ## 8 · Latency and peak memory against SDPA
 
-            On a GPU this measures, live: bfloat16, head dim 128, 32 heads, `batch × seqlen = 16384` tokens,
-            seqlen 1024 to 8192, causal and not, forward (`fwd`) and forward + backward (`fwd_bwd`), against
-            SDPA's own choice and its flash (FlashAttention-2) and cuDNN backends where this torch can pick
-            them. Timing: CUDA events, median after warm-up (`kernels.bench.time_fn`); memory: the peak
-            allocated beyond the inputs (`kernels.bench.peak_memory_delta`). Rows go to
-            `results/<gpu>/prefill_fwd.csv` and `prefill_fwd_bwd.csv`, plots to `figures/<gpu>/`.
+            On a GPU this measures, live, with the project's benchmark suite (`benchmarks/`, also
+            `python -m benchmarks`): bfloat16, head dim 128, 32 heads, `batch × seqlen = 16384` tokens,
+            seqlen 1024 to 16384, causal and not, forward (`fwd`) and forward + backward (`fwd_bwd`), against
+            SDPA's flash (FlashAttention-2) and cuDNN backends where this torch can pick them. Each kernel is
+            checked against the reference before it is timed. Timing: CUDA events, median after warm-up, L2
+            flushed (`benchmarks.measure.time_fn`); memory: the peak allocated beyond the inputs
+            (`benchmarks.measure.peak_memory_delta`). Rows go to `results/<gpu>/bench_prefill_fwd.csv` and
+            `bench_prefill_fwd_bwd.csv`, plots to `figures/<gpu>/`.
 
             On a CPU it plots the committed results instead, titled with the GPU they were measured on.
             """
         ),
         code(
             """
-            if ON_GPU:
-                shapes = [dict(batch=S.bench_tokens // n, seqlen=n, nheads=S.bench_nheads, nheads_k=S.bench_nheads,
-                               head_dim=S.bench_head_dim) for n in S.bench_seqlens]
-                rows = nbu.measure(nbu.prefill_providers(), shapes, dtype=S.bench_dtype)
-                results = nbu.save_results(rows, "prefill")  # results/<gpu>/prefill_fwd.csv, prefill_fwd_bwd.csv
-            else:
-                results = nbu.load_results("prefill_fwd", "prefill_fwd_bwd")
+            from benchmarks import grids
+
+            mha = [s for s in grids.prefill_shapes() if s.grid == "issue" and s.head_dim == 128 and s.nheads_k == 32]
+            if ON_GPU:  # rows appended to results/<gpu>/bench_prefill_fwd.csv and bench_prefill_fwd_bwd.csv
+                nbu.run_suite(["prefill_fwd", "prefill_fwd_bwd"], mha, peers=["ours", "sdpa_flash", "sdpa_cudnn"])
+            results = nbu.bench_results("prefill_fwd", "prefill_fwd_bwd")
             """
         ),
         code(
@@ -496,12 +401,12 @@ def hardening() -> List[Cell]:
             if results is None:
                 print("no committed GPU results yet: nothing to plot (run this notebook on a GPU to make them)")
             else:
-                where = {"dtype": "bf16", "head_dim": 128, "nheads": 32, "nheads_k": 32}
+                where = {"grid": "issue", "dtype": "bf16", "head_dim": 128, "nheads": 32, "nheads_k": 32}
                 saved = nbu.plot_lines(results, x="seqlen", name="prefill_vs_sdpa",
                                        x_label="seqlen (batch x seqlen = 16384)",
                                        title="FlashAttention-2 in Triton vs SDPA: bf16, 32 heads, D=128", where=where)
                 if saved:  # TFLOP/s per implementation, and ours / each competitor
-                    baselines = ("sdpa", "sdpa_flash", "sdpa_cudnn", "flex")
+                    baselines = ("sdpa_flash", "sdpa_cudnn", "flex")
                     nbu.show(nbu.summary_table(results, x="seqlen", baselines=baselines, where=where), "{:.2f}")
             """
         ),
@@ -655,24 +560,25 @@ def gqa() -> List[Cell]:
             """
             ## 7 · Latency and peak memory: ours vs SDPA `enable_gqa=True` vs expanded K/V + SDPA
 
-            On a GPU this measures, live: bfloat16, head dim 128, 16 query heads, seqlen 4096 with
-            `batch × seqlen = 16384` tokens, each group ratio, causal and not, forward and forward + backward.
-            Attention FLOPs do not depend on the ratio, so an ideal GQA kernel's latency is flat across it;
-            the expanded path pays for the copies in time and memory (peak memory beyond the inputs shows them).
-            Rows go to `results/<gpu>/gqa_fwd.csv` and `gqa_fwd_bwd.csv`, plots to `figures/<gpu>/`. On a
-            CPU the committed results are plotted, titled with the GPU they came from.
+            On a GPU this measures, live, with the benchmark suite (`benchmarks/`, the group-size sweep
+            `benchmarks.grids.gqa_shapes`): bfloat16, head dim 128, 16 query heads, seqlen 4096 with
+            `batch × seqlen = 16384` tokens, each group ratio, causal and not, forward and forward + backward,
+            against SDPA's flash and cuDNN backends with `enable_gqa=True` and against K/V expanded by
+            `repeat_interleave`, then SDPA. Attention FLOPs do not depend on the ratio, so an ideal GQA kernel's
+            latency is flat across it; the expanded path pays for the copies in time and memory (peak memory
+            beyond the inputs shows them). Rows go to `results/<gpu>/bench_prefill_fwd.csv` and
+            `bench_prefill_fwd_bwd.csv` (grid "gqa"), plots to `figures/<gpu>/`. On a CPU the committed results
+            are plotted, titled with the GPU they came from.
             """
         ),
         code(
             """
-            if ON_GPU:
-                n = S.gqa_bench_seqlen
-                shapes = [dict(batch=S.bench_tokens // n, seqlen=n, nheads=S.gqa_bench_nheads, nheads_k=hk,
-                               head_dim=S.bench_head_dim) for hk in S.gqa_nheads_k]
-                rows = nbu.measure(nbu.gqa_providers(), shapes, dtype=S.bench_dtype)
-                results = nbu.save_results(rows, "gqa")  # results/<gpu>/gqa_fwd.csv, gqa_fwd_bwd.csv
-            else:
-                results = nbu.load_results("gqa_fwd", "gqa_fwd_bwd")
+            from benchmarks import grids
+
+            if ON_GPU:  # rows appended to results/<gpu>/bench_prefill_fwd.csv and bench_prefill_fwd_bwd.csv
+                nbu.run_suite(["prefill_fwd", "prefill_fwd_bwd"], grids.gqa_shapes(),
+                              peers=["ours", "sdpa_flash", "sdpa_cudnn", "sdpa_expand_kv"])
+            results = nbu.bench_results("prefill_fwd", "prefill_fwd_bwd")
             """
         ),
         code(
@@ -680,12 +586,12 @@ def gqa() -> List[Cell]:
             if results is None:
                 print("no committed GPU results yet: nothing to plot (run this notebook on a GPU to make them)")
             else:
-                where = {"dtype": "bf16", "head_dim": 128, "nheads": S.gqa_bench_nheads, "seqlen": S.gqa_bench_seqlen}
+                where = {"grid": "gqa", "dtype": "bf16", "head_dim": 128}
                 title = "GQA/MQA: Triton vs SDPA enable_gqa vs expanded K/V, bf16, 16 q heads, D=128"
                 saved = nbu.plot_lines(results, x="group", name="gqa_vs_sdpa", title=title, where=where,
                                        x_label="group size G = H / H_KV (16 = MQA)")
                 if saved:  # TFLOP/s per implementation, and ours / each competitor
-                    baselines = ("sdpa_gqa", "sdpa_expand_kv")
+                    baselines = ("sdpa_flash", "sdpa_cudnn", "sdpa_expand_kv")
                     nbu.show(nbu.summary_table(results, x="group", baselines=baselines, where=where), "{:.2f}")
             """
         ),
@@ -729,8 +635,9 @@ def decode() -> List[Cell]:
         SETUP,
         code(
             """
-            from kernels import KVCache, bench, causal_mask, flash_attn_with_kvcache
-            from kernels import notebook_utils as nbu
+            import nbutils as nbu
+            from benchmarks import grids, measure, report
+            from kernels import KVCache, causal_mask, flash_attn_with_kvcache
 
             torch.manual_seed(0)
             # The fp32 references must be true fp32 on a GPU: no tf32 in the ground truth.
@@ -756,13 +663,13 @@ def decode() -> List[Cell]:
 
             The table uses an H200's ceilings as measured by the benchmark suite (`results/nvidia-h200/
             bench_ceilings.csv`, source printed below). On a GPU the same table follows for the present
-            card, with its ceilings measured now (`kernels.bench.ceilings()`: a large bf16 matmul, a device copy
+            card, with its ceilings measured now (`benchmarks.measure.ceilings()`: a large bf16 matmul, a device copy
             counting bytes read and written).
             """
         ),
         code(
             """
-            h200 = bench.H200_MEASURED_CEILINGS
+            h200 = measure.H200_MEASURED_CEILINGS
             print(f"{h200['gpu']}: {h200['matmul_tflops']:.0f} TFLOP/s (bf16 matmul), {h200['copy_gbps']:.0f} GB/s "
                   f"(device copy, read + write)\\n  source: {h200['source']}")
             shape = (1, S.bench_nheads, S.bench_nheads_k, S.bench_head_dim, S.bench_dtype, S.bench_cache_lens)
@@ -781,7 +688,7 @@ def decode() -> List[Cell]:
 
             CEILINGS = None
             if ON_GPU:
-                CEILINGS = bench.ceilings()  # measured now, on this GPU; the bandwidth line of section 9
+                CEILINGS = measure.ceilings()  # measured now, on this GPU
                 print(f"\\n{kernels.env_summary()['gpu']}, measured now: {CEILINGS['matmul_tflops']:.0f} TFLOP/s, "
                       f"{CEILINGS['copy_gbps']:.0f} GB/s")
                 nbu.show(nbu.decode_roofline_table(*shape, CEILINGS))
@@ -969,23 +876,25 @@ def decode() -> List[Cell]:
             Each one is checked against the reference before it is timed. Latency is per eager call (CUDA
             events, median; what a Python loop sees), peak memory is what one step allocates beyond its inputs,
             and GB/s is K+V bytes read ÷ time with CUDA-graph replay, against the device-copy bandwidth measured
-            in the same run (section 1). Inputs are rotated so that small caches are not read from L2. Rows go
-            to `results/<gpu>/decode.csv`, the plot to `figures/<gpu>/decode.png`. On a CPU: the committed
-            results, if any.
+            in the same run. Inputs are rotated so that small caches are not read from L2. The measuring is the
+            benchmark suite's (`benchmarks/`, `python -m benchmarks --suite decode`): rows go to
+            `results/<gpu>/bench_decode.csv`, the plot to `figures/<gpu>/decode.png`. On a CPU: the committed
+            results.
             """
         ),
         code(
             """
-            bench_where = {"dtype": nbu.short_dtype(S.bench_dtype), "nheads": S.bench_nheads,
+            bench_where = {"grid": "issue", "metric": "step", "page_size": 0, "dtype": "bf16", "nheads": S.bench_nheads,
                            "nheads_k": S.bench_nheads_k, "head_dim": S.bench_head_dim}
-            if ON_GPU:
-                rows = nbu.measure_decode(
-                    nbu.decode_providers(), batches=S.bench_batches, cache_lens=S.bench_cache_lens,
-                    nheads=S.bench_nheads, nheads_k=S.bench_nheads_k, head_dim=S.bench_head_dim, dtype=S.bench_dtype,
-                    copy_gbps=CEILINGS["copy_gbps"])
-                decode_results = nbu.save_decode_results(rows, "decode")  # results/<gpu>/decode.csv
-            else:
-                decode_results = nbu.load_results("decode")
+            peers = ["ours", "sdpa", "eager_slice", "eager_cat"]
+            shapes = [grids.DecodeShape(b, n, S.bench_nheads, S.bench_nheads_k, S.bench_head_dim)
+                      for b in S.bench_batches for n in S.bench_cache_lens]
+            if ON_GPU:  # rows appended to results/<gpu>/bench_decode.csv
+                nbu.run_suite(["decode"], shapes, peers=peers)
+            decode_results = nbu.bench_results("decode")
+            if decode_results is not None:
+                decode_results = decode_results[decode_results["impl"].isin(peers)
+                                                & decode_results["batch"].isin(S.bench_batches)]
             """
         ),
         code(
@@ -1016,20 +925,16 @@ def decode() -> List[Cell]:
             K+V bandwidth of one step against `num_splits` (1 = no split, then powers of two; the star is the
             heuristic's pick for `num_splits=0`), with SDPA at the same shape dashed and the device-copy line.
             Batch-1 steps last tens of microseconds, so they are timed with CUDA-graph replay (launch overhead
-            excluded; `kernels.bench.time_cuda_graph`). Rows go to `results/<gpu>/decode_splits.csv`, the plot
-            to `figures/<gpu>/decode_splits.png`.
+            excluded; `benchmarks.measure.time_cuda_graph`). The benchmark suite measures it
+            (`python -m benchmarks --suite decode_splits`): rows go to `results/<gpu>/bench_decode_splits.csv`, the
+            plot to `figures/<gpu>/bench_decode_splits_bf16.png`.
             """
         ),
         code(
             """
-            if ON_GPU:
-                rows = nbu.measure_decode_splits(
-                    cache_lens=S.split_cache_lens, split_values=S.split_values, nheads=S.bench_nheads,
-                    nheads_k=S.bench_nheads_k, head_dim=S.bench_head_dim, dtype=S.bench_dtype,
-                    copy_gbps=CEILINGS["copy_gbps"])
-                split_results = nbu.save_decode_results(rows, "decode_splits")  # results/<gpu>/decode_splits.csv
-            else:
-                split_results = nbu.load_results("decode_splits")
+            if ON_GPU:  # rows appended to results/<gpu>/bench_decode_splits.csv
+                nbu.run_suite(["decode_splits"], grids.decode_split_shapes())
+            split_results = nbu.bench_results("decode_splits")
             """
         ),
         code(
@@ -1037,76 +942,17 @@ def decode() -> List[Cell]:
             if split_results is None:
                 print("no committed GPU results yet: nothing to plot (run this notebook on a GPU to measure them)")
             else:
-                title = "Split-KV at batch 1 (append + attend, CUDA-graph replay), bf16, 32 q / 8 KV heads, D=128"
-                split_where = {**bench_where, "batch": 1}
-                if nbu.plot_decode_splits(split_results, name="decode_splits", title=title, where=split_where):
+                if report.plot_decode_splits(split_results):
                     print("K+V GB/s per configuration (CUDA-graph replay):")
-                    nbu.show(nbu.decode_splits_table(split_results, where=split_where), "{:.0f}")
+                    nbu.show(report.decode_splits_table(split_results), "{:.0f}")
             """
         ),
     ]
 
 
-# --------------------------------------------------------------------------------------------
-# Writing
-# --------------------------------------------------------------------------------------------
-def build(name: str, cells: List[Cell]) -> nbformat.NotebookNode:
-    """A notebook with no outputs, fixed cell ids, and Colab metadata asking for a GPU runtime."""
-    nb = nbformat.v4.new_notebook()
-    nb.metadata = {
-        "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
-        "language_info": {"name": "python"},
-        "accelerator": "GPU",
-        "colab": {"provenance": [], "gpuType": "L4"},
-    }
-    repo_name = GITHUB_REPO.split("/")[-1]
-    for i, (kind, source) in enumerate(cells):
-        source = source.replace("__GITHUB_REPO__", GITHUB_REPO).replace("__REPO_NAME__", repo_name)
-        cell_id = f"{name.replace('_', '-')}-{i:02d}"
-        if kind == "markdown":
-            nb.cells.append(nbformat.v4.new_markdown_cell(source, id=cell_id))
-        else:
-            nb.cells.append(nbformat.v4.new_code_cell(source, id=cell_id))
-    nbformat.validate(nb)
-    return nb
-
-
 def notebooks() -> dict:
-    # Later notebooks live in their own builder modules, which import this one: import them here.
-    from nb_benchmarks import benchmarks
-    from nb_serving import serving
-
     return {"00_hardening": hardening(), "01_gqa": gqa(), "02_decode": decode(), "03_benchmarks": benchmarks(),
             "04_serving": serving()}
-
-
-def write_notebooks(cells_by_name: dict, check: bool, script: str = "scripts/make_notebooks.py") -> int:
-    """Write notebooks/<name>.ipynb for each {name: cells}, or with `check` only compare them with the
-    files on disk; returns the exit status (1 when a notebook on disk is out of date)."""
-    stale = []
-    NOTEBOOKS.mkdir(exist_ok=True)
-    for name, cells in cells_by_name.items():
-        text = nbformat.writes(build(name, cells)) + "\n"
-        path = NOTEBOOKS / f"{name}.ipynb"
-        if check:
-            if not path.exists() or path.read_text(encoding="utf-8") != text:
-                stale.append(str(path))
-            continue
-        path.write_text(text, encoding="utf-8")
-        print(f"wrote {path.relative_to(REPO_ROOT)} ({len(cells)} cells)")
-    if stale:
-        print(f"out of date (run python {script}): " + ", ".join(stale), file=sys.stderr)
-        return 1
-    return 0
-
-
-def cli(make_cells, doc: str, script: str, argv=None) -> int:
-    """The command line of every notebook builder: write the notebooks make_cells() returns
-    ({name: cells}), or with --check only compare them with the files on disk."""
-    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
-    parser.add_argument("--check", action="store_true", help="only compare with the notebooks on disk")
-    args = parser.parse_args(argv)
-    return write_notebooks(make_cells(), args.check, script)
 
 
 def main(argv=None) -> int:

@@ -3,10 +3,9 @@
     python scripts/nb_benchmarks.py            # write notebooks/03_benchmarks.ipynb
     python scripts/nb_benchmarks.py --check    # exit 1 if the notebook on disk differs from what this writes
 
-Uses scripts/make_notebooks.py's helpers (md, code, badge, the shared SETUP cell, build); to register it
-there, import `benchmarks` inside make_notebooks.notebooks() (not at module top: this file imports
-make_notebooks) and add "03_benchmarks": benchmarks(). The cells only call kernels.bench_suite (measure)
-and kernels.bench_report (load, tables, figures).
+Uses scripts/notebook_cells.py's helpers (md, code, badge, the shared SETUP cell, build);
+scripts/make_notebooks.py lists this notebook with the others. The cells only call benchmarks.suite
+(measure) and benchmarks.report (load, tables, figures).
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ from __future__ import annotations
 import sys
 from typing import List
 
-from make_notebooks import SETUP, Cell, badge, cli, code, md
+from notebook_cells import SETUP, Cell, badge, cli, code, md
 
 NAME = "03_benchmarks"
 
@@ -27,7 +26,7 @@ def benchmarks() -> List[Cell]:
 
             # 03 · Benchmarks: our kernels against SDPA, FlexAttention and eager PyTorch
 
-            `python -m kernels.bench` measures every kernel of this package on the present GPU against the
+            `python -m benchmarks` measures every kernel of this package on the present GPU against the
             implementations a user would otherwise pick, in one run, the same way for all of them:
 
             - `prefill_fwd`: `flash_attn_func` against SDPA with each backend forced (flash, cuDNN,
@@ -41,7 +40,7 @@ def benchmarks() -> List[Cell]:
 
             Rows go to `results/<gpu>/bench_<suite>.csv` (GPU name, torch, triton, cuDNN, kernel config, date
             and commit on every row), figures to `figures/<gpu>/`, so an L4 run never overwrites the H200's.
-            The CLI is resumable and has a time budget: `python -m kernels.bench --quick --max-minutes 8`.
+            The CLI is resumable and has a time budget: `python -m benchmarks --quick --max-minutes 8`.
 
             **Where it runs.** On a GPU (Colab: *Runtime → Change runtime type → L4*) this notebook runs the
             quick suite live into a scratch folder (the committed results are never overwritten) and plots
@@ -55,11 +54,11 @@ def benchmarks() -> List[Cell]:
             import math
             import tempfile
 
-            from kernels import bench, bench_report, bench_suite
-            from kernels import notebook_utils as nbu
+            import nbutils as nbu
+            from benchmarks import grids, measure, report, results, suite
 
             torch.manual_seed(0)
-            SUITES = bench_suite.SUITES  # what the live run measures; e.g. ("decode",) to run one suite
+            SUITES = grids.SUITES  # what the live run measures; e.g. ("decode",) to run one suite
             MAX_MINUTES = None  # a time budget for the live run (it stops cleanly, rows so far are kept)
             if ON_GPU:
                 GPU = kernels.env_summary()["gpu"]
@@ -69,7 +68,7 @@ def benchmarks() -> List[Cell]:
                 GPU = "NVIDIA H200"  # the committed results plotted on a CPU
                 RESULTS = REPO_ROOT / "results"
                 FIGURES = Path(tempfile.mkdtemp(prefix="kernels_bench_figures_"))  # committed figures untouched
-            print(f"results from {RESULTS / bench.gpu_slug(GPU)}, figures to {FIGURES / bench.gpu_slug(GPU)}")
+            print(f"results from {RESULTS / results.gpu_slug(GPU)}, figures to {FIGURES / results.gpu_slug(GPU)}")
             """
         ),
         md(
@@ -78,7 +77,7 @@ def benchmarks() -> List[Cell]:
 
             - **FLOPs and bytes.** Prefill: `4·B·H·M·N·D`, half of it when causal (exact bottom-right pairs when
               `M != N`, as in chunked prefill), 3.5x for forward + backward. Decode reads the whole cache once,
-              so it is judged by K+V bytes read per second (`kernels.bench.decode_kv_bytes`).
+              so it is judged by K+V bytes read per second (`benchmarks.measure.decode_kv_bytes`).
             - **Timing.** Fixed seeds; warm-up calls excluded; median (with p20/p80/min) of N calls timed with
               CUDA events. Before each prefill call a buffer of twice the L2 size is zeroed outside the timed
               region; decode inputs rotate over copies that together exceed twice the L2, so small shapes are
@@ -99,20 +98,20 @@ def benchmarks() -> List[Cell]:
         ),
         code(
             """
-            for suite in bench_suite.SUITES:
-                quick, full = bench_suite.suite_shapes(suite, quick=True), bench_suite.suite_shapes(suite)
+            for suite in grids.SUITES:
+                quick, full = grids.suite_shapes(suite, quick=True), grids.suite_shapes(suite)
                 print(f"{suite:>16}: {len(quick):3d} shapes quick, {len(full):3d} full")
-            seed = [s for s in bench_suite.prefill_shapes() if s.grid == "seed"]
+            seed = [s for s in grids.prefill_shapes() if s.grid == "seed"]
             assert {(s.batch, s.nheads, s.nheads_k, s.head_dim) for s in seed} == {(2, 32, 8, 128)}
             assert {s.seqlen for s in seed} == {2048, 4096, 8192}, "the seed's prefill setup must be in the grid"
-            assert {s.head_dim for s in bench_suite.prefill_shapes()} == {64, 128}
+            assert {s.head_dim for s in grids.prefill_shapes()} == {64, 128}
             """
         ),
         md(
             """
             ## 2 · Measure (GPU) or load the committed results (CPU)
 
-            On a GPU: the quick suite (`python -m kernels.bench --quick`: a few shapes per suite, bf16, fewer
+            On a GPU: the quick suite (`python -m benchmarks --quick`: a few shapes per suite, bf16, fewer
             repetitions, no FlexAttention: minutes per suite), resumable within the session (re-running this cell
             measures only what is missing).
             On a CPU: the committed CSVs. Until the suite's own H200 CSVs are committed, the prefill suites
@@ -122,9 +121,9 @@ def benchmarks() -> List[Cell]:
         code(
             """
             if ON_GPU:
-                summary = bench_suite.run(SUITES, quick=True, results_dir=RESULTS, figures_dir=None,  # drawn below
+                summary = suite.run(SUITES, quick=True, results_dir=RESULTS, figures_dir=None,  # drawn below
                                           max_minutes=MAX_MINUTES)
-            frames = {suite: bench_report.load_suite(suite, RESULTS, gpu=GPU) for suite in bench_suite.SUITES}
+            frames = {suite: report.load_suite(suite, RESULTS, gpu=GPU) for suite in grids.SUITES}
             assert frames["prefill_fwd"] is not None, f"no prefill results for {GPU} under {RESULTS}"
             for suite, df in frames.items():
                 if df is None:
@@ -150,8 +149,8 @@ def benchmarks() -> List[Cell]:
         ),
         code(
             """
-            bench_report.plot_prefill(frames["prefill_fwd"], "prefill_fwd", FIGURES)
-            nbu.show(bench_report.value_table(frames["prefill_fwd"], "prefill_fwd"), "{:.0f}")
+            report.plot_prefill(frames["prefill_fwd"], "prefill_fwd", FIGURES)
+            nbu.show(report.value_table(frames["prefill_fwd"], "prefill_fwd"), "{:.0f}")
             """
         ),
         md(
@@ -166,8 +165,8 @@ def benchmarks() -> List[Cell]:
             if frames["prefill_fwd_bwd"] is None:
                 print("no forward + backward results to plot")
             else:
-                bench_report.plot_prefill(frames["prefill_fwd_bwd"], "prefill_fwd_bwd", FIGURES)
-                nbu.show(bench_report.value_table(frames["prefill_fwd_bwd"], "prefill_fwd_bwd"), "{:.0f}")
+                report.plot_prefill(frames["prefill_fwd_bwd"], "prefill_fwd_bwd", FIGURES)
+                nbu.show(report.value_table(frames["prefill_fwd_bwd"], "prefill_fwd_bwd"), "{:.0f}")
             """
         ),
         md(
@@ -184,12 +183,12 @@ def benchmarks() -> List[Cell]:
             """
             decode = frames["decode"]
             if decode is None:
-                print("no decode results yet: nothing to plot (run `python -m kernels.bench --suite decode` on a GPU)")
+                print("no decode results yet: nothing to plot (run `python -m benchmarks --suite decode` on a GPU)")
             else:
-                bench_report.plot_decode(decode, FIGURES)
+                report.plot_decode(decode, FIGURES)
                 print("K+V GB/s per step:")
-                nbu.show(bench_report.value_table(decode, "decode"), "{:.0f}")
-                host = bench_report.value_table(decode, "decode", metric="host_overhead")
+                nbu.show(report.value_table(decode, "decode"), "{:.0f}")
+                host = report.value_table(decode, "decode", metric="host_overhead")
                 if host is not None:
                     print("host overhead of one eager call (us, no synchronisation):")
                     nbu.show(host, "{:.1f}")
@@ -208,10 +207,10 @@ def benchmarks() -> List[Cell]:
             """
             chunked = frames["chunked"]
             if chunked is None:
-                print("no chunked-prefill results yet: nothing to plot (run `python -m kernels.bench --suite chunked`)")
+                print("no chunked-prefill results yet: nothing to plot (run `python -m benchmarks --suite chunked`)")
             else:
-                bench_report.plot_chunked(chunked, FIGURES)
-                nbu.show(bench_report.value_table(chunked, "chunked"), "{:.0f}")
+                report.plot_chunked(chunked, FIGURES)
+                nbu.show(report.value_table(chunked, "chunked"), "{:.0f}")
             """
         ),
         md(
@@ -226,7 +225,7 @@ def benchmarks() -> List[Cell]:
         code(
             """
             for suite, df in frames.items():
-                table = None if df is None else bench_report.memory_table(df, suite)
+                table = None if df is None else report.memory_table(df, suite)
                 if table is None:
                     print(f"{suite}: no memory measurements in these rows")
                     continue
@@ -240,20 +239,20 @@ def benchmarks() -> List[Cell]:
 
             Each row divided by the ceiling measured in its own run: TFLOP/s over the bf16 matmul rate for
             prefill, K+V GB/s over the larger of the copy and read-only bandwidths for decode. Rows measured
-            before the suite stored ceilings use `kernels.bench.H200_MEASURED_CEILINGS` (said so in the title).
+            before the suite stored ceilings use `benchmarks.measure.H200_MEASURED_CEILINGS` (said so in the title).
             """
         ),
         code(
             """
-            reference = bench_report.load_ceilings(RESULTS, GPU) or (
-                bench.H200_MEASURED_CEILINGS if GPU == bench.H200_MEASURED_CEILINGS["gpu"] else None)
+            reference = report.load_ceilings(RESULTS, GPU) or (
+                measure.H200_MEASURED_CEILINGS if GPU == measure.H200_MEASURED_CEILINGS["gpu"] else None)
             print("reference ceilings for rows measured without their own:",
                   {k: v for k, v in (reference or {}).items() if k != "source"})
-            bench_report.plot_roofline(frames, FIGURES, ceilings=reference)
+            report.plot_roofline(frames, FIGURES, ceilings=reference)
             for suite in ("prefill_fwd", "decode"):
                 if frames[suite] is None:
                     continue
-                fractions = bench_report.roofline_table(frames[suite], suite, ceilings=reference)
+                fractions = report.roofline_table(frames[suite], suite, ceilings=reference)
                 if fractions is None:
                     continue
                 nbu.show(fractions, "{:.2f}")
@@ -273,11 +272,11 @@ def benchmarks() -> List[Cell]:
         ),
         code(
             """
-            headline = bench_report.headline_table(frames=frames)
+            headline = report.headline_table(frames=frames)
             assert len(headline) and headline["ratio"].map(math.isfinite).all(), "every ratio must be finite"
             assert (headline["ratio"] > 0).all()
             nbu.show(headline.drop(columns=["gpu"]), "{:.2f}")
-            print(bench_report.headline_markdown(headline))
+            print(report.headline_markdown(headline))
             """
         ),
     ]

@@ -3,9 +3,8 @@
     python scripts/nb_serving.py            # write notebooks/04_serving.ipynb
     python scripts/nb_serving.py --check    # exit 1 if the notebook on disk differs from what this writes
 
-The shared pieces (the badge, the setup cell, `md`/`code`, `build`) come from scripts/make_notebooks.py;
-register `serving()` there by importing it inside `notebooks()` (a module-level import would be
-circular: this file imports make_notebooks).
+The shared pieces (the badge, the setup cell, `md`/`code`, `build`) come from scripts/notebook_cells.py;
+scripts/make_notebooks.py lists this notebook with the others.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from typing import List
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from make_notebooks import SETUP, Cell, badge, cli, code, md  # noqa: E402
+from notebook_cells import SETUP, Cell, badge, cli, code, md  # noqa: E402
 
 NAME = "04_serving"
 
@@ -53,7 +52,8 @@ def serving() -> List[Cell]:
             kernels run under Triton's interpreter with small sizes (float16, 4 q heads over 2 KV heads, head dim
             32, pages of 16, 6 requests of up to 80 prompt tokens): every output is checked, the memory accounting
             is exact, the tokens/s are the interpreter's (meaningless), and the committed GPU results are plotted
-            when there are any. All logic lives in `kernels/serving.py`: these cells narrate, call, check and plot.
+            when there are any. All logic lives in `kernels/serving.py` and notebooks/nbutils.py: these cells
+            narrate, call, check and plot.
             """
         ),
         SETUP,
@@ -61,14 +61,14 @@ def serving() -> List[Cell]:
             """
             import pandas as pd
 
+            import nbutils as nbu
             from kernels import PagedKVCache, causal_mask, serving
-            from kernels import notebook_utils as nbu
 
             torch.manual_seed(0)
             # The fp32 references must be true fp32 on a GPU: no tf32 in the ground truth.
             torch.backends.cuda.matmul.allow_tf32 = False
             torch.backends.cudnn.allow_tf32 = False
-            S = serving.serving_sizes(ON_GPU)  # small sizes under the interpreter, realistic ones on a GPU
+            S = nbu.serving_sizes(ON_GPU)  # small sizes under the interpreter, realistic ones on a GPU
             print(S)
             """
         ),
@@ -154,7 +154,7 @@ def serving() -> List[Cell]:
         ),
         code(
             """
-            chunked = serving.chunked_prefill_table(S.chunks, nheads=S.nheads, nheads_k=S.nheads_k, head_dim=S.head_dim,
+            chunked = nbu.chunked_prefill_table(S.chunks, nheads=S.nheads, nheads_k=S.nheads_k, head_dim=S.head_dim,
                                                     page_size=S.page_size, dtype=S.dtype, device=DEVICE)
             nbu.show(chunked)
             nbu.assert_table_ok(chunked, "chunked prefill == one-shot prefill, dense and paged")
@@ -184,7 +184,7 @@ def serving() -> List[Cell]:
             requests = pd.DataFrame([vars(r) for r in workload])
             requests["total_len"] = requests.prompt_len + requests.max_new_tokens
             nbu.show(requests)
-            engine = serving.engine_from_sizes(S, DEVICE)
+            engine = nbu.engine_from_sizes(S, DEVICE)
             page_mib = S.page_size * engine.bytes_per_token / 2**20
             max_pages = S.max_seqlen // S.page_size
             print(f"pool: {S.num_blocks} pages of {S.page_size} tokens = {S.num_blocks * page_mib:.3g} MiB per layer; "
@@ -196,7 +196,7 @@ def serving() -> List[Cell]:
                  lambda: engine.submit(serving.Request(S.max_seqlen - 1, 2, 0)), ValueError),
                 ("a request with an empty prompt", lambda: engine.submit(serving.Request(0, 5, 0)), ValueError),
                 ("token_budget < max_batch (decodes could not all fit in a step)",
-                 lambda: serving.engine_from_sizes(S, DEVICE, token_budget=S.max_batch - 1), ValueError),
+                 lambda: nbu.engine_from_sizes(S, DEVICE, token_budget=S.max_batch - 1), ValueError),
             ])
             assert engine.requests == [], "a refused request must not be queued"
             """
@@ -227,7 +227,7 @@ def serving() -> List[Cell]:
         code(
             """
             if ON_GPU:  # warm-up: Triton compiles a kernel per new shape class at first use
-                warmup = serving.engine_from_sizes(S, DEVICE, verify="none")
+                warmup = nbu.engine_from_sizes(S, DEVICE, verify="none")
                 warmup.submit(workload)
                 warmup.run()
                 print(f"warm-up pass: {len(warmup.stats)} steps")
@@ -294,7 +294,7 @@ def serving() -> List[Cell]:
         ),
         code(
             """
-            totals = serving.summary(stats)
+            totals = nbu.summary(stats)
             nbu.show(pd.DataFrame([totals]).T.rename(columns={0: "value"}), "{:.4g}")
             assert (stats.pool_in_use_mib <= stats.dense_running_mib + 1e-9).all(), "paging never takes more than dense"
             assert (stats.live_kv_mib <= stats.pool_in_use_mib + 1e-9).all()
@@ -314,21 +314,21 @@ def serving() -> List[Cell]:
             if ON_GPU:
                 gpu = kernels.env_summary()["gpu"]
                 config = {key: value for key, value in vars(S).items() if not isinstance(value, tuple)}
-                print(f"wrote {serving.save_stats(engine.stats, config)}")  # results/<gpu>/serving_steps.csv
-                serving.plot_serving(stats, title=f"Continuous batching on {gpu}: {shape}",
-                                     path=serving.figure_path(gpu, "serving"))
+                print(f"wrote {nbu.save_stats(engine.stats, config)}")  # results/<gpu>/serving_steps.csv
+                nbu.plot_serving(stats, title=f"Continuous batching on {gpu}: {shape}",
+                                     path=nbu.figure_path(gpu, "serving"))
             else:
-                serving.plot_serving(stats, title=f"This run, on the CPU under the Triton interpreter (its tokens/s "
+                nbu.plot_serving(stats, title=f"This run, on the CPU under the Triton interpreter (its tokens/s "
                                                   f"mean nothing; the memory is exact): {shape}")
-                committed = serving.load_stats()
+                committed = nbu.load_stats()
                 if committed is None:
                     print("no committed GPU results yet (results/<gpu>/serving_steps.csv): run this notebook on a GPU")
                 else:
                     for gpu, run in committed.groupby("gpu"):
                         print(f"committed run on {gpu} ({run['date'].iloc[0][:10]}):")
-                        nbu.show(pd.DataFrame([serving.summary(run)]).T.rename(columns={0: "value"}), "{:.4g}")
-                        serving.plot_serving(run, title=f"Continuous batching on {gpu} (committed run)",
-                                             path=serving.figure_path(gpu, "serving"))
+                        nbu.show(pd.DataFrame([nbu.summary(run)]).T.rename(columns={0: "value"}), "{:.4g}")
+                        nbu.plot_serving(run, title=f"Continuous batching on {gpu} (committed run)",
+                                             path=nbu.figure_path(gpu, "serving"))
             """
         ),
     ]

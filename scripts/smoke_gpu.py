@@ -8,6 +8,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from kernels import attention_ref, flash_attn_func, rel_err  # noqa: E402
 from kernels._configs import AttnConfig  # noqa: E402
+from kernels._options import attn_options  # noqa: E402
 from kernels.prefill import _flash_attn_forward  # noqa: E402
 
 torch.manual_seed(0)
@@ -30,8 +31,9 @@ for (B, M, N, H, HK, D, causal, dt) in [
     errs = [rel_err(o, ro)] + [rel_err(a, b) for a, b in zip(g, gr)]
     # both load paths of the forward
     qd, kd, vd = q.detach(), k.detach(), v.detach()
-    o_ptr, _ = _flash_attn_forward(qd, kd, vd, D**-0.5, causal, AttnConfig(128, 64, 4, 2, False))
-    o_tma, _ = _flash_attn_forward(qd, kd, vd, D**-0.5, causal, AttnConfig(128, 64, 4, 2, True))
+    options = attn_options(D, None, causal)
+    o_ptr, _ = _flash_attn_forward(qd, kd, vd, options, AttnConfig(128, 64, 4, 2, False))
+    o_tma, _ = _flash_attn_forward(qd, kd, vd, options, AttnConfig(128, 64, 4, 2, True))
     errs += [rel_err(o_ptr, ro), rel_err(o_tma, ro)]
     ok = all(e < 2e-2 for e in errs) and all(torch.isfinite(x).all() for x in (o, *g))
     bad += not ok

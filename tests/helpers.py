@@ -4,9 +4,10 @@ Imported by the test modules as `from helpers import ...` (tests/conftest.py put
 sys.path). conftest.py has already set TRITON_INTERPRET=1 on machines without a GPU by the time
 this module is imported, so DEVICE / ON_GPU / INTERPRET below describe the run correctly.
 
-The error rule is flash-attn's: a kernel in fp16/bf16 is judged by its error against an fp32
-reference *relative to* the error PyTorch's own eager code makes in the same dtype, so the bound
-follows the precision of the inputs instead of being a magic constant.
+The error rule is kernels/testing.py's (flash-attn's): a kernel in fp16/bf16 is judged by its error
+against an fp32 reference *relative to* the error PyTorch's own eager code makes in the same dtype,
+so the bound follows the precision of the inputs instead of being a magic constant. The assertions
+below apply that one rule and say why a result failed it.
 """
 
 from __future__ import annotations
@@ -17,9 +18,19 @@ from typing import Optional, Tuple
 import pytest
 import torch
 
-from kernels import attention_ref, rel_err
+from kernels import attention_ref
 from kernels._utils import is_interpreter
 from kernels.reference import attention_sdpa
+from kernels.testing import (
+    ATOL_FLOOR,
+    FWD_FACTOR,
+    GRAD_FACTOR,
+    agreement_tolerance,
+    check_close,
+    check_lse,
+    lse_tolerance,
+    rel_err,
+)
 
 INTERPRET: bool = is_interpreter()
 ON_GPU: bool = torch.cuda.is_available() and not INTERPRET  # compiled kernels on a real GPU
@@ -33,13 +44,6 @@ needs_graph_capture = pytest.mark.skipif(
 )
 
 LAYOUTS = ("bshd", "bhsd", "qkv_packed", "strided")
-
-# Absolute floor added to factor * (eager same-dtype error): covers cases where PyTorch's own error
-# is ~0 (a single key, tiny rows) while the kernel still rounds its output once.
-ATOL_FLOOR = {torch.float16: 1e-3, torch.bfloat16: 4e-3}
-# fp32 has no "same dtype" yardstick (the reference *is* fp32): plain bounds instead.
-FP32_RTOL_GPU = 5e-3  # tf32 tensor-core matmuls (10-bit mantissa) on the GPU
-FP32_RTOL_INTERPRET = 1e-5  # the interpreter's tl.dot is an exact fp32 numpy matmul
 
 
 # --------------------------------------------------------------------------------------------
@@ -167,52 +171,42 @@ def sdpa_references(q, k, v, *, causal: bool, softmax_scale: Optional[float] = N
 
 
 # --------------------------------------------------------------------------------------------
-# Error rules
+# Error rules: kernels.testing's, with messages that say which bound failed and why
 # --------------------------------------------------------------------------------------------
 def assert_close_to_ref(
     out: torch.Tensor,
     ref_fp32: torch.Tensor,
     ref_same_dtype: torch.Tensor,
     *,
-    factor: float = 2.0,
-    atol_floor: Optional[float] = None,
+    grad: bool = False,
     msg: str = "",
 ) -> None:
-    """flash-attn's rule: rel_err(out, ref_fp32) <= factor * rel_err(ref_same_dtype, ref_fp32) + floor.
+    """kernels.testing.check_close: rel_err(out, ref_fp32) <= factor * rel_err(ref_same_dtype, ref_fp32)
+    + ATOL_FLOOR, factor FWD_FACTOR (outputs) or GRAD_FACTOR (`grad`: gradients).
 
-    fp32 inputs get a plain bound instead (5e-3 on a GPU for tf32 matmuls, 1e-5 under the
-    interpreter, whose fp32 dot is exact). NaN or inf in `out` never passes.
+    fp32 inputs get the plain bound of kernels.testing.error_bound instead (tight under the
+    interpreter, whose fp32 dot is exact; looser on a GPU for tf32 matmuls). NaN or inf in `out`
+    never passes.
     """
     assert out.shape == ref_fp32.shape, f"shape {tuple(out.shape)} != reference {tuple(ref_fp32.shape)} {msg}"
     assert torch.isfinite(out).all(), (
         f"non-finite output: {(~torch.isfinite(out)).sum().item()} of {out.numel()} elements {msg}"
     )
-    err = rel_err(out, ref_fp32)
+    ok, err, bound = check_close(out, ref_fp32, ref_same_dtype, grad=grad)
     if out.dtype == torch.float32:
-        bound = FP32_RTOL_INTERPRET if INTERPRET else FP32_RTOL_GPU
-        assert err <= bound, f"fp32 rel err {err:.3e} > {bound:.1e} {msg}"
+        assert ok, f"fp32 rel err {err:.3e} > {bound:.1e} {msg}"
         return
-    floor = ATOL_FLOOR[out.dtype] if atol_floor is None else atol_floor
+    factor = GRAD_FACTOR if grad else FWD_FACTOR
     ref_err = rel_err(ref_same_dtype, ref_fp32)
-    bound = factor * ref_err + floor
-    assert err <= bound, (
-        f"kernel rel err {err:.3e} > {factor} * eager {out.dtype} rel err {ref_err:.3e} + {floor:.0e} "
+    assert ok, (
+        f"kernel rel err {err:.3e} > {factor} * eager {out.dtype} rel err {ref_err:.3e} + {ATOL_FLOOR[out.dtype]:.0e} "
         f"(= {bound:.3e}) {msg}"
     )
 
 
-# Natural-log LSE: the kernel and the reference both compute the scores with fp32 accumulation
-# (exact products of fp16/bf16 inputs), so they agree to fp32 rounding of the sum (~1e-6 measured
-# under the interpreter). fp32 inputs on a GPU go through tf32, whose hardware conversion truncates
-# the mantissa to 10 bits: score errors are biased and grow with |score|, so the LSE (dominated by
-# the largest scores) gets a relative term too (5.4e-3 measured at |lse| ~ 7 on an H200).
-LSE_ATOL = {torch.float16: 1e-3, torch.bfloat16: 1e-3, torch.float32: 1e-4}
-LSE_ATOL_FP32_GPU, LSE_RTOL_FP32_GPU = 5e-3, 2e-3
-
-
 def assert_lse_close(lse: torch.Tensor, ref_lse: torch.Tensor, dtype: torch.dtype, msg: str = "") -> None:
-    """lse is float32 (B, H, M), +inf exactly where the reference is +inf, finite elsewhere and
-    within a dtype-dependent tolerance; NaN never passes."""
+    """kernels.testing.check_lse: lse is float32 (B, H, M), +inf exactly where the reference is +inf,
+    finite elsewhere and within lse_tolerance(dtype) of it; NaN never passes."""
     assert lse.dtype == torch.float32, f"lse dtype {lse.dtype} {msg}"
     assert lse.shape == ref_lse.shape, f"lse shape {tuple(lse.shape)} != {tuple(ref_lse.shape)} {msg}"
     assert not torch.isnan(lse).any(), f"NaN in lse {msg}"
@@ -221,36 +215,31 @@ def assert_lse_close(lse: torch.Tensor, ref_lse: torch.Tensor, dtype: torch.dtyp
         f"+inf mismatch: kernel {torch.isposinf(lse).sum().item()} rows, reference {ref_inf.sum().item()} {msg}"
     )
     assert not torch.isneginf(lse).any(), f"-inf in lse {msg}"
-    if (~ref_inf).any():
-        got, want = lse[~ref_inf], ref_lse[~ref_inf]
-        diff = (got - want).abs()
-        if dtype == torch.float32 and not INTERPRET:
-            tol = LSE_ATOL_FP32_GPU + LSE_RTOL_FP32_GPU * want.abs()
-            worst = (diff - tol).argmax()
-            assert (diff <= tol).all(), (
-                f"lse abs diff {diff[worst].item():.3e} > {tol[worst].item():.3e} "
-                f"at |lse| {want[worst].abs().item():.2f} "
-                f"(tf32 bound {LSE_ATOL_FP32_GPU:.0e} + {LSE_RTOL_FP32_GPU:.0e} * |lse|) {msg}"
-            )
-        else:
-            tol = LSE_ATOL[dtype]
-            assert diff.max().item() <= tol, f"lse max abs diff {diff.max().item():.3e} > {tol:.0e} {msg}"
+    ok, worst = check_lse(lse, ref_lse, dtype)
+    if ok:
+        return
+    atol, rtol = lse_tolerance(dtype)
+    got, want = lse[~ref_inf].double(), ref_lse[~ref_inf].double()
+    diff = (got - want).abs()
+    tol = atol + rtol * want.abs()
+    at = (diff - tol).argmax()
+    raise AssertionError(
+        f"lse abs diff {diff[at].item():.3e} > {tol[at].item():.3e} at |lse| {want[at].abs().item():.2f} "
+        f"(bound {atol:.0e} + {rtol:.0e} * |lse|; worst abs diff {worst:.3e}) {msg}"
+    )
 
 
-# Split-KV vs unsplit decode: the same sums in a different order (fp32 partials, one merge).
-AGREE_TOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 1e-5 if INTERPRET else 5e-3}
-
-
-def assert_splits_agree(results: dict, tol: float) -> None:
+def assert_splits_agree(results: dict, dtype: torch.dtype) -> None:
     """Split-KV results {num_splits: (out, lse)} agree with the unsplit one (key 1): output within
-    `tol` relative error, LSE +inf in the same rows and within 1e-3 elsewhere."""
+    agreement_tolerance(dtype) relative difference, LSE +inf in the same rows and within 1e-3 elsewhere."""
+    tol = agreement_tolerance(dtype)
     out1, lse1 = results[1]
     for ns, (out, lse) in results.items():
         if ns == 1:
             continue
         diff = rel_err(out, out1)
         print(f"num_splits={ns} vs 1: out rel err {diff:.2e}")
-        assert diff <= tol, f"num_splits={ns} vs 1: rel err {diff:.2e}"
+        assert diff <= tol, f"num_splits={ns} vs 1: rel err {diff:.2e} > {tol:.1e}"
         assert torch.equal(torch.isinf(lse), torch.isinf(lse1))
         finite = torch.isfinite(lse1)
         assert (lse[finite] - lse1[finite]).abs().max().item() < 1e-3

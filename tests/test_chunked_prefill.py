@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from helpers import (
-    AGREE_TOL,
     DEVICE,
     INTERPRET,
     ON_GPU,
@@ -26,6 +25,7 @@ from helpers import (
     references,
 )
 from kernels import decode, flash_attn_func, flash_attn_with_kvcache
+from kernels.testing import agreement_tolerance
 
 DTYPES = [torch.float16] + ([torch.bfloat16] if ON_GPU else [torch.float32])
 HEAD_DIM = 128 if ON_GPU else 32
@@ -75,6 +75,7 @@ def to_pool(k_dense, v_dense, page_size, seed=0):
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_prefill_path_matches_decode_path_and_reference(dtype, causal, append, group, page_size):
+    """The prefill path and the decode kernel (num_splits 0 and 1) match the reference, each other and their caches."""
     if page_size is not None and CAPACITY % page_size:
         pytest.skip("capacity must be whole pages")
     if INTERPRET and (dtype == torch.float32 and (group != 1 or page_size is not None)):
@@ -103,13 +104,14 @@ def test_prefill_path_matches_decode_path_and_reference(dtype, causal, append, g
         results[name] = (out, kc, vc)
     (out_p, kc_p, vc_p), (out_d, kc_d, vc_d) = results["prefill path"], results["decode kernel"]
     diff = (out_p.float() - out_d.float()).norm() / out_d.float().norm()
-    assert diff <= AGREE_TOL[dtype], f"prefill path vs decode kernel rel err {diff:.2e}"
+    assert diff <= agreement_tolerance(dtype), f"prefill path vs decode kernel rel err {diff:.2e}"
     assert torch.equal(kc_p, kc_d) and torch.equal(vc_p, vc_d), "the two paths left different caches"
     assert torch.equal(seqlens.cpu(), torch.tensor(lengths, dtype=torch.int32)), "cache_seqlens was modified"
 
 
 @pytest.mark.parametrize("page_size", [None, 16])
 def test_append_writes_exactly_the_new_slots(page_size):
+    """The prefill path's append writes each request's new rows into its cache (dense or paged) and no other row."""
     dtype, batch, nheads_k = torch.float16, 3, 2
     lengths = [0, 7, CAPACITY - CHUNK]
     q = randn(batch, CHUNK, NHEADS, HEAD_DIM, dtype=dtype)
@@ -158,7 +160,7 @@ def test_prompt_in_uneven_chunks_equals_one_shot(page_size):
     ref32, _, ref_same = references(q, k, v, causal=True)
     assert_close_to_ref(out, ref32, ref_same, msg="chunked")
     diff = (out.float() - one_shot.float()).norm() / one_shot.float().norm()
-    assert diff <= AGREE_TOL[dtype], f"chunked vs one-shot prefill rel err {diff:.2e}"
+    assert diff <= agreement_tolerance(dtype), f"chunked vs one-shot prefill rel err {diff:.2e}"
     if table is None:
         assert torch.equal(k_cache[:, :total], k) and torch.equal(v_cache[:, :total], v)
     else:

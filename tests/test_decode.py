@@ -1,4 +1,5 @@
-"""Decode attention (kernels/decode.py): flash_attn_with_kvcache and KVCache.
+"""Decode attention (kernels/decode.py, kernels/decode_kernels.py): flash_attn_with_kvcache, and KVCache
+(kernels/kv_cache.py).
 
 Ground truth is kernels.reference.attention_ref in fp32, per request over the keys it should see
 (cache rows [0, L_b) plus the new tokens); fp16/bf16 outputs are judged against PyTorch's own
@@ -12,7 +13,6 @@ import pytest
 import torch
 
 from helpers import (
-    AGREE_TOL,
     DEVICE,
     INTERPRET,
     ON_GPU,
@@ -26,7 +26,9 @@ from helpers import (
 )
 from kernels import KVCache, attention_ref, flash_attn_func, flash_attn_with_kvcache, rel_err
 from kernels._launch import DirectLaunch
+from kernels._options import attn_options
 from kernels.decode import _flash_attn_with_kvcache_launch
+from kernels.testing import agreement_tolerance
 
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if ON_GPU else [])
 HALF_DTYPES = [torch.float16] + ([torch.bfloat16] if ON_GPU else [])
@@ -35,7 +37,6 @@ NHEADS = 8 if ON_GPU else 4
 HEAD_DIM = 128 if ON_GPU else 32
 AR_LENGTHS = [1, 31, 33, 63, 65, 127, 257] if ON_GPU else [1, 31, 33, 65, 127]
 GROUPS = [1, 2, 4, 8] if ON_GPU else [1, 2, 4]  # nheads // nheads_k; the largest is MQA
-# Two split-vs-unsplit runs of the same data may differ by rounding of the output dtype.
 
 
 def randn(*shape, dtype, device=DEVICE):
@@ -97,7 +98,7 @@ def test_autoregressive_equivalence(seqlen, group, dtype):
     assert_close_to_ref(out_prefill, ref32, ref_same, msg="prefill " + msg)
     diff = rel_err(out_decode, out_prefill)
     print(f"decode vs prefill rel err {diff:.2e} {msg}")
-    assert diff <= 2 * AGREE_TOL[dtype], f"decode vs prefill rel err {diff:.2e} {msg}"
+    assert diff <= 2 * agreement_tolerance(dtype), f"decode vs prefill rel err {diff:.2e} {msg}"
     assert torch.equal(k_cache[:, :seqlen], k) and torch.equal(v_cache[:, :seqlen], v)
 
 
@@ -145,7 +146,7 @@ def test_split_and_unsplit_agree(seqlen_q, dtype):
                                     return_softmax_lse=True)
         for ns in (1, 3, 0)
     }
-    assert_splits_agree(results, AGREE_TOL[dtype])
+    assert_splits_agree(results, dtype)
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
@@ -301,8 +302,8 @@ def test_device_lengths_never_leave_the_buffers():
     v = randn(batch, seqlen_q, nheads_k, head_dim, dtype=dtype)
     seqlens = torch.tensor([-3, seqlen_cache - 1, seqlen_cache, seqlen_cache + 1000], dtype=torch.int32, device=DEVICE)
     for num_splits in (1, 3):
-        out, lse = _flash_attn_with_kvcache_launch(q, k_cache, v_cache, k, v, seqlens, head_dim**-0.5, True,
-                                                   num_splits, True)
+        out, lse = _flash_attn_with_kvcache_launch(q, k_cache, v_cache, k, v, seqlens,
+                                                   attn_options(head_dim, head_dim**-0.5, True), num_splits, True)
         assert torch.isfinite(out).all() and not torch.isnan(lse).any()
         assert torch.isnan(k_buf[:, seqlen_cache:]).all() and torch.isnan(v_buf[:, seqlen_cache:]).all()
     # clamped semantics: a negative length reads as 0, a length past the cache as seqlen_cache
@@ -378,9 +379,12 @@ def test_validation_errors(case):
 
 
 def test_fast_launch_reuses_kernel_only_for_the_same_key(monkeypatch):
-    """The launch cache dispatches through Triton once per key, then calls the compiled kernel's C
-    launcher directly: every argument in signature order (keyword arguments and defaults placed),
-    tensors as raw pointers, the current stream, no launch hooks."""
+    """The launch cache dispatches through Triton once per key -- the caller's key, every constexpr's
+    value, which arguments are None, the launch options -- then calls the compiled kernel's C launcher
+    directly: every argument in signature order (keyword arguments and defaults placed), tensors as
+    raw pointers, the current stream, no launch hooks."""
+    import triton.language as tl
+
     import kernels._launch as launch
     from kernels._launch import LaunchCache
 
@@ -400,7 +404,7 @@ def test_fast_launch_reuses_kernel_only_for_the_same_key(monkeypatch):
                     0, 1, None, None, None, None, None)
                 launches.append(("fast", (gx, gy, gz), stream, args))
 
-    def kernel(X, n, Y=None, BLOCK=16):  # the Python function a JITFunction wraps
+    def kernel(X, n, Y=None, m=7, BLOCK: tl.constexpr = 16):  # the Python function a JITFunction wraps
         pass
 
     class FakeJit:
@@ -417,17 +421,30 @@ def test_fast_launch_reuses_kernel_only_for_the_same_key(monkeypatch):
     x = torch.arange(4)
     cache = LaunchCache(FakeJit())
     cache.enabled = True
-    cache("a", (4, 2, 1), (x, 2), num_warps=4)
-    cache("a", (4, 2, 1), (x, 3), num_warps=4, kwargs={"BLOCK": 32}, device_index=1)
-    cache("b", (8, 1, 1), (x, 5), num_warps=4)
-    assert [entry[0] for entry in launches] == ["dispatch", "fast", "dispatch"]
-    assert launches[1] == ("fast", (4, 2, 1), 1001, (x.data_ptr(), 3, None, 32))
+    assert cache.names == ["X", "n", "Y", "m", "BLOCK"] and cache.constexprs == (4,)
+    first = cache("a", (4, 2, 1), (x, 2), num_warps=4)
+    assert first == cache.key_of("a", [x, 2, None, 7, 16], 4, 1, False, None) == (
+        "a", (16,), (False, False, True, False), 4, 1, False, None)
+    again = cache("a", (4, 2, 1), (x, 3), num_warps=4, kwargs={"m": 9, "BLOCK": 16}, device_index=1)
+    assert again == first
+    assert [entry[0] for entry in launches] == ["dispatch", "fast"]
+    assert launches[1] == ("fast", (4, 2, 1), 1001, (x.data_ptr(), 3, None, 9, 16))
+    others = [
+        cache("a", (4, 2, 1), (x, 3), num_warps=4, kwargs={"BLOCK": 32}),  # another constexpr value
+        cache("a", (4, 2, 1), (x, 3, x), num_warps=4),  # Y no longer None
+        cache("a", (4, 2, 1), (x, 3), num_warps=8),  # another launch option
+        cache("b", (8, 1, 1), (x, 5), num_warps=4),  # another caller key
+    ]
+    assert len({first, *others}) == 5
+    assert [entry[0] for entry in launches[2:]] == ["dispatch"] * 4
+    assert cache("a", (2, 1, 1), (x, 1), num_warps=4, kwargs={"BLOCK": 32}) == others[0]
+    assert launches[-1] == ("fast", (2, 1, 1), 1000, (x.data_ptr(), 1, None, 7, 32))
     monkeypatch.setattr(launch, "launch_hooks_active", lambda: True)  # a profiler sees every launch
     cache("a", (4, 2, 1), (x, 2), num_warps=4)
     assert launches[-1][0] == "dispatch"
     cache.enabled = False
-    cache("c", (1, 1, 1), (x, 1), num_warps=4)
-    cache("c", (1, 1, 1), (x, 1), num_warps=4)
+    assert cache("c", (1, 1, 1), (x, 1), num_warps=4) is None
+    assert cache("c", (1, 1, 1), (x, 1), num_warps=4) is None
     assert [entry[0] for entry in launches[-2:]] == ["dispatch", "dispatch"]
 
 
@@ -687,30 +704,46 @@ def test_replay_variants(monkeypatch, paged, append, return_lse, causal, seqlen_
 
 def test_replay_templates_take_pointers_by_parameter():
     """A recorded launch's pointer slots follow the kernel's parameter names, not the tensors the
-    recording passed (aliased there: k is v); the replay key takes plain Python arguments only."""
+    recording passed (aliased there: k is v), and its option slots take the replayed call's runtime
+    options; the replay key holds the options' compiled part only and plain Python arguments only."""
     import kernels.decode as decode
+    from kernels._launch import LaunchCache
 
     for names, sources in ((decode._launch_decode.names, decode._DECODE_SOURCES),
                            (decode._launch_combine.names, decode._COMBINE_SOURCES)):
         assert set(sources) <= set(names)
-    names = decode._launch_decode.names
+    launch = LaunchCache(decode.decode_kernel)
+    launch.enabled = True
+    names = launch.names
+    options = attn_options(32, 0.125, causal=True)
     x, y = torch.zeros(4), torch.zeros(4)
-    args = [x if name in decode._DECODE_SOURCES else 1 for name in names]
-    args[names.index("K_new")] = args[names.index("V_new")] = y  # k is v in the recording
-    args[names.index("Block_table")] = None  # dense: not a pointer
-    pointers = tuple(i for i, arg in enumerate(args) if isinstance(arg, torch.Tensor))
-    direct, grid, template, slots = decode._replay_template(DirectLaunch(None, (), pointers), (1, 1, 1), args, names,
-                                                            decode._DECODE_SOURCES)
+    values = {name: x if name in decode._DECODE_SOURCES else 1 for name in names}
+    values["K_new"] = values["V_new"] = y  # k is v in the recording
+    values["Block_table"] = None  # dense: not a pointer
+    values.update(options.runtime)
+    split = names.index("softmax_scale")  # as the launcher passes them: shapes positional, the rest by keyword
+    args, kwargs = [values[n] for n in names[:split]], {n: values[n] for n in names[split:]}
+    full = launch.positional(args, kwargs)
+    assert full == [values[n] for n in names]
+    pointers = tuple(i for i, arg in enumerate(full) if isinstance(arg, torch.Tensor))
+    key = launch.key_of(("sig", 0), full, 4, 2, False, None)
+    assert decode._replay_template(launch, key, (1, 1, 1), args, kwargs, decode._DECODE_SOURCES, options) is None
+    launch.kernels[key] = (None, pointers, DirectLaunch(None, (), pointers))
+    direct, grid, template, slots, option_slots = decode._replay_template(launch, key, (1, 1, 1), args, kwargs,
+                                                                          decode._DECODE_SOURCES, options)
+    assert direct is launch.kernels[key][2] and grid == (1, 1, 1)
     assert dict(slots) == {names.index(n): decode._DECODE_SOURCES[n] for n in decode._DECODE_SOURCES
                            if n != "Block_table"}
+    assert option_slots == ((names.index("softmax_scale"), "softmax_scale"),)
     assert not any(isinstance(arg, torch.Tensor) for arg in template)
-    assert decode._replay_template(DirectLaunch(None, (), pointers), (1, 1, 1), args, names, {}) is None
+    assert decode._replay_template(launch, key, (1, 1, 1), args, kwargs, {}, options) is None
 
     sig, lens = ("sig",), torch.zeros(2, dtype=torch.int32)
-    assert decode._replay_key(sig, lens, None, False, 0, False) is not None
-    assert decode._replay_key(sig, lens, 0.125, True, 3, True) is not None
-    for bad in ((5, None, False, 0, False), (lens, torch.tensor(0.1), False, 0, False), (lens, None, 1, 0, False),
-                (lens, None, False, 2.0, False), (lens, None, False, 0, 1)):
+    key = decode._replay_key(sig, lens, attn_options(32), 0, False)
+    assert key is not None and decode._replay_key(sig, lens, options, 3, True) is not None
+    assert decode._replay_key(sig, lens, attn_options(32, 0.5), 0, False) == key  # runtime: filled into the replay
+    assert decode._replay_key(sig, lens, attn_options(32, causal=True), 0, False) != key  # compiled: another launch
+    for bad in ((5, options, 0, False), (lens, options, 2.0, False), (lens, options, 0, 1)):
         assert decode._replay_key(sig, *bad) is None
 
 

@@ -1,4 +1,5 @@
-"""Paged KV cache (kernels/decode.py): flash_attn_with_kvcache(..., block_table=...) and PagedKVCache.
+"""Paged KV cache (kernels/decode.py, kernels/decode_kernels.py): flash_attn_with_kvcache(..., block_table=...),
+and PagedKVCache (kernels/kv_cache.py).
 
 Pools are filled with random data and read through random permuted block tables (flash-attn's
 `_generate_block_kvcache`, FlashInfer's paged tests); the dense caches gathered through the same
@@ -13,7 +14,6 @@ import pytest
 import torch
 
 from helpers import (
-    AGREE_TOL,
     DEVICE,
     INTERPRET,
     ON_GPU,
@@ -27,9 +27,10 @@ from helpers import (
     references,
 )
 from kernels import PagedKVCache, PoolExhaustedError, flash_attn_with_kvcache, rel_err
-from kernels._common import wide_pages
-from kernels._launch import LaunchCache
+from kernels._jit import wide_pages
+from kernels._options import attn_options
 from kernels.decode import _flash_attn_with_kvcache_launch
+from kernels.testing import agreement_tolerance
 
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if ON_GPU else [])
 NHEADS = 8 if ON_GPU else 4
@@ -81,7 +82,7 @@ def assert_paged_equals_dense(out_paged, out_dense, dtype, msg=""):
     else:
         diff = rel_err(out_paged, out_dense)
         print(f"paged vs dense rel err {diff:.2e} {msg}")
-        assert diff <= AGREE_TOL[dtype], f"paged vs dense rel err {diff:.2e} {msg}"
+        assert diff <= agreement_tolerance(dtype), f"paged vs dense rel err {diff:.2e} {msg}"
 
 
 def expected_pools(k_pool, v_pool, block_table, k, v, lengths):
@@ -263,13 +264,12 @@ def test_seqlen_q_causal_bottom_right(group, append):
 @pytest.mark.parametrize("one_loop", [False, True])
 def test_one_loop_and_two_loops_match_the_reference(monkeypatch, one_loop, page_size):
     """Both forms of a split's loop over its cached keys (ONE_LOOP, [Note] One loop for short splits in
-    kernels/decode.py), forced whatever the split length, over dense and paged caches: ragged tails of
+    kernels/decode_kernels.py), forced whatever the split length, over dense and paged caches: ragged tails of
     every size, empty splits, causal seqlen_q > 1 with and without an append."""
     from kernels import decode
 
     monkeypatch.setattr(decode, "_one_loop", lambda blocks_per_split, gathers: one_loop)
-    monkeypatch.setattr(decode._launch_decode, "kernels", {})  # compiled kernels keyed without ONE_LOOP
-    decode._REPLAYS.clear()
+    decode._REPLAYS.clear()  # replays key on the call, which decides ONE_LOOP in real use: record the forced form
     dtype, seqlen_q = torch.float16, 3
     lengths = [0, 5, 31, 64, 100] if INTERPRET else [0, 5, 63, 640, 2000]
     batch, nheads, nheads_k, head_dim = len(lengths), NHEADS, 2, HEAD_DIM
@@ -450,7 +450,17 @@ def test_capped_registers_compile_and_match_dense(page_size):
     out_dense = flash_attn_with_kvcache(q, k_dense, v_dense, k, v, cache_seqlens=i32(lengths))
     assert_close_to_ref(out, ref32, ref_same)
     assert_paged_equals_dense(out, out_dense, dtype, f"capped registers, page_size={page_size}, {plan}")
-    compiled = [entry[0] for key, entry in decode._launch_decode.kernels.items() if key[1] == plan]
+    # the launch cache's keys: (caller key (signature, ...), constexpr values, None flags, warps, stages, pdl, maxnreg)
+    sig = decode._signature(q, k_pool, v_pool, k, v, table)
+    constexpr_names = [decode._launch_decode.names[i] for i in decode._launch_decode.constexprs]
+    compiled = []
+    for key, entry in decode._launch_decode.kernels.items():
+        caller, constexprs, _, num_warps, num_stages, _, maxnreg = key
+        tiles = dict(zip(constexpr_names, constexprs))
+        if caller[0] == sig and (tiles["PAGE_SIZE"], tiles["BLOCK_N"], tiles["BLOCK_H"], num_warps, num_stages,
+                                 maxnreg) == (page_size, plan.block_n, plan.block_h, plan.num_warps, plan.num_stages,
+                                              plan.max_registers):
+            compiled.append(entry[0])
     assert compiled, "the capped plan's kernel was not launched through the launch cache"
     for kernel in compiled:
         assert 0 < kernel.n_regs <= plan.max_registers, f"{kernel.n_regs} registers > cap {plan.max_registers}"
@@ -470,7 +480,7 @@ def test_split_and_unsplit_agree(dtype):
                                     num_splits=ns, return_softmax_lse=True)
         for ns in (1, 3, 0)
     }
-    assert_splits_agree(results, AGREE_TOL[dtype])
+    assert_splits_agree(results, dtype)
 
 
 def test_transposed_pool_views():
@@ -537,9 +547,8 @@ def test_wide_page_offsets_read_and_write_the_same_rows(monkeypatch, path):
         if wide:
             for module in (decode, prefill):
                 monkeypatch.setattr(module, "wide_pages", lambda *args, name=module.__name__: asked.add(name) or True)
-            # the fast launches key on the call's signature, which decides WIDE_PAGES in real use: go
-            # through Triton's dispatcher, which specialises on the forced flag
-            monkeypatch.setattr(LaunchCache, "enabled", False)
+            # replays key on the call's signature, which decides WIDE_PAGES in real use: record afresh (the
+            # fast launches key on every constexpr, so they compile the forced flag's kernels themselves)
             monkeypatch.setattr(decode, "_REPLAYS", {})
         kp, vp = k_pool.clone(), v_pool.clone()
         out = flash_attn_with_kvcache(q, kp, vp, k, v, cache_seqlens=i32(lengths), block_table=table, causal=True,
@@ -666,8 +675,9 @@ def test_device_block_table_never_leaves_the_pool():
     for num_splits in (1, 3):
         k_pool.copy_(k_start)
         v_pool.copy_(v_start)
-        out, lse = _flash_attn_with_kvcache_launch(q, k_pool, v_pool, k, v, seqlens, head_dim**-0.5, True,
-                                                   num_splits, True, table)
+        out, lse = _flash_attn_with_kvcache_launch(q, k_pool, v_pool, k, v, seqlens,
+                                                   attn_options(head_dim, head_dim**-0.5, True), num_splits, True,
+                                                   table)
         assert torch.isfinite(out).all() and not torch.isnan(lse).any()
         assert torch.isnan(k_buf[:guard]).all() and torch.isnan(k_buf[-guard:]).all()
         assert torch.isnan(v_buf[:guard]).all() and torch.isnan(v_buf[-guard:]).all()

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from helpers import DEVICE, assert_close_to_ref
-from kernels.reference import attention_ref, decode_eager_cat, decode_eager_slice, rel_err
+from kernels.reference import attention_ref, decode_eager_cat, decode_eager_slice
+from kernels.testing import rel_err
 
 HEADS = [(4, 4), (4, 2), (4, 1), (6, 2)]  # MHA, GQA, MQA, G = 3
 

@@ -2,8 +2,9 @@
 
 Chunked prefill: a prompt prefilled in uneven chunks through flash_attn_with_kvcache (seqlen_q =
 chunk: append the chunk, attend bottom-right causal over the cache plus the chunk), into a dense
-cache buffer and into a PagedKVCache, must equal one-shot causal prefill (flash_attn_func) and the
-fp32 reference. Rows of the caches that are not the request's hold NaN, so reading one fails.
+cache buffer and into a PagedKVCache, must equal one-shot causal prefill (flash_attn_func, within
+kernels.testing.agreement_tolerance) and the fp32 reference. Rows of the caches that are not the
+request's hold NaN, so reading one fails.
 
 The engine: outputs of a mixed workload (prompts prefilled in chunks while others decode) equal the
 reference, checked here independently of the engine's own checks (all of a request's outputs
@@ -19,18 +20,8 @@ import torch
 
 from helpers import DEVICE, ON_GPU, assert_close_to_ref, make_qkv, references
 from kernels import PagedKVCache, flash_attn_func, flash_attn_with_kvcache, rel_err
-from kernels.serving import (
-    Request,
-    ServingEngine,
-    VerificationError,
-    chunked_prefill_table,
-    load_stats,
-    make_workload,
-    one_shot_tolerance,
-    plot_serving,
-    save_stats,
-    summary,
-)
+from kernels.serving import Request, ServingEngine, VerificationError, make_workload
+from kernels.testing import agreement_tolerance
 
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if ON_GPU else [])
 NHEADS, NHEADS_K, HEAD_DIM = (32, 8, 128) if ON_GPU else (4, 2, 32)
@@ -82,7 +73,7 @@ def test_chunked_prefill_dense_cache_equals_one_shot(dtype):
     diff = rel_err(chunked, one_shot)
     print(f"chunks {CHUNKS}: chunked vs one-shot rel diff {diff:.2e}, vs fp32 ref {rel_err(chunked, ref32):.2e}")
     assert_close_to_ref(chunked, ref32, same, msg="chunked prefill, dense cache")
-    assert diff <= one_shot_tolerance(dtype), f"chunked vs one-shot rel diff {diff:.2e}"
+    assert diff <= agreement_tolerance(dtype), f"chunked vs one-shot rel diff {diff:.2e}"
     assert torch.equal(k_cache[:, :total], k) and torch.equal(v_cache[:, :total], v), "the cache must hold the prompt"
     assert torch.isnan(k_cache[:, total:]).all(), "rows past the prompt were written"
 
@@ -113,20 +104,11 @@ def test_chunked_prefill_paged_cache_equals_one_shot(dtype):
     held = cache.pages(slot)
     assert held != list(range(held[0], held[0] + len(held))), f"the prompt's pages should interleave: {held}"
     assert_close_to_ref(chunked, ref32, same, msg="chunked prefill, paged cache")
-    assert diff <= one_shot_tolerance(dtype), f"chunked vs one-shot rel diff {diff:.2e}"
+    assert diff <= agreement_tolerance(dtype), f"chunked vs one-shot rel diff {diff:.2e}"
     assert cache.seqlens[slot] == total
     held = torch.tensor(held, device=DEVICE)
     assert torch.equal(cache.k_cache[held].flatten(0, 1)[:total], k[0]), "the pages must hold the prompt's keys"
     assert torch.equal(cache.v_cache[held].flatten(0, 1)[:total], v[0])
-
-
-def test_chunked_prefill_table_passes_and_sees_every_chunk():
-    """The notebook's chunked-prefill table: one passing row per chunk and cache."""
-    table = chunked_prefill_table((5, 17, 1, 33), nheads=4, nheads_k=2, head_dim=32, page_size=PAGE_SIZE,
-                                  dtype=torch.float16, device=DEVICE)
-    print(table.to_string())
-    assert len(table) == 8 and table["ok"].all()
-    assert list(table[table.cache == "paged"]["end"]) == [5, 22, 23, 56]
 
 
 # --------------------------------------------------------------------------------------------
@@ -243,20 +225,3 @@ def test_request_larger_than_the_pool_and_bad_configs_raise():
         engine(verify="some")
     with pytest.raises(ValueError, match="chunk_size"):
         engine(chunk_size=0)
-
-
-
-def test_stats_round_trip_and_plot(tmp_path):
-    """Per-step stats saved as CSV rows come back as the latest run, and plot to a PNG."""
-    eng = engine()
-    eng.submit([Request(9, 1, 0), Request(3, 2, 0)])
-    eng.run()
-    config = {"dtype": torch.float16, "nheads": 4, "chunks": (5, 17)}  # tuples are not stored
-    for _ in range(2):
-        path = save_stats(eng.stats, config, results_dir=tmp_path)
-    loaded = load_stats(results_dir=tmp_path)
-    assert path.exists() and len(loaded) == len(eng.stats), "only the latest run comes back"
-    assert loaded["dtype"].iloc[0] == "float16" and "chunks" not in loaded.columns
-    assert summary(loaded)["tokens"] == summary(eng.stats)["tokens"] == 15
-    figure = plot_serving(loaded, title="test", path=tmp_path / "serving.png")
-    assert (tmp_path / "serving.png").stat().st_size > 0 and len(figure.axes) == 4

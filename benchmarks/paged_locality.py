@@ -13,7 +13,7 @@ variant's graph replayed in turn, round after round (interleaved), the fastest r
 
 Rotation: copies=rule is the suite's (enough copies to exceed twice the L2); copies=8 rotates 8.
 
-    python scripts/paged_locality.py --out results/nvidia-h200 --tag stop20
+    python -m benchmarks.paged_locality --out results/nvidia-h200 --tag locality
 
 Prints one line per (shape, copies) and appends them to <out>/paged_locality_<tag>.log.
 """
@@ -28,17 +28,13 @@ from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from kernels import flash_attn_with_kvcache  # noqa: E402
-from kernels.bench import (  # noqa: E402
-    GRAPH_MIN_CALLS,
-    capture_graph,
-    decode_kv_bytes,
-    l2_cache_bytes,
-    replay_median_ms,
-)
-from kernels.bench_suite import _decode_keys, _random_block_table  # noqa: E402
-from kernels.reference import attention_ref, rel_err  # noqa: E402
+from kernels import flash_attn_with_kvcache
+from kernels.reference import attention_ref
+from kernels.testing import rel_err
+
+from .inputs import random_block_table
+from .measure import GRAPH_MIN_CALLS, capture_graph, decode_kv_bytes, l2_cache_bytes, replay_median_ms
+from .suite import _decode_keys
 
 H, HK, D = 32, 8, 128
 DTYPE = torch.bfloat16
@@ -48,7 +44,7 @@ def block_table(pages: int, order: str, seed: int) -> torch.Tensor:
     """(1, pages) int32 over a pool of `pages` blocks: random (the suite's table), sorted or random within
     windows of W."""
     if order == "random":
-        return _random_block_table(1, pages, seed, "cuda")
+        return random_block_table(1, pages, seed, "cuda")
     if order == "sorted":
         table = torch.arange(pages)
     else:

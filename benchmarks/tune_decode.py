@@ -5,7 +5,7 @@ timed at several num_splits with CUDA-graph replay (so launch overhead is exclud
 default backend with a length-1 query and the current heuristic. Bandwidth = K+V bytes read / time.
 Also measures the host overhead of one eager decode step (CPU wall time of the call, no sync).
 
-    python scripts/tune_decode.py --out results/nvidia-h200 [--quick]
+    python -m benchmarks.tune_decode --out results/nvidia-h200 [--quick]
 
 Writes <out>/tune_decode.csv (one row per measurement) and prints the best config per shape.
 """
@@ -14,23 +14,18 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from kernels import (  # noqa: E402
-    _configs,
-    decode,
-    flash_attn_with_kvcache,  # noqa: E402
-)
-from kernels._launch import LaunchCache  # noqa: E402
-from kernels.bench import decode_kv_bytes, make_row, time_cuda_graph, write_csv  # noqa: E402
-from kernels.reference import attention_ref, rel_err  # noqa: E402
+from kernels import _configs, decode, flash_attn_with_kvcache
+from kernels._launch import LaunchCache
+from kernels.reference import attention_ref
+from kernels.testing import rel_err
+
+from .measure import decode_kv_bytes, host_overhead_us, time_cuda_graph
+from .results import make_row, write_csv
 
 H, HK, D = 32, 8, 128
 
@@ -39,22 +34,6 @@ def _set_config(cfg: _configs.DecodeConfig) -> None:
     _configs._HOPPER_DECODE[D] = cfg
     decode._plan.cache_clear()
     decode._REPLAYS.clear()  # replays hold the launches of the old plans
-
-
-def host_overhead_us(fn, calls: int = 2000) -> float:
-    """Median CPU wall time of fn() without synchronising (the GPU queue absorbs the work)."""
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for i in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-        if i % 200 == 199:
-            torch.cuda.synchronize()  # keep the launch queue from filling up
-    torch.cuda.synchronize()
-    return statistics.median(times) * 1e6
 
 
 def chunked_crossover() -> list:
@@ -155,14 +134,15 @@ def main() -> int:
         ("sdpa_default", lambda: F.scaled_dot_product_attention(q.transpose(1, 2), kc.transpose(1, 2),
                                                                 vc.transpose(1, 2), enable_gqa=True)),
     ]:
-        us = host_overhead_us(fn)
+        us = host_overhead_us(fn, calls=2000)["host_us"]
         rows.append(make_row(kernel=name, batch=1, seqlen_cache=4096, host_us=us))
         print(f"host overhead {name}: {us:.1f} us", flush=True)
     LaunchCache.enabled = False  # every launch through Triton's dispatcher: no replays, nothing cached
     decode._REPLAYS.clear()
     decode._launch_decode.kernels.clear()
     decode._launch_combine.kernels.clear()
-    us = host_overhead_us(lambda: flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens))
+    us = host_overhead_us(lambda: flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens),
+                          calls=2000)["host_us"]
     rows.append(make_row(kernel="ours_append_tensor_lens_no_fast_launch", batch=1, seqlen_cache=4096, host_us=us))
     print(f"host overhead without fast launch: {us:.1f} us", flush=True)
     LaunchCache.enabled = True

@@ -1,38 +1,30 @@
-"""Benchmark helpers: FLOP and byte models, GPU timing, result rows and CSV storage.
+"""Measuring: FLOP and byte models, GPU timing (CUDA events, CUDA-graph replay, host overhead), peak
+memory and the device's ceilings (bf16 matmul TFLOP/s, copy and read GB/s).
 
-Measure, store and plot are separate steps: `time_fn` / `time_cuda_graph` time a callable, `make_row`
-stamps the numbers with the GPU, versions, date and git commit, `write_csv` appends them to
-`results/<gpu-slug>/<name>.csv`, and `read_csv` loads them back for plots. The models follow the
-FlashAttention / Triton tutorial conventions: forward FLOPs 4*B*H*M*N*D (two matmuls), half of that
-when causal, 2.5x for the backward; decode is judged by K/V bytes read per second.
+Measure, store and plot are separate steps: this module times a callable, benchmarks/results.py
+stamps the numbers with the GPU, versions, date and git commit and stores them as CSV, and
+benchmarks/report.py plots them. The models follow the FlashAttention / Triton tutorial conventions:
+forward FLOPs 4*B*H*M*N*D (two matmuls), half of that when causal, 2.5x for the backward; decode is
+judged by K/V bytes read per second.
 
 Importing this module needs no GPU and queries no device; the timing functions raise a RuntimeError
-without one. `python -m kernels.bench` runs the benchmark suite (kernels/bench_suite.py: grids, peers,
-resumable CSVs, plots); `python -m kernels.bench --help` lists its options.
+without one.
 """
 
 from __future__ import annotations
 
-import csv
-import datetime
 import functools
 import math
-import os
-import re
-import subprocess
-import sys
 import time
-from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
 import triton
 import triton.language as tl
 
-from ._utils import env_summary, gpu_name, has_gpu
+from kernels._utils import has_gpu
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-Row = Dict[str, Any]  # one benchmark measurement: its fields plus the environment stamped by make_row
+from .results import Row
 
 _MODE_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
 
@@ -437,119 +429,3 @@ def ceilings(*, matmul_n: int = 8192, copy_gib: float = 2.0) -> Dict[str, float]
     result["bandwidth_gbps"] = max(result["copy_gbps"], result["read_gbps"])
     torch.cuda.empty_cache()
     return result
-
-
-# --------------------------------------------------------------------------------------------
-# Rows and CSV storage
-# --------------------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
-def git_commit() -> str:
-    """Short sha of this checkout's HEAD; $KERNELS_COMMIT where the tree travels without .git
-    (a remote GPU box); 'unknown' when neither is available."""
-    if os.environ.get("KERNELS_COMMIT"):
-        return os.environ["KERNELS_COMMIT"]
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return out.stdout.strip() or "unknown"
-
-
-def make_row(**fields: Any) -> Row:
-    """A result row: the given fields, then gpu, torch, triton, cuda, cudnn, date (UTC ISO) and commit."""
-    env = env_summary()
-    meta = {
-        "gpu": env["gpu"],
-        "torch": env["torch"],
-        "triton": env["triton"],
-        "cuda": env["cuda"],
-        "cudnn": env["cudnn"],
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": git_commit(),
-    }
-    row: Row = dict(fields)
-    for key, value in meta.items():
-        row.setdefault(key, value)  # an explicit field wins (e.g. re-stamping imported results)
-    return row
-
-
-def gpu_slug(name: str) -> str:
-    """Folder name for a GPU: lowercase, runs of non-alphanumerics -> '-' ('NVIDIA H200' -> 'nvidia-h200')."""
-    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-    return slug or "unknown"
-
-
-def _results_root(results_dir: Union[str, Path]) -> Path:
-    """results_dir as a path; a relative one is taken from the repo root, whatever the working directory."""
-    path = Path(results_dir)
-    return path if path.is_absolute() else REPO_ROOT / path
-
-
-def write_csv(rows: Iterable[Mapping[str, Any]], name: str, results_dir: Union[str, Path] = "results") -> Path:
-    """Append rows to results_dir/<gpu-slug>/<name>.csv (created with a header; new columns widen the header)."""
-    rows = [dict(r) for r in rows]
-    if not rows:
-        raise ValueError(f"Expected at least one row to write to {name}.csv, got none.")
-    gpus = {str(r.get("gpu") or gpu_name()) for r in rows}
-    if len(gpus) != 1:
-        raise ValueError(f"Expected rows from one GPU per CSV, got {sorted(gpus)}; write each GPU's rows separately.")
-    path = _results_root(results_dir) / gpu_slug(gpus.pop()) / f"{name}.csv"
-    path.parent.mkdir(parents=True, exist_ok=True)
-
-    fieldnames: List[str] = []
-    existing: List[Dict[str, str]] = []
-    if path.exists() and path.stat().st_size > 0:
-        with open(path, newline="", encoding="utf-8") as f:
-            reader = csv.DictReader(f)
-            fieldnames = list(reader.fieldnames or [])
-            existing = list(reader)
-    old_header = list(fieldnames)
-    for r in rows:
-        fieldnames.extend(k for k in r if k not in fieldnames)
-
-    if existing and fieldnames == old_header:
-        with open(path, "a", newline="", encoding="utf-8") as f:
-            csv.DictWriter(f, fieldnames=fieldnames).writerows(rows)
-    else:  # new file, or new columns: rewrite with the widened header
-        with open(path, "w", newline="", encoding="utf-8") as f:
-            writer = csv.DictWriter(f, fieldnames=fieldnames)
-            writer.writeheader()
-            writer.writerows(existing + rows)
-    return path
-
-
-def read_csv(name: str, gpu: Optional[str] = None, results_dir: Union[str, Path] = "results"):
-    """Load results/<gpu-slug>/<name>.csv as a pandas DataFrame; gpu=None concatenates every GPU's file."""
-    import pandas as pd
-
-    root = _results_root(results_dir)
-    if gpu is not None:
-        paths = [root / gpu_slug(gpu) / f"{name}.csv"]
-        if not paths[0].exists():
-            raise FileNotFoundError(f"No results for {name!r} on GPU {gpu!r}: {paths[0]} does not exist.")
-    else:
-        paths = sorted(root.glob(f"*/{name}.csv"))
-        if not paths:
-            raise FileNotFoundError(f"No results for {name!r}: no {root}/<gpu>/{name}.csv exists.")
-    return pd.concat([pd.read_csv(p) for p in paths], ignore_index=True)
-
-
-# --------------------------------------------------------------------------------------------
-# Command line
-# --------------------------------------------------------------------------------------------
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """`python -m kernels.bench`: the benchmark suite (kernels.bench_suite.main; --help for options)."""
-    from .bench_suite import main as suite_main  # imported here: bench_suite imports this module
-
-    return suite_main(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

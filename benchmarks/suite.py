@@ -1,5 +1,6 @@
-"""The benchmark suite behind `python -m kernels.bench`: shape grids, peers, runners, resumable CSVs and
-the command line. Loading the CSVs back, the headline table and the figures are kernels/bench_report.py.
+"""The benchmark suite behind `python -m benchmarks`: peers, correctness checks, runners and resumable
+CSVs. The grids are benchmarks/grids.py; loading the CSVs back, the headline table and the figures
+are benchmarks/report.py; the command line is benchmarks/__main__.py.
 
 Suites (one CSV each, results/<gpu-slug>/bench_<suite>.csv; figures/<gpu-slug>/bench_<suite>*.png):
     prefill_fwd      flash_attn_func forward vs SDPA (flash, cuDNN, efficient backends forced),
@@ -17,7 +18,7 @@ Suites (one CSV each, results/<gpu-slug>/bench_<suite>.csv; figures/<gpu-slug>/b
 Method: fixed seeds; warm-up calls excluded; median of N CUDA-event-timed calls with p20/p80/min;
 L2 flushed before every timed call (prefill, chunked) or inputs rotated over copies exceeding twice
 the L2 (decode); chunked calls are timed behind a GPU sleep that covers their host work
-(bench.time_fn's hide_host), so its ratios compare kernels, not Python wrappers; peak memory as
+(measure.time_fn's hide_host), so its ratios compare kernels, not Python wrappers; peak memory as
 the increment over what was allocated before the call. The ceilings
 (bf16 matmul TFLOP/s, device copy and read-only streaming GB/s) are measured in the same invocation
 and stored on every row (and in bench_ceilings.csv), with each row's fraction of them. Each of our
@@ -37,67 +38,58 @@ says so and exits 1 without it), loading, plotting and the headline table do not
 
 from __future__ import annotations
 
-import argparse
 import csv
 import dataclasses
+import functools
 import math
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from . import bench
-from ._utils import gpu_name, has_gpu, is_interpreter
-from .decode import flash_attn_with_kvcache
-from .prefill import flash_attn_func
-from .reference import (
+from kernels import flash_attn_func, flash_attn_with_kvcache
+from kernels._configs import prefill_bwd_config, prefill_fwd_config
+from kernels._options import head_dim_tile
+from kernels._utils import gpu_name, has_gpu
+from kernels.decode import _chunked_prefill_pays, _plan
+from kernels.reference import (
     attention_eager,
     attention_ref,
     decode_eager_cat,
     decode_eager_slice,
-    rel_err,
     sdpa_supports_enable_gqa,
 )
+from kernels.testing import check_close
 
-Row = bench.Row
-PathLike = Union[str, Path]
+from . import inputs, measure, results
+from .grids import (
+    CEILINGS_CSV,
+    CHUNK_PAGE_SIZES,
+    CSV_NAMES,
+    DEFAULT_DTYPES,
+    DTYPES,
+    FLEX_DTYPES,
+    KEY_COLUMNS,
+    LABELS,
+    MODES,
+    PAGE_SIZES,
+    QUICK_DTYPES,
+    SPLIT_VALUES,
+    SUITES,
+    ChunkedShape,
+    DecodeShape,
+    PathLike,
+    PrefillShape,
+    suite_shapes,
+)
+from .report import plot_all
 
-SUITES = ("prefill_fwd", "prefill_fwd_bwd", "decode", "chunked")
-MODES = {"prefill_fwd": "fwd", "prefill_fwd_bwd": "fwd_bwd"}
-CSV_NAMES = {suite: f"bench_{suite}" for suite in SUITES}
-LEGACY_CSV_NAMES = {"prefill_fwd": "prefill_fwd", "prefill_fwd_bwd": "prefill_fwd_bwd"}  # scripts/bench_prefill.py
-CEILINGS_CSV = "bench_ceilings"
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-DEFAULT_DTYPES = {"prefill_fwd": ("bf16", "fp16"), "prefill_fwd_bwd": ("bf16", "fp16"), "decode": ("bf16",),
-                  "chunked": ("bf16",)}
-QUICK_DTYPES = ("bf16",)
-FLEX_DTYPES = ("bf16",)  # FlexAttention compiles per shape and dtype: minutes; bf16 only unless --flex-dtypes
-
-# Grids. Prefill (issues 2/3): 32 q heads over 32 (MHA) or 8 (GQA) KV heads, batch x seqlen = 16384
-# tokens, causal and not (scripts/bench_prefill.py), at head dims 128 and 64; the seed's setup (32 q
-# heads, 8 KV heads, D=128, batch 2, seqlen 2048/4096/8192). Decode (issue 4): 32 q / 8 KV heads,
-# D=128 (and 64), batch x cache length; the seed's decode (batch 2, caches up to 8192).
-PREFILL_NHEADS, PREFILL_TOKENS = 32, 16384
-PREFILL_NHEADS_K = (32, 8)
-PREFILL_SEQLENS = (1024, 2048, 4096, 8192, 16384)
-PREFILL_HEAD_DIMS = (128, 64)
-SEED_BATCH, SEED_SEQLENS = 2, (2048, 4096, 8192)
-DECODE_NHEADS, DECODE_NHEADS_K = 32, 8
-DECODE_BATCHES = (1, 8, 32, 128)
-DECODE_CACHE_LENS = (1024, 4096, 16384, 65536)
-DECODE_HEAD_DIMS = (128, 64)
-SEED_DECODE_CACHE_LENS = (1024, 2048, 4096, 8192)
-PAGE_SIZES = (16, 64, 256)
-HOST_OVERHEAD_SHAPE = (1, 4096)  # (batch, cache_len) of the host-overhead rows, at head dim 128
-CHUNK_SIZES = (512, 2048)
-CHUNK_PREFIXES = (0, 4096, 12288)
-CHUNK_BATCHES = (1, 4)
-CHUNK_PAGE_SIZES = (64, 256)
+Row = results.Row
 
 GRAPH_MAX_BYTES = 0.5e9  # decode: below this many K+V bytes the headline time is the CUDA-graph replay
 MAX_KV_BYTES = 40e9  # decode shapes whose K+V cache exceeds this are skipped
@@ -106,132 +98,11 @@ EAGER_MAX_SCORES = 2**32  # eager prefill materialises b*h*m*n scores (several c
 ROTATE_MAX_COPIES = 32
 CHECK_ROWS = 512  # correctness check: the last CHECK_ROWS query rows of the last batch entry and KV group
 
-# flash-attn's rule (as tests/helpers.py and kernels/notebook_utils.py): error <= factor * same-dtype
-# eager error + floor; fp32 gets plain bounds (tf32 on a GPU, exact under the interpreter).
-FWD_FACTOR, GRAD_FACTOR = 2.0, 3.0
-ATOL_FLOOR = {torch.float16: 1e-3, torch.bfloat16: 4e-3}
-FP32_RTOL_GPU, FP32_RTOL_INTERPRET, FP32_GRAD_RTOL_INTERPRET = 5e-3, 1e-5, 1e-4
-
-KEY_COLUMNS = {
-    "prefill_fwd": ("impl", "dtype", "batch", "seqlen", "nheads", "nheads_k", "head_dim", "causal", "quick"),
-    "prefill_fwd_bwd": ("impl", "dtype", "batch", "seqlen", "nheads", "nheads_k", "head_dim", "causal", "quick"),
-    "decode": ("metric", "impl", "page_size", "dtype", "batch", "cache_len", "nheads", "nheads_k", "head_dim",
-               "quick"),
-    "chunked": ("impl", "page_size", "dtype", "batch", "cache_len", "chunk", "nheads", "nheads_k", "head_dim",
-                "quick"),
-}
-
-LABELS = {
-    "ours": "Triton (ours)",
-    "sdpa_flash": "SDPA flash (FA2)",
-    "sdpa_cudnn": "SDPA cuDNN",
-    "sdpa_efficient": "SDPA mem-efficient",
-    "flex": "FlexAttention (compiled)",
-    "eager": "eager PyTorch",
-    "ours_paged": "Triton (ours), paged",
-    "sdpa": "SDPA, length-1 query",
-    "eager_slice": "eager, cache sliced (seed)",
-    "eager_cat": "eager, torch.cat cache (seed)",
-    "ours_prefill": "ours flash_attn_func (q chunk vs all keys)",
-    "ours_kvcache": "ours flash_attn_with_kvcache (chunk appended)",
-    "ours_kvcache_paged": "ours flash_attn_with_kvcache, paged",
-}
-COLORS = {"ours": "C3", "sdpa_cudnn": "C0", "sdpa_flash": "C2", "sdpa_efficient": "C4", "flex": "C1",
-          "eager": "C7", "sdpa": "C0", "eager_slice": "C7", "eager_cat": "C5", "ours_paged": "C3",
-          "ours_prefill": "C0", "ours_kvcache": "C3", "ours_kvcache_paged": "C3"}
-PAGE_STYLES = {0: "-", 16: ":", 64: "--", 256: "-."}
-
 NO_GPU_MESSAGE = (
-    "python -m kernels.bench needs a CUDA GPU to measure, and torch.cuda.is_available() is False. Run it on "
+    "python -m benchmarks needs a CUDA GPU to measure, and torch.cuda.is_available() is False. Run it on "
     "a GPU machine. Without one, --list (the grids), --plot-only (figures from results/) and --headline "
     "(the README table from results/) work, as do the tests (TRITON_INTERPRET=1) and the notebooks."
 )
-
-
-# ============================================================================================
-# Shapes
-# ============================================================================================
-@dataclass(frozen=True)
-class PrefillShape:
-    """Self-attention prefill: q (batch, seqlen, nheads, head_dim), k/v (batch, seqlen, nheads_k, head_dim)."""
-
-    batch: int
-    seqlen: int
-    nheads: int
-    nheads_k: int
-    head_dim: int
-    causal: bool
-    grid: str = "issue"  # "issue" (batch x seqlen = 16384 tokens) or "seed" (the seed's batch-2 setup)
-
-
-@dataclass(frozen=True)
-class DecodeShape:
-    """One decode step: batch requests, each with cache_len - 1 cached tokens plus the appended one."""
-
-    batch: int
-    cache_len: int
-    nheads: int
-    nheads_k: int
-    head_dim: int
-    grid: str = "issue"
-    host: bool = False  # also measure the host overhead of one eager step at this shape
-
-
-@dataclass(frozen=True)
-class ChunkedShape:
-    """Chunked prefill: a chunk of `chunk` new tokens appended to caches already holding cache_len tokens."""
-
-    batch: int
-    cache_len: int
-    chunk: int
-    nheads: int
-    nheads_k: int
-    head_dim: int
-    grid: str = "issue"
-
-
-def prefill_shapes(quick: bool = False) -> List[PrefillShape]:
-    """The prefill grid: the issues' grid at head dims 128 and 64, plus the seed's setup.
-
-    quick: head dim 128, seqlens 1024/4096/16384, and one seed shape (seqlen 4096, causal).
-    """
-    seqlens = (1024, 4096, 16384) if quick else PREFILL_SEQLENS
-    head_dims = (128,) if quick else PREFILL_HEAD_DIMS
-    shapes = [
-        PrefillShape(PREFILL_TOKENS // s, s, PREFILL_NHEADS, hk, d, causal, "issue")
-        for d in head_dims for hk in PREFILL_NHEADS_K for causal in (False, True) for s in seqlens
-    ]
-    seed = [(4096, True)] if quick else [(s, c) for c in (False, True) for s in SEED_SEQLENS]
-    shapes += [PrefillShape(SEED_BATCH, s, 32, 8, 128, c, "seed") for s, c in seed]
-    return shapes
-
-
-def decode_shapes(quick: bool = False) -> List[DecodeShape]:
-    """The decode grid: batch {1, 8, 32, 128} x cache {1024 ... 65536} at head dims 128 and 64, plus the
-    seed's batch 2 x caches up to 8192. quick: batch {1, 32} x cache {4096, 65536} and batch 2 x 8192."""
-    batches, lens = ((1, 32), (4096, 65536)) if quick else (DECODE_BATCHES, DECODE_CACHE_LENS)
-    head_dims = (128,) if quick else DECODE_HEAD_DIMS
-    shapes = [
-        DecodeShape(b, n, DECODE_NHEADS, DECODE_NHEADS_K, d, "issue", host=(d == 128 and (b, n) == HOST_OVERHEAD_SHAPE))
-        for d in head_dims for b in batches for n in lens
-    ]
-    seed_lens = (8192,) if quick else SEED_DECODE_CACHE_LENS
-    shapes += [DecodeShape(SEED_BATCH, n, 32, 8, 128, "seed") for n in seed_lens]
-    return shapes
-
-
-def chunked_shapes(quick: bool = False) -> List[ChunkedShape]:
-    """Chunked prefill: batch {1, 4} x chunk {512, 2048} x cached prefix {0, 4096, 12288}, 32 q / 8 KV
-    heads, D=128. quick: batch 1, prefixes 0 and 12288."""
-    batches, prefixes = ((1,), (0, 12288)) if quick else (CHUNK_BATCHES, CHUNK_PREFIXES)
-    return [ChunkedShape(b, n, c, 32, 8, 128) for b in batches for c in CHUNK_SIZES for n in prefixes]
-
-
-def suite_shapes(suite: str, quick: bool = False) -> list:
-    """The grid of one suite."""
-    if suite in MODES:
-        return prefill_shapes(quick)
-    return {"decode": decode_shapes, "chunked": chunked_shapes}[suite](quick)
 
 
 # ============================================================================================
@@ -253,29 +124,29 @@ QUICK_SETTINGS = Settings(warmup=3, rep=10, rep_fwd_bwd=10, graph_rep=20, host_c
 
 
 class CudaTimer:
-    """The measurements on the current CUDA device (kernels.bench); tests pass a fake with the same methods."""
+    """The measurements on the current CUDA device (benchmarks/measure.py); tests pass a fake with the same methods."""
 
     def time(self, fn, *, warmup: int, rep: int, rotate=None, flush_l2: bool = False,
              hide_host: bool = False) -> Dict[str, float]:
-        return bench.time_fn(fn, warmup=warmup, rep=rep, rotate=rotate, flush_l2=flush_l2, hide_host=hide_host)
+        return measure.time_fn(fn, warmup=warmup, rep=rep, rotate=rotate, flush_l2=flush_l2, hide_host=hide_host)
 
     def graph(self, fn, *, rep: int, repeat: int = 1) -> float:
-        return bench.time_cuda_graph(fn, rep=rep, repeat=repeat)
+        return measure.time_cuda_graph(fn, rep=rep, repeat=repeat)
 
     def memory(self, fn) -> int:
-        return bench.peak_memory_delta(fn)
+        return measure.peak_memory_delta(fn)
 
     def host(self, fn, *, calls: int) -> Dict[str, float]:
-        return bench.host_overhead_us(fn, calls=calls)
+        return measure.host_overhead_us(fn, calls=calls)
 
     def ceilings(self) -> Dict[str, float]:
-        return bench.ceilings()
+        return measure.ceilings()
 
     def free_bytes(self) -> float:
         return float(torch.cuda.mem_get_info()[0])
 
     def l2_bytes(self) -> int:
-        return bench.l2_cache_bytes(torch.cuda.current_device())
+        return measure.l2_cache_bytes(torch.cuda.current_device())
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()
@@ -364,7 +235,7 @@ def row_key(suite: str, row: Mapping[str, Any]) -> Tuple[str, ...]:
 
 def csv_path(suite: str, gpu: str, results_dir: PathLike = "results") -> Path:
     """results_dir/<gpu-slug>/bench_<suite>.csv (a relative results_dir is taken from the repo root)."""
-    return bench._results_root(results_dir) / bench.gpu_slug(gpu) / f"{CSV_NAMES[suite]}.csv"
+    return results.results_root(results_dir) / results.gpu_slug(gpu) / f"{CSV_NAMES[suite]}.csv"
 
 
 def done_keys(suite: str, *, gpu: str, commit: str, results_dir: PathLike = "results") -> Set[Tuple[str, ...]]:
@@ -378,38 +249,28 @@ def done_keys(suite: str, *, gpu: str, commit: str, results_dir: PathLike = "res
 
 def _write(ctx: Context, suite: str, rows: List[Row]) -> None:
     if rows:
-        bench.write_csv(rows, CSV_NAMES[suite], results_dir=ctx.results_dir)
+        results.write_csv(rows, CSV_NAMES[suite], results_dir=ctx.results_dir)
 
 
 def _row(ctx: Context, **fields: Any) -> Row:
-    """bench.make_row with this run's GPU name, commit and quick flag."""
-    return bench.make_row(gpu=ctx.gpu, commit=ctx.commit, quick=ctx.quick, **fields)
+    """results.make_row with this run's GPU name, commit and quick flag."""
+    return results.make_row(gpu=ctx.gpu, commit=ctx.commit, quick=ctx.quick, **fields)
 
 
 # ============================================================================================
 # Checks
 # ============================================================================================
-def _bound(dtype: torch.dtype, eager_err: float, factor: float, grad: bool = False) -> float:
-    """The largest error flash-attn's rule accepts for a kernel in `dtype`."""
-    if dtype == torch.float32:
-        if not is_interpreter():
-            return FP32_RTOL_GPU
-        return FP32_GRAD_RTOL_INTERPRET if grad else FP32_RTOL_INTERPRET
-    return factor * eager_err + ATOL_FLOOR[dtype]
-
-
-def _judge(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]], dtype) -> Tuple[bool, float, float]:
-    """(ok, err, bound) over (ours, fp32 ref, same-dtype ref, factor) tuples; err/bound of the worst one."""
+def _judge(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]]) -> Tuple[bool, float, float]:
+    """(ok, err, bound) over (ours, fp32 ref, same-dtype ref, is a gradient) tuples by the error rule of
+    kernels/testing.py; err/bound of the worst one (err NaN when it is not finite)."""
     worst = (-1.0, 0.0, 0.0)
     ok = True
-    for ours, ref, same, factor in pairs:
-        err = rel_err(ours, ref)
-        bound = _bound(dtype, rel_err(same, ref), factor, grad=factor == GRAD_FACTOR)
-        finite = bool(torch.isfinite(ours).all().item())
-        ok = ok and finite and err <= bound
-        score = math.inf if not finite else err / bound
+    for ours, ref, same, grad in pairs:
+        good, err, bound = check_close(ours, ref, same, grad=grad)
+        ok = ok and good
+        score = err / bound
         if score > worst[0]:
-            worst = (score, err if finite else math.nan, bound)
+            worst = (score, err if math.isfinite(err) else math.nan, bound)
     return ok, worst[1], worst[2]
 
 
@@ -430,7 +291,7 @@ def check_attention_output(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     qs, ks, vs = q[b:b + 1, rows, heads], k[b:b + 1, :, kv], v[b:b + 1, :, kv]
     ref, _ = attention_ref(qs.float(), ks.float(), vs.float(), causal=causal)
     same, _ = attention_ref(qs, ks, vs, causal=causal, upcast=False)
-    return _judge([(out[b:b + 1, rows, heads], ref, same, FWD_FACTOR)], q.dtype)
+    return _judge([(out[b:b + 1, rows, heads], ref, same, False)])
 
 
 def check_prefill_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -451,8 +312,7 @@ def check_prefill_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     ref = run(lambda a, b_, c: attention_ref(a, b_, c, causal=causal)[0], [t.float() for t in base], dout.float())
     same = run(lambda a, b_, c: attention_ref(a, b_, c, causal=causal, upcast=False)[0], [t.clone() for t in base],
                dout)
-    factors = (FWD_FACTOR, GRAD_FACTOR, GRAD_FACTOR, GRAD_FACTOR)
-    return _judge(list(zip(ours, ref, same, factors)), q.dtype)
+    return _judge(list(zip(ours, ref, same, (False, True, True, True))))
 
 
 # ============================================================================================
@@ -548,7 +408,8 @@ def _eager_unsupported(shape: PrefillShape, dtype: torch.dtype, mode: str, ctx: 
 
 def prefill_peers(ctx: Context, log: Callable[[str], None] = print) -> List[PrefillPeer]:
     """Ours, SDPA with each backend forced (flash, cuDNN, efficient), FlexAttention (compiled) and eager,
-    each behind a guard: one this torch lacks is skipped with a message."""
+    each behind a guard: one this torch lacks is skipped with a message. "sdpa_expand_kv" (K/V expanded
+    per q head, then SDPA) runs only when named in the run's peers."""
     peers = [PrefillPeer("ours", "bshd", lambda q, k, v, causal: flash_attn_func(q, k, v, causal=causal))]
     for name, attr in (("sdpa_flash", "FLASH_ATTENTION"), ("sdpa_cudnn", "CUDNN_ATTENTION"),
                        ("sdpa_efficient", "EFFICIENT_ATTENTION")):
@@ -570,7 +431,16 @@ def prefill_peers(ctx: Context, log: Callable[[str], None] = print) -> List[Pref
         log(_flex_off(ctx))
     peers.append(PrefillPeer("eager", "bshd", lambda q, k, v, causal: attention_eager(q, k, v, causal=causal),
                              _eager_unsupported))
+    if ctx.peers is not None and "sdpa_expand_kv" in ctx.peers:  # opt-in: what models did before GQA support
+        peers.append(PrefillPeer("sdpa_expand_kv", "bhsd", _sdpa_expand_kv))
     return [p for p in peers if ctx.peers is None or p.name in ctx.peers]
+
+
+def _sdpa_expand_kv(q, k, v, causal):
+    """K/V materialised per q head (repeat_interleave), then SDPA with its own backend choice."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
 def _flex_off(ctx: Context) -> str:
@@ -589,9 +459,7 @@ def _cfg(c) -> str:
 def prefill_config(dtype: torch.dtype, head_dim: int, causal: bool, device: torch.device, mode: str) -> str:
     """The config table's choice for our prefill kernels (kernels/_configs.py), as text."""
     try:
-        from ._configs import prefill_bwd_config, prefill_fwd_config
-
-        pad = max(16, 1 << (head_dim - 1).bit_length())
+        pad = head_dim_tile(head_dim)
         text = "fwd " + _cfg(prefill_fwd_config(pad, dtype, causal, device))
         if mode == "fwd_bwd":
             kv, dq = prefill_bwd_config(pad, dtype, causal, device)
@@ -601,17 +469,27 @@ def prefill_config(dtype: torch.dtype, head_dim: int, causal: bool, device: torc
         return f"unknown ({type(exc).__name__})"
 
 
+def _plan_of(batch: int, seqlen_q: int, nheads: int, nheads_k: int, head_dim: int, seqlen_cache: int,
+             dtype: torch.dtype, device: torch.device, page_size: int = 0, num_splits: int = 0):
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _plan(batch, seqlen_q, nheads, nheads_k, head_dim, seqlen_cache, dtype, device, num_splits, page_size)
+
+
+def decode_splits_used(batch: int, seqlen_q: int, nheads: int, nheads_k: int, head_dim: int, seqlen_cache: int,
+                       dtype: torch.dtype, device: torch.device, num_splits: int) -> int:
+    """How many KV splits flash_attn_with_kvcache launches for a dense cache with `num_splits` (0: the heuristic)."""
+    return _plan_of(batch, seqlen_q, nheads, nheads_k, head_dim, seqlen_cache, dtype, device, 0,
+                    num_splits).num_splits
+
+
 def decode_config(batch: int, seqlen_q: int, nheads: int, nheads_k: int, head_dim: int, seqlen_cache: int,
-                  dtype: torch.dtype, device: torch.device, page_size: int = 0) -> str:
+                  dtype: torch.dtype, device: torch.device, page_size: int = 0, num_splits: int = 0) -> str:
     """The decode launch plan (tiles, warps, stages, KV splits) flash_attn_with_kvcache picks, as text
     (page_size 0: a dense cache; else seqlen_cache is a paged request's capacity, max_blocks_per_seq *
     page_size)."""
     try:
-        from .decode import _plan
-
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        p = _plan(batch, seqlen_q, nheads, nheads_k, head_dim, seqlen_cache, dtype, device, 0, page_size)
+        p = _plan_of(batch, seqlen_q, nheads, nheads_k, head_dim, seqlen_cache, dtype, device, page_size, num_splits)
         cap = f"/r{p.max_registers}" if p.max_registers else ""
         return f"BN{p.block_n}/BH{p.block_h}/w{p.num_warps}/s{p.num_stages}/splits{p.num_splits}{cap}"
     except Exception as exc:
@@ -622,12 +500,7 @@ def kvcache_config(batch: int, seqlen_q: int, nheads: int, nheads_k: int, head_d
                    dtype: torch.dtype, device: torch.device, causal: bool) -> str:
     """What flash_attn_with_kvcache runs for this shape (num_splits=0): the decode plan, or, for a chunk
     that decode._chunked_prefill_pays for, an append launch then the prefill forward."""
-    try:
-        from .decode import _chunked_prefill_pays
-    except ImportError:  # a kernels.decode without the chunked-prefill path
-        _chunked_prefill_pays = None
-    if _chunked_prefill_pays is not None and _chunked_prefill_pays(batch, seqlen_q, nheads, head_dim, dtype, causal,
-                                                                   torch.device(device)):
+    if _chunked_prefill_pays(batch, seqlen_q, nheads, head_dim, dtype, causal, torch.device(device)):
         return "append + prefill " + prefill_config(dtype, head_dim, causal, device, "fwd")
     return "decode " + decode_config(batch, seqlen_q, nheads, nheads_k, head_dim, seqlen_cache, dtype, device)
 
@@ -647,16 +520,6 @@ def _is_fatal(exc: BaseException) -> bool:
 def _note(exc: BaseException) -> str:
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     return f"{type(exc).__name__}: {first}"[:240]
-
-
-def _randn(shape, dtype, device, gen) -> torch.Tensor:
-    return torch.randn(*shape, generator=gen, device=device, dtype=dtype)
-
-
-def _generator(device: torch.device, seed: int) -> torch.Generator:
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
-    return gen
 
 
 def _ceiling_fields(ctx: Context, value: float, kind: str) -> Dict[str, float]:
@@ -691,7 +554,7 @@ def run_prefill(ctx: Context, mode: str, shapes: Sequence[PrefillShape], dtypes:
                         continue
                     reason = peer.unsupported(shape, dtype, mode, ctx)
                     if reason:
-                        log(f"skip {LABELS.get(peer.name, peer.name)} {dname} {_describe(shape)}: {reason}")
+                        log(f"skip {LABELS.get(peer.name, peer.name)} {dname} {describe(shape)}: {reason}")
                         continue
                     todo.append(peer)
                 if not todo:
@@ -712,7 +575,7 @@ def run_prefill(ctx: Context, mode: str, shapes: Sequence[PrefillShape], dtypes:
     return stats
 
 
-def _describe(shape) -> str:
+def describe(shape) -> str:
     fields = dataclasses.asdict(shape)
     fields.pop("host", None)
     return " ".join(f"{k}={v}" for k, v in fields.items())
@@ -721,21 +584,21 @@ def _describe(shape) -> str:
 def _prefill_shape(ctx: Context, suite: str, mode: str, dtype: torch.dtype, shape: PrefillShape,
                    peers: Sequence[PrefillPeer], base: Dict[str, Any], log) -> List[Row]:
     """Measure the given peers on one shape; returns the rows (inputs are freed on return)."""
-    gen = _generator(ctx.device, seed=shape.seqlen * 131 + shape.nheads_k)
+    gen = inputs.generator(ctx.device, seed=shape.seqlen * 131 + shape.nheads_k)
     b, s, h, hk, d = shape.batch, shape.seqlen, shape.nheads, shape.nheads_k, shape.head_dim
-    q, k, v = (_randn((b, s, n, d), dtype, ctx.device, gen) for n in (h, hk, hk))
-    dout = _randn((b, s, h, d), dtype, ctx.device, gen)
+    q, k, v = (inputs.randn((b, s, n, d), dtype, ctx.device, gen) for n in (h, hk, hk))
+    dout = inputs.randn((b, s, h, d), dtype, ctx.device, gen)
     layouts = {"bshd": (q, k, v, dout)}
     if any(p.layout == "bhsd" for p in peers):
         layouts["bhsd"] = tuple(t.transpose(1, 2).contiguous() for t in (q, k, v, dout))
-    flops = bench.attention_flops(b, h, s, s, d, shape.causal, mode)
+    flops = measure.attention_flops(b, h, s, s, d, shape.causal, mode)
     rep = ctx.settings.rep if mode == "fwd" else ctx.settings.rep_fwd_bwd
     rows: List[Row] = []
     for peer in peers:
         if ctx.deadline.expired():
             ctx.stopped = True
             break
-        what = f"{suite} {LABELS.get(peer.name, peer.name)} {base['dtype']} {_describe(shape)}"
+        what = f"{suite} {LABELS.get(peer.name, peer.name)} {base['dtype']} {describe(shape)}"
         fields = dict(base, impl=peer.name, label=LABELS.get(peer.name, peer.name), flops=flops)
         if peer.name == "ours":
             fields["config"] = prefill_config(dtype, d, shape.causal, ctx.device, mode)
@@ -763,7 +626,7 @@ def _prefill_shape(ctx: Context, suite: str, mode: str, dtype: torch.dtype, shap
             rows.append(_row(ctx, **fields, status="error", note=_note(exc)))
             ctx.timer.empty_cache()
             continue
-        tf = bench.tflops(flops, timing["median_ms"])
+        tf = measure.tflops(flops, timing["median_ms"])
         rows.append(_row(ctx, **fields, status="ok", tflops=tf, **timing, peak_mem_mib=peak / 2**20,
                          **_ceiling_fields(ctx, tf, "flops"), l2_flush=True))
         log(f"{what}: {timing['median_ms']:.3f} ms, {tf:.0f} TFLOP/s, peak +{peak / 2**20:.0f} MiB")
@@ -800,60 +663,26 @@ class DecodePeer:
     extra_bytes: Callable[[DecodeShape, int], float] = lambda shape, kv_bytes: 0.0  # temporaries of one step
     checked: bool = False  # ours: checked against attention_ref before timing
     graph_big: bool = True  # also graph-time shapes above GRAPH_MAX_BYTES
+    num_splits: Optional[int] = None  # decode_splits: ours with this num_splits (0: the heuristic)
 
     @property
     def label(self) -> str:
-        return LABELS.get(self.name, self.name) + (f" P={self.page_size}" if self.page_size else "")
+        label = LABELS.get(self.name, self.name) + (f" P={self.page_size}" if self.page_size else "")
+        if self.num_splits is not None:
+            label += " (heuristic)" if self.num_splits == 0 else f" num_splits={self.num_splits}"
+        return label
 
-
-def _new_token(shape: DecodeShape, dtype, device, gen) -> SimpleNamespace:
-    """The step's inputs in our layout: q (b, 1, h, d) and the appended k, v (b, 1, h_kv, d)."""
-    b, h, hk, d = shape.batch, shape.nheads, shape.nheads_k, shape.head_dim
-    return SimpleNamespace(q=_randn((b, 1, h, d), dtype, device, gen), k=_randn((b, 1, hk, d), dtype, device, gen),
-                           v=_randn((b, 1, hk, d), dtype, device, gen), cache_len=shape.cache_len - 1)
-
-
-def _random_block_table(batch: int, pages: int, seed: int, device) -> torch.Tensor:
-    """(batch, pages) int32: a random permutation of the pool's batch * pages blocks (no two requests share)."""
-    gen = torch.Generator()
-    gen.manual_seed(seed)
-    return torch.randperm(batch * pages, generator=gen).view(batch, pages).to(torch.int32).to(device)
-
-
-def _dense_state(shape: DecodeShape, dtype, device, gen, *, valid_copy: bool = False) -> SimpleNamespace:
-    """(b, s, h_kv, d) caches of cache_len rows, cache_len - 1 of them valid, and the new token's q, k, v."""
-    b, n, hk, d = shape.batch, shape.cache_len, shape.nheads_k, shape.head_dim
-    st = _new_token(shape, dtype, device, gen)
-    if valid_copy:  # the torch.cat baseline holds exactly the valid rows
-        st.k_valid, st.v_valid = (_randn((b, n - 1, hk, d), dtype, device, gen) for _ in range(2))
-    else:
-        st.k_cache, st.v_cache = (_randn((b, n, hk, d), dtype, device, gen) for _ in range(2))
-        st.seqlens = torch.full((b,), n - 1, dtype=torch.int32, device=device)
-    return st
-
-
-def _paged_state(shape: DecodeShape, dtype, device, gen, *, page_size: int) -> SimpleNamespace:
-    """A pool of batch * ceil(cache_len / P) pages, a random permutation of them as the block table."""
-    b, n, hk, d = shape.batch, shape.cache_len, shape.nheads_k, shape.head_dim
-    pages = -(-n // page_size)
-    st = _new_token(shape, dtype, device, gen)
-    st.k_cache, st.v_cache = (_randn((b * pages, page_size, hk, d), dtype, device, gen) for _ in range(2))
-    st.block_table = _random_block_table(b, pages, n * 7 + page_size, device)
-    st.seqlens = torch.full((b,), n - 1, dtype=torch.int32, device=device)
-    return st
-
-
-def _bhsd_state(shape: DecodeShape, dtype, device, gen) -> SimpleNamespace:
-    """SDPA / Flex layout: caches (b, h_kv, s, d), q (b, h, 1, d), new k/v (b, h_kv, 1, d)."""
-    b, n, h, hk, d = shape.batch, shape.cache_len, shape.nheads, shape.nheads_k, shape.head_dim
-    return SimpleNamespace(q=_randn((b, h, 1, d), dtype, device, gen), k=_randn((b, hk, 1, d), dtype, device, gen),
-                           v=_randn((b, hk, 1, d), dtype, device, gen), cache_len=n - 1,
-                           k_cache=_randn((b, hk, n, d), dtype, device, gen),
-                           v_cache=_randn((b, hk, n, d), dtype, device, gen))
+    def key_fields(self) -> Dict[str, Any]:
+        """The fields of this peer's rows that tell it from the suite's other peers."""
+        fields: Dict[str, Any] = dict(impl=self.name, page_size=self.page_size)
+        if self.num_splits is not None:
+            fields["num_splits"] = self.num_splits
+        return fields
 
 
 def _ours_step(st):
-    return flash_attn_with_kvcache(st.q, st.k_cache, st.v_cache, st.k, st.v, cache_seqlens=st.seqlens)
+    return flash_attn_with_kvcache(st.q, st.k_cache, st.v_cache, st.k, st.v, cache_seqlens=st.seqlens,
+                                   num_splits=st.num_splits)
 
 
 def _ours_paged_step(st):
@@ -915,27 +744,39 @@ def _expanded_bytes(shape: DecodeShape, kv_bytes: int) -> float:
 def decode_peers(ctx: Context, log: Callable[[str], None] = print) -> List[DecodePeer]:
     """Ours (dense; paged with pages of 16, 64, 256), SDPA with a length-1 query, FlexAttention
     (compiled) and the seed's two eager baselines, each behind a guard."""
-    peers = [DecodePeer("ours", 0, lambda s, dt, dev, g: _dense_state(s, dt, dev, g), _ours_step, checked=True)]
+    peers = [DecodePeer("ours", 0, inputs.dense_state, _ours_step, checked=True)]
     for p in PAGE_SIZES:
-        peers.append(DecodePeer("ours_paged", p, lambda s, dt, dev, g, p=p: _paged_state(s, dt, dev, g, page_size=p),
+        peers.append(DecodePeer("ours_paged", p, functools.partial(inputs.paged_state, page_size=p),
                                 _ours_paged_step, checked=True))
     reason = _needs_enable_gqa(2, 1)
     if reason is None:
-        peers.append(DecodePeer("sdpa", 0, _bhsd_state, _sdpa_step))
+        peers.append(DecodePeer("sdpa", 0, inputs.bhsd_state, _sdpa_step))
     else:
         log(f"skip {LABELS['sdpa']}: {reason}")
     if ctx.flex:
         reason = _flex_available()
         if reason is None:
-            peers.append(DecodePeer("flex", 0, _bhsd_state, _flex_decode_step, graph_big=False))
+            peers.append(DecodePeer("flex", 0, inputs.bhsd_state, _flex_decode_step, graph_big=False))
         else:
             log(f"skip {LABELS['flex']}: {reason}")
     else:
         log(_flex_off(ctx))
-    peers.append(DecodePeer("eager_slice", 0, lambda s, dt, dev, g: _dense_state(s, dt, dev, g), _eager_slice_step,
+    peers.append(DecodePeer("eager_slice", 0, inputs.dense_state, _eager_slice_step,
                             _expanded_bytes, graph_big=False))
-    peers.append(DecodePeer("eager_cat", 0, lambda s, dt, dev, g: _dense_state(s, dt, dev, g, valid_copy=True),
+    peers.append(DecodePeer("eager_cat", 0, functools.partial(inputs.dense_state, valid_copy=True),
                             _eager_cat_step, lambda s, kv: kv + _expanded_bytes(s, kv), graph_big=False))
+    return [p for p in peers if ctx.peers is None or p.name in ctx.peers]
+
+
+def decode_split_peers(ctx: Context, log: Callable[[str], None] = print) -> List[DecodePeer]:
+    """Ours with the heuristic (num_splits=0) and with every num_splits of SPLIT_VALUES, and SDPA for scale."""
+    peers = [DecodePeer("ours", 0, functools.partial(inputs.dense_state, num_splits=ns), _ours_step,
+                        checked=True, num_splits=ns) for ns in (0, *SPLIT_VALUES)]
+    reason = _needs_enable_gqa(2, 1)
+    if reason is None:
+        peers.append(DecodePeer("sdpa", 0, inputs.bhsd_state, _sdpa_step))
+    else:
+        log(f"skip {LABELS['sdpa']}: {reason}")
     return [p for p in peers if ctx.peers is None or p.name in ctx.peers]
 
 
@@ -947,13 +788,14 @@ def _rotation_copies(ctx: Context, state_bytes: float, extra: float) -> int:
     return max(1, min(want, fit))
 
 
-def run_decode(ctx: Context, shapes: Sequence[DecodeShape], dtypes: Sequence[str]) -> Dict[str, int]:
-    """Measure one decode step of every peer on every (dtype, shape) not yet in bench_decode.csv."""
-    suite = "decode"
-    peers = decode_peers(ctx, ctx.log)
+def run_decode(ctx: Context, shapes: Sequence[DecodeShape], dtypes: Sequence[str], suite: str = "decode"
+               ) -> Dict[str, int]:
+    """Measure one decode step of every peer of `suite` ("decode": `decode_peers`, "decode_splits":
+    `decode_split_peers`) on every (dtype, shape) not yet in bench_<suite>.csv."""
+    peers = (decode_peers if suite == "decode" else decode_split_peers)(ctx, ctx.log)
     done = set() if ctx.force else done_keys(suite, gpu=ctx.gpu, commit=ctx.commit, results_dir=ctx.results_dir)
     stats = {"rows": 0, "shapes_done_before": 0, "shapes_left": 0}
-    progress = Progress(len(shapes) * len(dtypes), f"decode ({ctx.gpu})", enabled=ctx.log is print)
+    progress = Progress(len(shapes) * len(dtypes), f"{suite} ({ctx.gpu})", enabled=ctx.log is print)
     log = progress.write if ctx.log is print else ctx.log
     try:
         for dname in dtypes:
@@ -962,13 +804,13 @@ def run_decode(ctx: Context, shapes: Sequence[DecodeShape], dtypes: Sequence[str
                 base = dict(suite=suite, grid=shape.grid, dtype=dname, batch=shape.batch, cache_len=shape.cache_len,
                             seqlen_q=1, nheads=shape.nheads, nheads_k=shape.nheads_k,
                             group=shape.nheads // shape.nheads_k, head_dim=shape.head_dim)
-                kv_bytes = bench.decode_kv_bytes(shape.batch * shape.cache_len, shape.nheads_k, shape.head_dim, dtype)
+                kv_bytes = measure.decode_kv_bytes(shape.batch * shape.cache_len, shape.nheads_k, shape.head_dim, dtype)
                 if kv_bytes > MAX_KV_BYTES:
-                    log(f"skip decode {dname} {_describe(shape)}: K+V {kv_bytes / 1e9:.0f} GB > "
+                    log(f"skip decode {dname} {describe(shape)}: K+V {kv_bytes / 1e9:.0f} GB > "
                         f"{MAX_KV_BYTES / 1e9:.0f} GB")
                     progress.update()
                     continue
-                todo = [p for p in peers if row_key(suite, dict(base, metric="step", impl=p.name, page_size=p.page_size,
+                todo = [p for p in peers if row_key(suite, dict(base, metric="step", **p.key_fields(),
                                                                  quick=ctx.quick)) not in done]
                 if not todo:
                     stats["shapes_done_before"] += 1
@@ -978,7 +820,7 @@ def run_decode(ctx: Context, shapes: Sequence[DecodeShape], dtypes: Sequence[str
                     ctx.stopped = True
                     stats["shapes_left"] += 1
                     continue
-                rows = _decode_shape(ctx, dtype, shape, todo, base, kv_bytes, log)
+                rows = _decode_shape(ctx, suite, dtype, shape, todo, base, kv_bytes, log)
                 _write(ctx, suite, rows)
                 stats["rows"] += len(rows)
                 stats["shapes_left"] += int(ctx.stopped)  # the budget ran out inside this shape
@@ -988,22 +830,26 @@ def run_decode(ctx: Context, shapes: Sequence[DecodeShape], dtypes: Sequence[str
     return stats
 
 
-def _decode_shape(ctx: Context, dtype: torch.dtype, shape: DecodeShape, peers: Sequence[DecodePeer],
+def _decode_shape(ctx: Context, suite: str, dtype: torch.dtype, shape: DecodeShape, peers: Sequence[DecodePeer],
                   base: Dict[str, Any], kv_bytes: int, log) -> List[Row]:
     rows: List[Row] = []
     for peer in peers:
         if ctx.deadline.expired():
             ctx.stopped = True
             break
-        what = f"decode {peer.label} {base['dtype']} {_describe(shape)}"
-        fields = dict(base, metric="step", impl=peer.name, label=peer.label, page_size=peer.page_size,
-                      kv_bytes=kv_bytes)
+        what = f"{suite} {peer.label} {base['dtype']} {describe(shape)}"
+        fields = dict(base, metric="step", **peer.key_fields(), label=peer.label, kv_bytes=kv_bytes)
         if peer.checked:
             seqlen_cache = shape.cache_len
             if peer.page_size:
                 seqlen_cache = -(-shape.cache_len // peer.page_size) * peer.page_size
             fields["config"] = decode_config(shape.batch, 1, shape.nheads, shape.nheads_k, shape.head_dim,
-                                             seqlen_cache, dtype, ctx.device, page_size=peer.page_size)
+                                             seqlen_cache, dtype, ctx.device, page_size=peer.page_size,
+                                             num_splits=peer.num_splits or 0)
+            if peer.num_splits is not None:
+                fields["splits_used"] = decode_splits_used(shape.batch, 1, shape.nheads, shape.nheads_k,
+                                                           shape.head_dim, seqlen_cache, dtype, ctx.device,
+                                                           peer.num_splits)
         extra = peer.extra_bytes(shape, kv_bytes)
         free = ctx.timer.free_bytes()
         if kv_bytes + extra > MEMORY_HEADROOM * free:
@@ -1012,7 +858,7 @@ def _decode_shape(ctx: Context, dtype: torch.dtype, shape: DecodeShape, peers: S
         states: List[SimpleNamespace] = []
         try:
             copies = _rotation_copies(ctx, kv_bytes, extra)
-            states = [peer.make(shape, dtype, ctx.device, _generator(ctx.device, seed=i)) for i in range(copies)]
+            states = [peer.make(shape, dtype, ctx.device, inputs.generator(ctx.device, seed=i)) for i in range(copies)]
             with torch.no_grad():
                 if peer.checked:  # the first call also compiles; the check frees its temporaries on return
                     ok, err, bound = _check_decode_step(peer, states[0], shape.batch - 1)
@@ -1030,7 +876,7 @@ def _decode_shape(ctx: Context, dtype: torch.dtype, shape: DecodeShape, peers: S
                 graph_ms, graph_note = math.nan, ""
                 if kv_bytes < GRAPH_MAX_BYTES or peer.graph_big:
                     try:
-                        repeat = -(-bench.GRAPH_MIN_CALLS // len(states))  # whole rotations of the copies
+                        repeat = -(-measure.GRAPH_MIN_CALLS // len(states))  # whole rotations of the copies
                         graph_ms = ctx.timer.graph(lambda: [step(st) for st in states], rep=ctx.settings.graph_rep,
                                                    repeat=repeat) / len(states)
                     except Exception as exc:
@@ -1044,7 +890,7 @@ def _decode_shape(ctx: Context, dtype: torch.dtype, shape: DecodeShape, peers: S
                     host = ctx.timer.host(lambda: step(states[0]), calls=ctx.settings.host_calls)
         except Exception as exc:
             if _is_fatal(exc):
-                _write(ctx, "decode", rows)
+                _write(ctx, suite, rows)
                 raise
             log(f"error {what}: {_note(exc)}")
             rows.append(_row(ctx, **fields, status="error", note=_note(exc)))
@@ -1053,12 +899,12 @@ def _decode_shape(ctx: Context, dtype: torch.dtype, shape: DecodeShape, peers: S
             continue
         use_graph = kv_bytes < GRAPH_MAX_BYTES and graph_ms == graph_ms
         time_ms = graph_ms if use_graph else timing["median_ms"]
-        gbps = bench.gbps(kv_bytes, time_ms)
+        gbps = measure.gbps(kv_bytes, time_ms)
         rows.append(_row(
             ctx, **fields, status="ok", rotated_copies=len(states), **timing, graph_ms=graph_ms,
             timing="graph" if use_graph else "eager", time_ms=time_ms, gbps=gbps,
-            gbps_eager=bench.gbps(kv_bytes, timing["median_ms"]),
-            gbps_graph=bench.gbps(kv_bytes, graph_ms) if graph_ms == graph_ms else math.nan,
+            gbps_eager=measure.gbps(kv_bytes, timing["median_ms"]),
+            gbps_graph=measure.gbps(kv_bytes, graph_ms) if graph_ms == graph_ms else math.nan,
             peak_mem_mib=peak / 2**20, **_ceiling_fields(ctx, gbps, "bytes"), note=graph_note,
         ))
         log(f"{what}: {timing['median_ms'] * 1e3:.1f} us/call, graph {graph_ms * 1e3:.1f} us, {gbps:.0f} GB/s "
@@ -1087,24 +933,6 @@ class ChunkedImpl:
         return LABELS.get(self.name, self.name) + (f" P={self.page_size}" if self.page_size else "")
 
 
-def _chunked_state(shape: ChunkedShape, dtype, device, gen, *, kind: str, page_size: int = 0) -> SimpleNamespace:
-    b, n, c, h, hk, d = shape.batch, shape.cache_len, shape.chunk, shape.nheads, shape.nheads_k, shape.head_dim
-    total = n + c
-    st = SimpleNamespace(q=_randn((b, c, h, d), dtype, device, gen), cache_len=n, total=total)
-    if kind == "prefill":  # q chunk against all L + chunk keys, as one prefill call
-        st.k_full, st.v_full = (_randn((b, total, hk, d), dtype, device, gen) for _ in range(2))
-        return st
-    st.k, st.v = (_randn((b, c, hk, d), dtype, device, gen) for _ in range(2))
-    st.seqlens = torch.full((b,), n, dtype=torch.int32, device=device)
-    if kind == "dense":
-        st.k_cache, st.v_cache = (_randn((b, total, hk, d), dtype, device, gen) for _ in range(2))
-        return st
-    pages = -(-total // page_size)
-    st.k_cache, st.v_cache = (_randn((b * pages, page_size, hk, d), dtype, device, gen) for _ in range(2))
-    st.block_table = _random_block_table(b, pages, total * 7 + page_size, device)
-    return st
-
-
 def _chunked_prefill_step(st):
     return flash_attn_func(st.q, st.k_full, st.v_full, causal=True)
 
@@ -1117,9 +945,9 @@ def _chunked_kvcache_step(st):
 
 def chunked_impls(ctx: Context) -> List[ChunkedImpl]:
     """ours_prefill (flash_attn_func, the yardstick: measured first), ours_kvcache (dense) and paged."""
-    impls = [ChunkedImpl("ours_prefill", 0, lambda *a: _chunked_state(*a, kind="prefill"), _chunked_prefill_step),
-             ChunkedImpl("ours_kvcache", 0, lambda *a: _chunked_state(*a, kind="dense"), _chunked_kvcache_step)]
-    impls += [ChunkedImpl("ours_kvcache_paged", p, lambda *a, p=p: _chunked_state(*a, kind="paged", page_size=p),
+    impls = [ChunkedImpl("ours_prefill", 0, lambda *a: inputs.chunked_state(*a, kind="prefill"), _chunked_prefill_step),
+             ChunkedImpl("ours_kvcache", 0, lambda *a: inputs.chunked_state(*a, kind="dense"), _chunked_kvcache_step)]
+    impls += [ChunkedImpl("ours_kvcache_paged", p, lambda *a, p=p: inputs.chunked_state(*a, kind="paged", page_size=p),
                           _chunked_kvcache_step) for p in CHUNK_PAGE_SIZES]
     return [i for i in impls if ctx.peers is None or i.name in ctx.peers]
 
@@ -1174,7 +1002,7 @@ def run_chunked(ctx: Context, shapes: Sequence[ChunkedShape], dtypes: Sequence[s
 
 
 def _chunked_shape(ctx: Context, dtype, shape: ChunkedShape, impls: Sequence[ChunkedImpl], base, log) -> List[Row]:
-    flops = bench.attention_flops(shape.batch, shape.nheads, shape.chunk, shape.cache_len + shape.chunk,
+    flops = measure.attention_flops(shape.batch, shape.nheads, shape.chunk, shape.cache_len + shape.chunk,
                                   shape.head_dim, True)
     rows: List[Row] = []
     prefill_tflops = math.nan
@@ -1182,7 +1010,7 @@ def _chunked_shape(ctx: Context, dtype, shape: ChunkedShape, impls: Sequence[Chu
         if ctx.deadline.expired():
             ctx.stopped = True
             break
-        what = f"chunked {impl.label} {base['dtype']} {_describe(shape)}"
+        what = f"chunked {impl.label} {base['dtype']} {describe(shape)}"
         fields = dict(base, impl=impl.name, label=impl.label, page_size=impl.page_size, flops=flops)
         if impl.name == "ours_prefill":
             fields["config"] = prefill_config(dtype, shape.head_dim, True, ctx.device, "fwd")
@@ -1194,7 +1022,7 @@ def _chunked_shape(ctx: Context, dtype, shape: ChunkedShape, impls: Sequence[Chu
                                               cap, dtype, ctx.device, True)
         st = None
         try:
-            st = impl.make(shape, dtype, ctx.device, _generator(ctx.device, seed=shape.cache_len + shape.chunk))
+            st = impl.make(shape, dtype, ctx.device, inputs.generator(ctx.device, seed=shape.cache_len + shape.chunk))
             with torch.no_grad():
                 out = impl.step(st)
                 kk, vv = _chunked_keys(st)
@@ -1218,7 +1046,7 @@ def _chunked_shape(ctx: Context, dtype, shape: ChunkedShape, impls: Sequence[Chu
             st = None
             ctx.timer.empty_cache()
             continue
-        tf = bench.tflops(flops, timing["median_ms"])
+        tf = measure.tflops(flops, timing["median_ms"])
         if impl.name == "ours_prefill":
             prefill_tflops = tf
         rows.append(_row(ctx, **fields, status="ok", tflops=tf, **timing, peak_mem_mib=peak / 2**20,
@@ -1271,7 +1099,7 @@ def run(
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if has_gpu() else torch.device("cpu")
     gpu = gpu or gpu_name()
-    commit = commit or bench.git_commit()
+    commit = commit or results.git_commit()
     flex = (not quick) if flex is None else flex
     bad = [d for d in (dtypes or ()) if d not in DTYPES]
     if bad:
@@ -1285,7 +1113,7 @@ def run(
                   settings=QUICK_SETTINGS if quick else FULL_SETTINGS, deadline=Deadline(max_minutes), flex=flex,
                   flex_dtypes=tuple(flex_dtypes), peers=frozenset(peers) if peers else None, force=force,
                   ceilings=ceilings, log=log)
-    bench.write_csv([_row(ctx, suite="ceilings", **ceilings)], CEILINGS_CSV, results_dir=results_dir)
+    results.write_csv([_row(ctx, suite="ceilings", **ceilings)], CEILINGS_CSV, results_dir=results_dir)
     summary: Dict[str, Any] = {}
     for suite in suites:
         grid = (shapes or {}).get(suite) or suite_shapes(suite, quick)
@@ -1294,8 +1122,8 @@ def run(
             f"({'quick' if quick else 'full'}) -> {csv_path(suite, gpu, results_dir)}")
         if suite in MODES:
             stats = run_prefill(ctx, MODES[suite], grid, names)
-        elif suite == "decode":
-            stats = run_decode(ctx, grid, names)
+        elif suite in ("decode", "decode_splits"):
+            stats = run_decode(ctx, grid, names, suite)
         else:
             stats = run_chunked(ctx, grid, names)
         summary[suite] = stats
@@ -1305,88 +1133,5 @@ def run(
     if ctx.stopped:
         log("stopped by the time budget: run the same command again to continue (measured rows are skipped)")
     if figures_dir is not None:
-        from .bench_report import plot_all
-
         summary["figures"] = plot_all(results_dir, figures_dir, gpu=gpu, log=log)
     return summary
-
-
-# ============================================================================================
-# Command line
-# ============================================================================================
-def _csv_list(text: str) -> List[str]:
-    return [t.strip() for t in text.split(",") if t.strip()]
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m kernels.bench",
-        description="Benchmark suite of the Triton attention kernels against SDPA, FlexAttention and eager "
-        "PyTorch (needs a CUDA GPU to measure). Results: <out>/<gpu>/bench_<suite>.csv (appended, resumable), "
-        "figures: <figures>/<gpu>/bench_*.png. Exit status 3: stopped by --max-minutes, run again to continue.",
-    )
-    p.add_argument("--suite", default=",".join(SUITES), help=f"comma-separated, from {','.join(SUITES)} (default all)")
-    p.add_argument("--quick", action="store_true", help="small grids, fewer reps, bf16, no Flex")
-    p.add_argument("--dtypes", default=None, help="comma-separated from bf16,fp16,fp32 (default: prefill bf16,fp16; "
-                   "decode and chunked bf16; --quick bf16)")
-    p.add_argument("--out", default="results", help="results folder (relative: from the repo root)")
-    p.add_argument("--figures", default="figures", help="figures folder (relative: from the repo root)")
-    flex = p.add_mutually_exclusive_group()
-    flex.add_argument("--no-flex", dest="flex", action="store_false", default=None, help="skip FlexAttention")
-    flex.add_argument("--flex", dest="flex", action="store_true", help="include FlexAttention (also with --quick)")
-    p.add_argument("--flex-dtypes", default=",".join(FLEX_DTYPES), help="dtypes FlexAttention is compiled for")
-    p.add_argument("--peers", default=None, help="only these implementations, e.g. ours,sdpa_cudnn,ours_paged")
-    p.add_argument("--max-minutes", type=float, default=None, help="stop cleanly after this long (resumable)")
-    p.add_argument("--force", action="store_true", help="re-measure rows already written for this commit and GPU")
-    p.add_argument("--no-plot", action="store_true", help="do not redraw the figures at the end")
-    p.add_argument("--plot-only", action="store_true", help="only redraw figures from the CSVs (no GPU needed)")
-    p.add_argument("--headline", action="store_true", help="print the ours / best-peer Markdown table (no GPU needed)")
-    p.add_argument("--gpu", default=None, help="with --plot-only / --headline: one GPU's results (name or slug)")
-    p.add_argument("--list", action="store_true", help="print the grids and exit (no GPU needed)")
-    return p
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """`python -m kernels.bench` (see build_parser); returns the exit status."""
-    args = build_parser().parse_args(argv)
-    suites = _csv_list(args.suite)
-    unknown = [s for s in suites if s not in SUITES]
-    if unknown:
-        print(f"unknown suite(s) {unknown}; choose from {','.join(SUITES)}", file=sys.stderr)
-        return 2
-    dtypes = _csv_list(args.dtypes) if args.dtypes else None
-    if dtypes and any(d not in DTYPES for d in dtypes):
-        print(f"unknown dtype(s) in {dtypes}; choose from {','.join(DTYPES)}", file=sys.stderr)
-        return 2
-    if args.list:
-        for suite in suites:
-            grid = suite_shapes(suite, args.quick)
-            names = dtypes or (QUICK_DTYPES if args.quick else DEFAULT_DTYPES[suite])
-            print(f"{suite}: {len(grid)} shapes x dtypes {','.join(names)}")
-            for shape in grid:
-                print(f"    {_describe(shape)}")
-        return 0
-    if args.plot_only or args.headline:
-        from .bench_report import headline_markdown, headline_table, plot_all
-
-        if args.plot_only:
-            plot_all(args.out, args.figures, gpu=args.gpu)
-        if args.headline:
-            print(headline_markdown(headline_table(args.out, args.gpu)))
-        return 0
-    if not has_gpu():
-        print(NO_GPU_MESSAGE, file=sys.stderr)
-        return 1
-    from ._utils import env_summary
-
-    for key, value in env_summary().items():
-        print(f"{key:>18}: {value}")
-    summary = run(suites, quick=args.quick, dtypes=dtypes, results_dir=args.out,
-                  figures_dir=None if args.no_plot else args.figures, flex=args.flex,
-                  flex_dtypes=_csv_list(args.flex_dtypes), max_minutes=args.max_minutes,
-                  peers=_csv_list(args.peers) if args.peers else None, force=args.force)
-    return 3 if summary["stopped"] else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,33 +1,31 @@
 """Helpers the notebooks share, so that their cells only narrate, call, check and plot.
 
-- `sizes(on_gpu)`: the shapes a notebook uses: small under the Triton interpreter, full on a GPU.
-- `Case`, `grid`, `make_inputs`: attention problems and their (seeded) inputs.
-- `forward_error_table`, `grad_error_table`: pandas DataFrames of relative errors against the fp32
-  eager reference, the same-dtype eager reference and torch SDPA (where the conventions agree),
-  judged by flash-attn's rule; `assert_table_ok` fails loudly with the offending rows.
-- `gqa_group_sum_table`, `kv_bytes_table`: the GQA notebook's checks and memory arithmetic.
-- `check_errors`: runs calls that must raise and checks the exception types.
-- `prefill_providers`, `gqa_providers`, `measure`, `save_results`: GPU latency / peak-memory sweeps,
-  stored with `kernels.bench.write_csv` in the columns scripts/bench_prefill.py uses.
-- `load_results`, `plot_lines`, `summary_table`: plots of measured (or committed) results; PNGs go to
-  figures/<gpu-slug>/, titles name the GPU the numbers came from.
-- `show`: a DataFrame as a rich table in Jupyter/Colab, as text when the cells are exec'd headless.
-- Decode (notebook 02): `decode_sizes`, `decode_roofline_table` (bytes per FLOP of a decode step),
-  the check tables `decode_equivalence_table`, `decode_ragged_table`, `decode_split_table`,
-  `decode_causal_table`, `decode_append_table`, `kvcache_round_trip_table`; the GPU measurements
-  `decode_providers`, `measure_decode`, `measure_decode_splits`, `save_decode_results`; and
-  `plot_decode`, `plot_decode_splits`, `decode_summary_table`, `decode_splits_table`.
+The notebooks import this module after their setup cell has put the repo root and notebooks/ on
+sys.path. It holds no kernel and no reference code (those are in kernels/) and no benchmark harness
+(benchmarks/ measures; `run_suite` and `bench_results` are how the notebooks call it).
 
-The error rule (flash-attn's tests): a float16/bfloat16 kernel passes when its error against the
-fp32 reference is at most `factor` times PyTorch's own error in the same dtype (2x forward, 3x
-gradients) plus a small absolute floor; float32 inputs get plain bounds (exact fp32 under the
-interpreter, tf32 matmuls on a GPU). NaN never passes.
+- `sizes`, `decode_sizes`, `serving_sizes`: the shapes of each notebook, small under the Triton
+  interpreter (CPU), full on a GPU.
+- `Case`, `grid`, `make_inputs`, `decode_inputs`: attention problems and their seeded inputs.
+- Check tables (pandas DataFrames, judged by the error rule of kernels/testing.py; `assert_table_ok`
+  fails loudly with the offending rows): `forward_error_table`, `grad_error_table`,
+  `padded_keys_table`, `gqa_group_sum_table`, the decode tables (`decode_equivalence_table`,
+  `decode_ragged_table`, `decode_split_table`, `decode_causal_table`, `decode_append_table`,
+  `kvcache_round_trip_table`), `chunked_prefill_table`; `check_errors` for calls that must raise.
+- Arithmetic tables: `kv_bytes_table`, `decode_roofline_table`.
+- Benchmarks: `run_suite` (the benchmark suite on a notebook's shapes, GPU only), `bench_results`
+  (its rows, measured now or committed), `plot_lines`, `summary_table`, `plot_decode`,
+  `decode_summary_table`: notebook views of those rows, titled with the GPU they came from.
+- Serving (notebook 04): `engine_from_sizes`, `summary`, `save_stats`, `load_stats`, `plot_serving`.
+- `show`: a DataFrame as a rich table in Jupyter/Colab, as text when the cells run headless.
 """
 
 from __future__ import annotations
 
+import datetime
 import itertools
 import math
+import numbers
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -35,29 +33,14 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 
 import torch
 
-from . import bench
-from ._utils import is_interpreter
-from .bench_report import log2_axis, save_figure
-from .decode import flash_attn_with_kvcache
-from .prefill import flash_attn_func
-from .reference import (
-    attention_ref,
-    attention_sdpa,
-    decode_eager_cat,
-    decode_eager_slice,
-    rel_err,
-    sdpa_supports_enable_gqa,
-)
-
-# flash-attn's rule: kernel error <= factor * same-dtype eager error + floor.
-FWD_FACTOR, GRAD_FACTOR = 2.0, 3.0
-ATOL_FLOOR = {torch.float16: 1e-3, torch.bfloat16: 4e-3}
-# float32 has no same-dtype yardstick (the reference is fp32): plain relative bounds instead.
-FP32_RTOL_INTERPRET = 1e-5  # the interpreter's tl.dot is an exact fp32 numpy matmul
-FP32_RTOL_GPU = 5e-3  # tf32 tensor-core matmuls on a GPU
-FP32_GRAD_RTOL_INTERPRET = 1e-4  # gradients sum in a different order than autograd's
-LSE_ATOL = {torch.float16: 1e-3, torch.bfloat16: 1e-3, torch.float32: 1e-4}
-LSE_ATOL_FP32_GPU = 5e-3
+from benchmarks import measure, report, results, suite
+from benchmarks.grids import LABELS
+from kernels import KVCache, PagedKVCache, flash_attn_func, flash_attn_with_kvcache
+from kernels._configs import prefill_fwd_config
+from kernels._options import head_dim_tile
+from kernels.reference import attention_padded_keys_ref, attention_ref, attention_sdpa
+from kernels.serving import ServingEngine, check_attention
+from kernels.testing import agreement_tolerance, check_lse, error_bound, rel_err
 
 
 # --------------------------------------------------------------------------------------------
@@ -198,12 +181,7 @@ def make_inputs(
 
 def kernel_block_n(head_dim: int, dtype: torch.dtype, device, causal: bool = False) -> int:
     """BLOCK_N (keys per tile) the prefill forward kernel uses for this head dim, dtype and device."""
-    import triton
-
-    from ._configs import prefill_fwd_config
-
-    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-    return prefill_fwd_config(head_dim_pad, dtype, causal, torch.device(device)).block_n
+    return prefill_fwd_config(head_dim_tile(head_dim), dtype, causal, torch.device(device)).block_n
 
 
 def copies_during(fn: Callable[[], Any]) -> Optional[List[str]]:
@@ -235,15 +213,6 @@ def copies_during(fn: Callable[[], Any]) -> Optional[List[str]]:
     return log.ops
 
 
-def _bound(dtype: torch.dtype, eager_err: float, factor: float, grad: bool) -> float:
-    """The largest error the rule accepts for a kernel in `dtype` (see the module docstring)."""
-    if dtype == torch.float32:
-        if not is_interpreter():
-            return FP32_RTOL_GPU
-        return FP32_GRAD_RTOL_INTERPRET if grad else FP32_RTOL_INTERPRET
-    return factor * eager_err + ATOL_FLOOR[dtype]
-
-
 def _ratio(err: float, eager_err: float) -> float:
     return err / eager_err if eager_err > 0 else math.nan
 
@@ -255,7 +224,7 @@ def _finite(t: torch.Tensor) -> bool:
 # --------------------------------------------------------------------------------------------
 # Error tables
 # --------------------------------------------------------------------------------------------
-def padded_keys_table(cases: Sequence[Case], device, block_n: int, *, seed: int = 0, factor: float = FWD_FACTOR):
+def padded_keys_table(cases: Sequence[Case], device, block_n: int, *, seed: int = 0):
     """Our kernel vs an emulated kernel WITHOUT the key-length mask, both against the fp32 reference.
 
     The emulation (kernels.reference.attention_padded_keys_ref) pads K/V with zero keys up to a
@@ -264,8 +233,6 @@ def padded_keys_table(cases: Sequence[Case], device, block_n: int, *, seed: int 
     (the rule's bound for the kernel), ok (kernel within bound, finite).
     """
     import pandas as pd
-
-    from .reference import attention_padded_keys_ref
 
     rows = []
     for i, case in enumerate(cases):
@@ -276,7 +243,7 @@ def padded_keys_table(cases: Sequence[Case], device, block_n: int, *, seed: int 
             same = ref if case.dtype == torch.float32 else attention_ref(q, k, v, causal=case.causal, upcast=False)[0]
             unmasked, _ = attention_padded_keys_ref(q.float(), k.float(), v.float(), block_n, causal=case.causal)
         err, eager_err = rel_err(out, ref), rel_err(same, ref)
-        bound = _bound(case.dtype, eager_err, factor, grad=False)
+        bound = error_bound(case.dtype, eager_err)
         rows.append({
             **case.fields(), "block_n": block_n, "padded_keys": -(-case.seqlen_k // block_n) * block_n - case.seqlen_k,
             "err_kernel": err, "err_unmasked": rel_err(unmasked, ref), "eager_err": eager_err, "bound": bound,
@@ -286,14 +253,14 @@ def padded_keys_table(cases: Sequence[Case], device, block_n: int, *, seed: int 
 
 
 def forward_error_table(
-    cases: Sequence[Case], device, *, seed: int = 0, factor: float = FWD_FACTOR, layout: str = "bshd"
+    cases: Sequence[Case], device, *, seed: int = 0, layout: str = "bshd"
 ):
     """Run flash_attn_func and the references over `cases`; one row per case.
 
     Columns: the case, then
       err_fp32   kernel vs the fp32 eager reference (the ground truth),
       eager_err  PyTorch's eager attention in the same dtype vs the fp32 reference (the yardstick),
-      ratio      err_fp32 / eager_err (the rule wants <= factor; NaN for fp32 inputs),
+      ratio      err_fp32 / eager_err (the rule wants <= 2; NaN for fp32 inputs),
       err_eager  kernel vs the same-dtype eager reference,
       err_sdpa   kernel vs torch SDPA in fp32 (NaN where SDPA's causal convention differs),
       sdpa_err   SDPA in the same dtype vs the fp32 reference (PyTorch's fused kernel, for scale),
@@ -320,12 +287,9 @@ def forward_error_table(
                 sdpa_same = sdpa32 if case.dtype == torch.float32 else attention_sdpa(q, k, v, causal=case.causal)
                 sdpa_err = rel_err(sdpa_same, ref)
         err, eager_err = rel_err(out, ref), rel_err(same, ref)
-        bound = _bound(case.dtype, eager_err, factor, grad=False)
-        inf_ref = torch.isposinf(lse_ref)
-        inf_ok = torch.equal(torch.isposinf(lse), inf_ref) and not torch.isnan(lse).any().item()
-        lse_diff = (lse[~inf_ref] - lse_ref[~inf_ref]).abs().max().item() if (~inf_ref).any() else 0.0
-        lse_tol = LSE_ATOL_FP32_GPU if (case.dtype == torch.float32 and not is_interpreter()) else LSE_ATOL[case.dtype]
-        ok = _finite(out) and err <= bound and inf_ok and lse_diff <= lse_tol
+        bound = error_bound(case.dtype, eager_err)
+        lse_ok, lse_diff = check_lse(lse, lse_ref, case.dtype)
+        ok = _finite(out) and err <= bound and lse_ok
         rows.append({
             **case.fields(),
             "err_fp32": err, "eager_err": eager_err, "ratio": _ratio(err, eager_err),
@@ -344,7 +308,7 @@ def _grads(fn: Callable, tensors: Sequence[torch.Tensor], dout: torch.Tensor) ->
     return torch.autograd.grad(out, leaves, dout)
 
 
-def grad_error_table(cases: Sequence[Case], device, *, seed: int = 0, factor: float = GRAD_FACTOR):
+def grad_error_table(cases: Sequence[Case], device, *, seed: int = 0):
     """Gradients of flash_attn_func vs autograd through the references; one row per (case, dq/dk/dv).
 
     Columns as in forward_error_table (err_fp32, eager_err, ratio, err_eager, err_sdpa, sdpa_err,
@@ -374,7 +338,7 @@ def grad_error_table(cases: Sequence[Case], device, *, seed: int = 0, factor: fl
                 lambda a, b, d: attention_sdpa(a, b, d, causal=c), (q, k, v), dout)
         for name, gk, gr, gs, s32, ss in zip(("dq", "dk", "dv"), g_ker, g_ref, g_same, g_sdpa32, g_sdpa_same):
             err, eager_err = rel_err(gk, gr), rel_err(gs, gr)
-            bound = _bound(case.dtype, eager_err, factor, grad=True)
+            bound = error_bound(case.dtype, eager_err, grad=True)
             rows.append({
                 **case.fields(), "grad": name,
                 "err_fp32": err, "eager_err": eager_err, "ratio": _ratio(err, eager_err),
@@ -453,10 +417,9 @@ def gqa_group_sum_table(cases: Sequence[Case], device, *, seed: int = 0):
         dq_e, dk_e, dv_e = _grads(lambda a, b, d: flash_attn_func(a, b, d, causal=c), (q, k_exp, v_exp), dout)
         shape = (case.batch, case.seqlen_k, case.nheads_k, g, case.head_dim)
         dk_sum, dv_sum = dk_e.float().view(shape).sum(3), dv_e.float().view(shape).sum(3)
-        if case.dtype == torch.float32:
-            bound = FP32_GRAD_RTOL_INTERPRET if is_interpreter() else FP32_RTOL_GPU
-        else:
-            bound = 1e-2  # the expanded path rounds each q head's dK/dV before the sum, GQA once after it
+        # two kernel paths on the same data: the expanded path rounds each q head's dK/dV before the sum,
+        # GQA once after it
+        bound = agreement_tolerance(case.dtype)
         errs = {
             "err_out": rel_err(out_g, out_e), "err_dq": rel_err(dq_g, dq_e),
             "err_dk": rel_err(dk_g, dk_sum), "err_dv": rel_err(dv_g, dv_sum),
@@ -514,220 +477,33 @@ def check_errors(cases: Sequence[Tuple[str, Callable[[], Any], type]]):
 
 
 # --------------------------------------------------------------------------------------------
-# Benchmarks (GPU)
+# Benchmarks: the suite of benchmarks/ on a notebook's shapes, and notebook views of its rows
 # --------------------------------------------------------------------------------------------
-# Result rows share their column names with scripts/bench_prefill.py (mode, impl, dtype as "bf16",
-# batch, seqlen, nheads, nheads_k, head_dim, causal, tflops, median_ms, ...), so that both write and
-# read the same results/<gpu>/prefill_<mode>.csv; the notebooks add label, group and peak_mem_mib.
-Provider = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]
-
-LABELS = {
-    "ours": "Triton (ours)",
-    "sdpa": "SDPA (auto)",
-    "sdpa_flash": "SDPA flash (FA2)",
-    "sdpa_cudnn": "SDPA cuDNN",
-    "flex": "FlexAttention (compiled)",
-    "sdpa_gqa": "SDPA enable_gqa=True",
-    "sdpa_expand_kv": "repeat_interleave K/V + SDPA",
-}
-SHORT_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+def run_suite(suites: Sequence[str], shapes: Sequence[Any], *, peers: Optional[Sequence[str]] = None,
+              dtypes: Sequence[str] = ("bf16",)) -> None:
+    """Measure `shapes` (benchmarks.grids shape objects) with the benchmark suite on this GPU, for each
+    of `suites`: its peers (or only `peers`), checked against the reference first, rows appended to
+    results/<gpu>/bench_<suite>.csv with the GPU and versions (rows already measured at this commit
+    are skipped). Figures are left to the notebook's own views."""
+    suite.run(tuple(suites), shapes={name: list(shapes) for name in suites}, peers=peers, dtypes=dtypes,
+              figures_dir=None, flex=False)
 
 
-def short_dtype(dtype: Union[torch.dtype, str]) -> str:
-    """'bf16' for torch.bfloat16 or 'bfloat16' (the results/ CSV convention)."""
-    name = dtype_name(dtype) if isinstance(dtype, torch.dtype) else str(dtype)
-    return SHORT_DTYPES.get(name, name)
-
-
-def _ours(q, k, v, causal):
-    return flash_attn_func(q, k, v, causal=causal)
-
-
-def _sdpa(q, k, v, causal, **kw):
-    """SDPA on our (b, s, h, d) tensors seen as (b, h, s, d) views (no copies; flash reads this layout)."""
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal, **kw)
-    return out.transpose(1, 2)
-
-
-def _with_backend(backend_name: str) -> Optional[Provider]:
-    """SDPA restricted to one backend, or None when this torch cannot restrict it."""
-    try:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-    except ImportError:
-        return None
-    backend = getattr(SDPBackend, backend_name, None)
-    if backend is None:
-        return None
-
-    def fn(q, k, v, causal):
-        with sdpa_kernel(backend):
-            return _sdpa(q, k, v, causal)
-
-    return fn
-
-
-def prefill_providers() -> Dict[str, Provider]:
-    """MHA competitors: ours, SDPA's own choice, and SDPA's flash and cuDNN backends where this torch has them.
-
-    A provider that turns out unsupported on this GPU is skipped by `measure` with a message.
-    """
-    providers: Dict[str, Provider] = {"ours": _ours, "sdpa": _sdpa}
-    for key, backend in (("sdpa_flash", "FLASH_ATTENTION"), ("sdpa_cudnn", "CUDNN_ATTENTION")):
-        fn = _with_backend(backend)
-        if fn is None:
-            print(f"note: this torch cannot select SDPA's {backend} backend; {LABELS[key]} is skipped")
-        else:
-            providers[key] = fn
-    return providers
-
-
-def _sdpa_expand_kv(q, k, v, causal):
-    """What models did before GQA support: materialise K/V per q head, then plain MHA attention."""
-    group = q.shape[2] // k.shape[2]
-    return _sdpa(q, k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2), causal)
-
-
-def gqa_providers() -> Dict[str, Provider]:
-    """GQA competitors: ours, SDPA with enable_gqa=True (when this torch has it), and expanded K/V + SDPA."""
-    providers: Dict[str, Provider] = {"ours": _ours}
-    if sdpa_supports_enable_gqa():
-        providers["sdpa_gqa"] = lambda q, k, v, causal: _sdpa(q, k, v, causal, enable_gqa=True)
-    else:
-        print(f"note: torch {torch.__version__} has no enable_gqa in scaled_dot_product_attention (needs >= 2.5); "
-              f"{LABELS['sdpa_gqa']} is skipped")
-    providers["sdpa_expand_kv"] = _sdpa_expand_kv
-    return providers
-
-
-def measure(
-    providers: Mapping[str, Provider],
-    shapes: Iterable[Mapping[str, int]],
-    *,
-    dtype: torch.dtype = torch.bfloat16,
-    causal_values: Iterable[bool] = (False, True),
-    modes: Iterable[str] = ("fwd", "fwd_bwd"),
-    warmup: int = 5,
-    rep: int = 30,
-    device="cuda",
-) -> List[Dict[str, Any]]:
-    """Median latency and peak-memory delta of each provider on each shape; one result row each.
-
-    shapes: mappings with batch, seqlen, nheads, nheads_k, head_dim (self-attention: seqlen_q == seqlen_k).
-    modes: "fwd" (inference: inputs without grad) and/or "fwd_bwd" (forward, then autograd.grad of
-    q, k, v). Rows come from kernels.bench.make_row (GPU, versions, date, commit stamped) with mode,
-    impl, label, dtype, the shape, group, causal, tflops, median_ms, p20_ms, p80_ms, min_ms and
-    peak_mem_mib. A provider that fails on a shape (unsupported backend, out of memory) is skipped
-    with a message.
-    """
-    rows: List[Dict[str, Any]] = []
-    for shape in shapes:
-        rows += _measure_shape(providers, shape, dtype, tuple(causal_values), tuple(modes), warmup, rep, device)
-        torch.cuda.empty_cache()
-    return rows
-
-
-def _measure_shape(providers, shape, dtype, causal_values, modes, warmup, rep, device) -> List[Dict[str, Any]]:
-    """measure() for one shape; its inputs are freed when this returns."""
-    s = shape["seqlen"]
-    case = Case(shape["batch"], s, s, shape["nheads"], shape["nheads_k"], shape["head_dim"], dtype, False)
-    q, k, v = make_inputs(case, device)
-    dout = torch.randn_like(q)
-    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    rows = []
-    for causal, mode, (key, provider) in itertools.product(causal_values, modes, providers.items()):
-        if mode == "fwd":
-            def fn(provider=provider, causal=causal):
-                with torch.no_grad():
-                    return provider(q, k, v, causal)
-        else:
-            def fn(provider=provider, causal=causal):
-                return torch.autograd.grad(provider(*leaves, causal), leaves, dout)
-        what = f"{LABELS.get(key, key)} {mode} causal={causal} {dict(shape)}"
-        try:
-            fn()  # compile / pick algorithms before timing; fails early if unsupported
-            timing = bench.time_fn(fn, warmup=warmup, rep=rep)
-            peak = bench.peak_memory_delta(fn)
-        except (RuntimeError, NotImplementedError, ValueError) as exc:
-            print(f"skip {what}: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
-            torch.cuda.empty_cache()
-            continue
-        flops = bench.attention_flops(case.batch, case.nheads, s, s, case.head_dim, causal, mode)
-        row = bench.make_row(
-            mode=mode, impl=key, label=LABELS.get(key, key), dtype=short_dtype(dtype), batch=case.batch, seqlen=s,
-            nheads=case.nheads, nheads_k=case.nheads_k, group=case.group, head_dim=case.head_dim, causal=causal,
-            tflops=bench.tflops(flops, timing["median_ms"]), **timing, peak_mem_mib=peak / 2**20,
-        )
-        rows.append(row)
-        print(f"{what}: {row['median_ms']:.3f} ms, {row['tflops']:.0f} TFLOP/s, peak +{row['peak_mem_mib']:.0f} MiB")
-    return rows
-
-
-def save_results(rows: Sequence[Mapping[str, Any]], prefix: str, results_dir: Union[str, Path] = "results"):
-    """Append measured rows to results/<gpu>/<prefix>_<mode>.csv, one CSV per mode; returns them as a DataFrame."""
-    import pandas as pd
-
-    for mode in sorted({r["mode"] for r in rows}):
-        path = bench.write_csv([r for r in rows if r["mode"] == mode], f"{prefix}_{mode}", results_dir=results_dir)
-        print(f"wrote {path}")
-    if not rows:
-        print("nothing was measured: every provider was skipped")
-        return None
-    return normalize_results(pd.DataFrame(list(rows)))
-
-
-# --------------------------------------------------------------------------------------------
-# Results and plots
-# --------------------------------------------------------------------------------------------
-_KEY_COLUMNS = ("gpu", "impl", "mode", "batch", "seqlen", "nheads", "nheads_k", "head_dim", "dtype", "causal")
-
-
-def normalize_results(df):
-    """Bring result rows to one convention: impl (older rows: provider), seqlen (older: seqlen_k), short
-    dtype names ('bf16'), boolean causal, group = nheads // nheads_k, and a peak_mem_mib column (NaN
-    where a benchmark did not measure memory)."""
-    df = df.copy()
-    for new, old in (("impl", "provider"), ("seqlen", "seqlen_k")):
-        if old in df.columns:
-            df[new] = df[new].fillna(df[old]) if new in df.columns else df[old]
-    if "dtype" in df.columns:
-        df["dtype"] = df["dtype"].astype(str).map(lambda name: SHORT_DTYPES.get(name, name))
-    if "causal" in df.columns:
-        df["causal"] = df["causal"].astype(str).str.lower().isin(["true", "1", "1.0"])
-    if "group" not in df.columns and {"nheads", "nheads_k"} <= set(df.columns):
-        df["group"] = df["nheads"] // df["nheads_k"]
-    if "peak_mem_mib" not in df.columns:
-        df["peak_mem_mib"] = math.nan
-    return df
-
-
-def load_results(*names: str, results_dir: Union[str, Path] = "results"):
-    """Committed results/<gpu>/<name>.csv of every GPU for each name, as one normalized DataFrame; None if none.
-
-    A name without results prints a note ("no committed GPU results yet ...") instead of failing.
-    """
+def bench_results(*suites: str):
+    """The rows of the given suites (results/<gpu>/bench_<suite>.csv of every GPU: measured now or
+    committed), normalized and status ok, as one DataFrame with a `suite` column; None when there is none."""
     import pandas as pd
 
     frames = []
-    for name in names:
-        try:
-            df = bench.read_csv(name, results_dir=results_dir)
-        except FileNotFoundError:
-            print(f"no committed GPU results yet for {name!r} (looked for {results_dir}/<gpu>/{name}.csv); "
-                  f"run this notebook on a GPU to measure them.")
+    for name in suites:
+        df = report.load_suite(name)
+        if df is None:
             continue
-        gpus = ", ".join(sorted(map(str, df["gpu"].unique()))) if "gpu" in df.columns else "an unnamed GPU"
-        print(f"loaded {len(df)} rows of {name!r} measured on {gpus}")
+        df = df[df["status"] == "ok"]
+        gpus = ", ".join(sorted(map(str, df["gpu"].unique())))
+        print(f"{len(df)} rows of bench_{name}.csv measured on {gpus}")
         frames.append(df)
-    if not frames:
-        return None
-    return normalize_results(pd.concat(frames, ignore_index=True))
-
-
-def _latest(df):
-    """Drop repeated measurements of the same configuration, keeping the last one written."""
-    keys = [c for c in _KEY_COLUMNS if c in df.columns]
-    return df.drop_duplicates(subset=keys, keep="last") if keys else df
+    return pd.concat(frames, ignore_index=True) if frames else None
 
 
 def _select(df, where: Optional[Mapping[str, Any]]):
@@ -763,21 +539,18 @@ def plot_lines(
     import matplotlib
     import matplotlib.pyplot as plt
 
-    df = normalize_results(df)
     missing = {x, "impl", "median_ms", "mode", "causal", "gpu"} - set(df.columns)
     if missing:
         print(f"note: cannot plot {name}: the results lack columns {sorted(missing)}")
         return []
-    df = _latest(_select(df, where))
+    df = _select(df, where)
     if df.empty:
         print(f"note: no rows of {name} match {dict(where or {})}; nothing to plot")
         return []
-    root = Path(figures_dir)
-    root = root if root.is_absolute() else bench.REPO_ROOT / root
     saved = []
     for (gpu, mode), sub in df.groupby(["gpu", "mode"], sort=True):
         causal_values = sorted(sub["causal"].unique())
-        has_mem = bool(sub["peak_mem_mib"].notna().any())  # scripts/bench_prefill.py rows carry no memory
+        has_mem = bool(sub["peak_mem_mib"].notna().any())
         nrows = 2 if has_mem else 1
         fig, axes = plt.subplots(nrows, len(causal_values), figsize=(6.0 * len(causal_values), 3.75 * nrows + 0.5),
                                  squeeze=False, sharex="col")
@@ -808,27 +581,16 @@ def plot_lines(
             axes[0, col].yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}"))
             axes[0, col].yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
             axes[0, col].legend(fontsize=8)
-        versions = ", ".join(f"{c} {sub[c].iloc[0]}" for c in ("torch", "triton") if c in sub.columns)
-        dates = sorted({str(d)[:10] for d in sub["date"].unique()}) if "date" in sub.columns else []
-        when = f", measured {dates[0]}" + (f"..{dates[-1]}" if len(dates) > 1 else "") if dates else ""
-        fig.suptitle(f"{title} [{mode}] on {gpu}\n({versions}{when}"
+        fig.suptitle(f"{title} [{mode}] on {gpu}\n({report.versions_text(sub)}"
                      f"{'' if has_mem else '; peak memory not measured in these results'})", fontsize=11)
         fig.tight_layout()
-        path = root / bench.gpu_slug(str(gpu)) / f"{name}_{mode}.png"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=110, metadata={"Software": None})
-        saved.append(path)
-        print(f"saved {path.relative_to(bench.REPO_ROOT) if path.is_relative_to(bench.REPO_ROOT) else path}")
-        if "agg" not in matplotlib.get_backend().lower():
-            plt.show()
-        plt.close(fig)
+        saved.append(report.save_figure(fig, figures_dir, gpu, f"{name}_{mode}"))
     return saved
 
 
 def summary_table(df, *, x: str, baselines: Sequence[str], where: Optional[Mapping[str, Any]] = None):
     """TFLOP/s per implementation (columns) by gpu, mode, causal and x, plus ours / each present baseline."""
-    df = _latest(_select(normalize_results(df), where))
-    table = df.pivot_table(index=["gpu", "mode", "causal", x], columns="impl", values="tflops")
+    table = _select(df, where).pivot_table(index=["gpu", "mode", "causal", x], columns="impl", values="tflops")
     for baseline in baselines:
         if "ours" in table.columns and baseline in table.columns:
             table[f"ours/{baseline}"] = table["ours"] / table[baseline]
@@ -850,7 +612,6 @@ def decode_sizes(on_gpu: bool) -> SimpleNamespace:
     bench_shape = dict(
         bench_dtype=torch.bfloat16, bench_nheads=32, bench_nheads_k=8, bench_head_dim=128,
         bench_cache_lens=(1024, 4096, 16384, 65536), bench_batches=(1, 8),
-        split_cache_lens=(4096, 16384, 65536), split_values=(1, 0, 2, 4, 8, 16, 32, 64),
     )
     if on_gpu:
         return SimpleNamespace(
@@ -905,30 +666,6 @@ def decode_inputs(batch: int, seqlen_cache: int, seqlen_q: int, nheads: int, nhe
     return q, k_cache, v_cache, k, v
 
 
-def decode_agree_tol(dtype: torch.dtype) -> float:
-    """Largest rel. difference allowed between two runs of the kernels on the same data (prefill vs
-    decode, split vs unsplit): they sum in another order and round the output once each."""
-    if dtype == torch.float32:
-        return 2e-5 if is_interpreter() else 1e-2  # exact fp32 dots under the interpreter, tf32 on a GPU
-    return {torch.float16: 4e-3, torch.bfloat16: 3.2e-2}[dtype]
-
-
-def decode_splits_used(batch: int, seqlen_q: int, nheads: int, nheads_k: int, head_dim: int, seqlen_cache: int,
-                       dtype: torch.dtype, device, num_splits: int) -> Optional[int]:
-    """How many KV splits flash_attn_with_kvcache launches for this shape and num_splits (0 = its
-    heuristic), read from its launch plan; None if this version of kernels.decode has no such plan."""
-    try:
-        from .decode import _plan
-
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        plan = _plan(batch, seqlen_q, nheads, nheads_k, head_dim, seqlen_cache, dtype, device, num_splits)
-        return int(plan.num_splits)
-    except Exception:  # noqa: BLE001 - a private detail: report it as unknown rather than fail a notebook
-        return None
-
-
 def _decode_reference(q, k_cache, v_cache, k, v, lengths: Sequence[int], causal: bool):
     """(out fp32, lse, out in q's dtype) of each request over cache rows [0, L_b) plus the new k/v."""
     outs32, lses, outs_same = [], [], []
@@ -945,30 +682,21 @@ def _decode_reference(q, k_cache, v_cache, k, v, lengths: Sequence[int], causal:
     return torch.cat(outs32), torch.cat(lses), torch.cat(outs_same)
 
 
-def _lse_report(lse: torch.Tensor, lse_ref: torch.Tensor, dtype: torch.dtype) -> Tuple[float, bool]:
-    """(max |lse - lse_ref| over rows that see a key, whether +inf rows match and the rest is close)."""
-    inf_ref = torch.isposinf(lse_ref)
-    inf_ok = torch.equal(torch.isposinf(lse), inf_ref) and not torch.isnan(lse).any().item()
-    diff = (lse[~inf_ref] - lse_ref[~inf_ref]).abs().max().item() if (~inf_ref).any() else 0.0
-    tol = LSE_ATOL_FP32_GPU if (dtype == torch.float32 and not is_interpreter()) else LSE_ATOL[dtype]
-    return diff, bool(inf_ok and diff <= tol)
-
-
 # --------------------------------------------------------------------------------------------
 # Why decode is bandwidth bound
 # --------------------------------------------------------------------------------------------
 def decode_roofline_table(batch: int, nheads: int, nheads_k: int, head_dim: int, dtype: torch.dtype,
                           cache_lens: Sequence[int], ceilings: Mapping[str, float]):
-    """One decode step (seqlen_q = 1) per cache length against a GPU's ceilings (kernels.bench.decode_roofline).
+    """One decode step (seqlen_q = 1) per cache length against a GPU's ceilings (benchmarks.measure.decode_roofline).
 
-    ceilings: matmul_tflops and copy_gbps, e.g. kernels.bench.H200_MEASURED_CEILINGS or
-    kernels.bench.ceilings() measured on the present GPU. Columns: cache_len, MFLOP, kv_MiB,
+    ceilings: matmul_tflops and copy_gbps, e.g. benchmarks.measure.H200_MEASURED_CEILINGS or
+    benchmarks.measure.ceilings() measured on the present GPU. Columns: cache_len, MFLOP, kv_MiB,
     bytes_per_flop, flop_per_byte, ridge (FLOP/byte where the roofs meet), t_compute_us and t_memory_us
     (time floors at the peak matmul rate and at the copy bandwidth), bound.
     """
     import pandas as pd
 
-    rows = bench.decode_roofline(batch, nheads, nheads_k, head_dim, dtype, cache_lens,
+    rows = measure.decode_roofline(batch, nheads, nheads_k, head_dim, dtype, cache_lens,
                                  peak_tflops=ceilings["matmul_tflops"], bandwidth_gbps=ceilings["copy_gbps"])
     df = pd.DataFrame(rows)
     df["MFLOP"] = df["flops"] / 1e6
@@ -1009,8 +737,8 @@ def decode_equivalence_table(*, batch: int, nheads: int, nheads_k_values: Sequen
             ref, _ = attention_ref(q.float(), k.float(), v.float(), causal=True)
             same = ref if dtype == torch.float32 else attention_ref(q, k, v, causal=True, upcast=False)[0]
         err_dec, err_pre, eager_err = rel_err(out_decode, ref), rel_err(out_prefill, ref), rel_err(same, ref)
-        bound = _bound(dtype, eager_err, FWD_FACTOR, grad=False)
-        agree, tol = rel_err(out_decode, out_prefill), decode_agree_tol(dtype)
+        bound = error_bound(dtype, eager_err)
+        agree, tol = rel_err(out_decode, out_prefill), agreement_tolerance(dtype)
         written = torch.equal(k_cache[:, :n], k) and torch.equal(v_cache[:, :n], v)
         ok = _finite(out_decode) and err_dec <= bound and err_pre <= bound and agree <= tol and written
         rows.append({
@@ -1054,11 +782,11 @@ def decode_ragged_table(*, lengths: Sequence[int], seqlen_cache: int, nheads: in
         ref, lse_ref = attention_ref(q.float(), k_exp.float(), v_exp.float(), key_padding_lengths=keys_seen)
         same = ref if dtype == torch.float32 else attention_ref(q, k_exp, v_exp, key_padding_lengths=keys_seen,
                                                                 upcast=False)[0]
-        used = decode_splits_used(batch, 1, nheads, nheads_k, head_dim, seqlen_cache, dtype, q.device, num_splits)
+        used = suite.decode_splits_used(batch, 1, nheads, nheads_k, head_dim, seqlen_cache, dtype, q.device, num_splits)
         for b, n in enumerate(lengths):
             err, eager_err = rel_err(out[b], ref[b]), rel_err(same[b], ref[b])
-            bound = _bound(dtype, eager_err, FWD_FACTOR, grad=False)
-            lse_diff, lse_ok = _lse_report(lse[b], lse_ref[b], dtype)
+            bound = error_bound(dtype, eager_err)
+            lse_ok, lse_diff = check_lse(lse[b], lse_ref[b], dtype)
             rows.append({
                 "append": append, "num_splits": num_splits, "splits_used": used, "request": b, "cache_len": n,
                 "keys_seen": int(keys_seen[b]), "err_fp32": err, "eager_err": eager_err, "bound": bound,
@@ -1087,7 +815,7 @@ def decode_split_table(*, lengths: Sequence[int], seqlen_cache: int, nheads: int
                                                   seed=seed + m)
         ref, _, same = _decode_reference(q, k_cache, v_cache, None, None, lengths, causal=True)
         eager_err = rel_err(same, ref)
-        bound = _bound(dtype, eager_err, FWD_FACTOR, grad=False)
+        bound = error_bound(dtype, eager_err)
         with torch.no_grad():
             base, base_lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True,
                                                      num_splits=1, return_softmax_lse=True)
@@ -1095,11 +823,11 @@ def decode_split_table(*, lengths: Sequence[int], seqlen_cache: int, nheads: int
             with torch.no_grad():
                 out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True,
                                                    num_splits=ns, return_softmax_lse=True)
-            err, diff, tol = rel_err(out, ref), rel_err(out, base), decode_agree_tol(dtype)
-            lse_diff, lse_ok = _lse_report(lse, base_lse, dtype)
+            err, diff, tol = rel_err(out, ref), rel_err(out, base), agreement_tolerance(dtype)
+            lse_ok, lse_diff = check_lse(lse, base_lse, dtype)
             rows.append({
                 "seqlen_q": m, "num_splits": ns,
-                "splits_used": decode_splits_used(batch, m, nheads, nheads_k, head_dim, seqlen_cache, dtype,
+                "splits_used": suite.decode_splits_used(batch, m, nheads, nheads_k, head_dim, seqlen_cache, dtype,
                                                   q.device, ns),
                 "err_fp32": err, "eager_err": eager_err, "bound": bound, "diff_vs_unsplit": diff, "agree_tol": tol,
                 "lse_diff_vs_unsplit": lse_diff,
@@ -1127,13 +855,13 @@ def decode_causal_table(*, seqlen_q_values: Sequence[int], lengths: Sequence[int
             k = v = None
         ref, lse_ref, same = _decode_reference(q, k_cache, v_cache, k, v, lengths, causal=True)
         eager_err = rel_err(same, ref)
-        bound = _bound(dtype, eager_err, FWD_FACTOR, grad=False)
+        bound = error_bound(dtype, eager_err)
         for ns in num_splits_values:
             with torch.no_grad():
                 out, lse = flash_attn_with_kvcache(q, k_cache.clone(), v_cache.clone(), k, v, cache_seqlens=seqlens,
                                                    causal=True, num_splits=ns, return_softmax_lse=True)
             err = rel_err(out, ref)
-            lse_diff, lse_ok = _lse_report(lse, lse_ref, dtype)
+            lse_ok, lse_diff = check_lse(lse, lse_ref, dtype)
             rows.append({
                 "seqlen_q": m, "kind": head_kind(nheads, hk), "nheads": nheads, "nheads_k": hk, "append": append,
                 "num_splits": ns, "err_fp32": err, "eager_err": eager_err, "bound": bound, "lse_diff": lse_diff,
@@ -1198,7 +926,7 @@ def decode_append_table(*, lengths: Sequence[int], seqlen_cache: int, seqlen_q: 
         written_v = changed_v[b].nonzero().flatten().tolist()
         new_equal = torch.equal(k_cache[b, n : n + seqlen_q], k[b]) and torch.equal(v_cache[b, n : n + seqlen_q], v[b])
         err, eager_err = rel_err(out[b], ref[b]), rel_err(same[b], ref[b])
-        bound = _bound(dtype, eager_err, FWD_FACTOR, grad=False)
+        bound = error_bound(dtype, eager_err)
         rows.append({
             "request": b, "cache_len": n, "seqlen_q": seqlen_q, "rows_expected": _row_ranges(expected),
             "rows_written_k": _row_ranges(written_k), "rows_written_v": _row_ranges(written_v),
@@ -1221,8 +949,6 @@ def kvcache_round_trip_table(*, batch: int, prompt: int, steps: Sequence[int], n
     """
     import pandas as pd
 
-    from .decode import KVCache
-
     checks = []
 
     def check(name: str, ok: bool, detail: str = "") -> None:
@@ -1237,7 +963,7 @@ def kvcache_round_trip_table(*, batch: int, prompt: int, steps: Sequence[int], n
 
     def close(out, r, s) -> Tuple[bool, str]:
         err, eager_err = rel_err(out, r), rel_err(s, r)
-        bound = _bound(dtype, eager_err, FWD_FACTOR, grad=False)
+        bound = error_bound(dtype, eager_err)
         return _finite(out) and err <= bound, f"rel err {err:.2e} <= bound {bound:.2e}"
 
     with torch.no_grad():
@@ -1288,256 +1014,6 @@ def kvcache_round_trip_table(*, batch: int, prompt: int, steps: Sequence[int], n
     return pd.DataFrame(checks)
 
 
-# --------------------------------------------------------------------------------------------
-# Decode benchmarks (GPU)
-# --------------------------------------------------------------------------------------------
-DECODE_LABELS = {
-    "ours": "Triton (ours), append fused",
-    "sdpa": "SDPA, length-1 query",
-    "eager_slice": "eager, preallocated cache sliced",
-    "eager_cat": "eager, cache grown by torch.cat",
-}
-DecodeStep = Callable[[SimpleNamespace], torch.Tensor]
-ROTATE_MAX_COPIES = 32
-
-
-def _ours_step(st: SimpleNamespace) -> torch.Tensor:
-    return flash_attn_with_kvcache(st.q, st.k_cache, st.v_cache, st.k, st.v, cache_seqlens=st.seqlens,
-                                   num_splits=st.num_splits)
-
-
-def _sdpa_step(st: SimpleNamespace) -> torch.Tensor:
-    """Write the new rows into the preallocated cache, then SDPA (its own backend choice) over the
-    valid rows as (b, h, s, d) views, the KV heads shared through enable_gqa (no copies)."""
-    m = st.k.shape[1]
-    st.k_cache[:, st.cache_len : st.cache_len + m].copy_(st.k)
-    st.v_cache[:, st.cache_len : st.cache_len + m].copy_(st.v)
-    n = st.cache_len + m
-    out = torch.nn.functional.scaled_dot_product_attention(
-        st.q.transpose(1, 2), st.k_cache[:, :n].transpose(1, 2), st.v_cache[:, :n].transpose(1, 2), enable_gqa=True)
-    return out.transpose(1, 2)
-
-
-def _eager_slice_step(st: SimpleNamespace) -> torch.Tensor:
-    return decode_eager_slice(st.q, st.k_cache, st.v_cache, st.cache_len, st.k, st.v)
-
-
-def _eager_cat_step(st: SimpleNamespace) -> torch.Tensor:
-    return decode_eager_cat(st.q, st.k_valid, st.v_valid, st.k, st.v)[0]
-
-
-def decode_providers() -> Dict[str, DecodeStep]:
-    """One full decode step each (append the new token's K/V, attend over the cache), as a function of
-    a state made by measure_decode: ours (flash_attn_with_kvcache, append fused into the launch),
-    SDPA with a length-1 query (a slice copy for the append, then SDPA with enable_gqa; skipped on a
-    torch without enable_gqa), and the seed's two eager baselines (kernels.reference)."""
-    providers: Dict[str, DecodeStep] = {"ours": _ours_step}
-    if sdpa_supports_enable_gqa():
-        providers["sdpa"] = _sdpa_step
-    else:
-        print(f"note: torch {torch.__version__} has no enable_gqa in scaled_dot_product_attention (needs >= 2.5); "
-              f"{DECODE_LABELS['sdpa']} is skipped")
-    providers["eager_slice"] = _eager_slice_step
-    providers["eager_cat"] = _eager_cat_step
-    return providers
-
-
-def _rotation_copies(nbytes: int, device) -> int:
-    """How many independent copies of a decode state to cycle through so that together they exceed
-    twice the L2 cache (small caches would otherwise be timed from L2); 1 for big states."""
-    l2 = 0
-    if torch.cuda.is_available():
-        index = torch.device(device).index
-        index = torch.cuda.current_device() if index is None else index
-        l2 = int(getattr(torch.cuda.get_device_properties(index), "L2_cache_size", 0) or 0)
-    l2 = l2 or 64 * 2**20
-    return int(max(1, min(ROTATE_MAX_COPIES, math.ceil(2 * l2 / max(nbytes, 1)))))
-
-
-def _decode_state(batch: int, seqlen_cache: int, nheads: int, nheads_k: int, head_dim: int, dtype: torch.dtype,
-                  device, *, seed: int, with_valid_copy: bool, num_splits: int = 0) -> SimpleNamespace:
-    """Inputs of one decode step reading seqlen_cache keys: a full preallocated cache whose first
-    seqlen_cache - 1 rows are valid, and the new token that fills its last row."""
-    q, k_cache, v_cache, k, v = decode_inputs(batch, seqlen_cache, 1, nheads, nheads_k, head_dim, dtype, device,
-                                              seed=seed)
-    cache_len = seqlen_cache - 1
-    st = SimpleNamespace(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_len=cache_len,
-                         seqlens=torch.full((batch,), cache_len, dtype=torch.int32, device=device),
-                         num_splits=num_splits, k_valid=None, v_valid=None)
-    if with_valid_copy:  # the torch.cat baseline keeps exactly the valid rows, no spare capacity
-        st.k_valid, st.v_valid = k_cache[:, :cache_len].clone(), v_cache[:, :cache_len].clone()
-    return st
-
-
-def _step_reference(st: SimpleNamespace) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(fp32, same-dtype) reference outputs of request 0 of a decode state (old rows + the new token)."""
-    kk = torch.cat([st.k_cache[:1, : st.cache_len], st.k[:1]], 1)
-    vv = torch.cat([st.v_cache[:1, : st.cache_len], st.v[:1]], 1)
-    ref, _ = attention_ref(st.q[:1].float(), kk.float(), vv.float())
-    same = ref if st.q.dtype == torch.float32 else attention_ref(st.q[:1], kk, vv, upcast=False)[0]
-    return ref, same
-
-
-def _check_step(out: torch.Tensor, ref: torch.Tensor, same: torch.Tensor) -> Tuple[float, float, bool]:
-    """(err, bound, ok) of request 0 of a step's output against its reference (flash-attn's rule)."""
-    err, eager_err = rel_err(out[:1], ref), rel_err(same, ref)
-    bound = _bound(out.dtype, eager_err, FWD_FACTOR, grad=False)
-    return err, bound, bool(_finite(out) and err <= bound)
-
-
-def _graph_ms(step: DecodeStep, states: Sequence[SimpleNamespace], rep: int, what: str) -> float:
-    """ms per step with CUDA-graph replay of steps on each state in turn, at least
-    bench.GRAPH_MIN_CALLS per graph as in the benchmark suite (NaN if capture fails)."""
-    try:
-        repeat = -(-bench.GRAPH_MIN_CALLS // len(states))
-        return bench.time_cuda_graph(lambda: [step(st) for st in states], rep=rep, repeat=repeat) / len(states)
-    except (RuntimeError, NotImplementedError, ValueError, TypeError) as exc:
-        print(f"note: {what}: no CUDA-graph timing ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})")
-        torch.cuda.synchronize()
-        return math.nan
-
-
-def measure_decode(providers: Mapping[str, DecodeStep], *, batches: Sequence[int], cache_lens: Sequence[int],
-                   nheads: int, nheads_k: int, head_dim: int, dtype: torch.dtype = torch.bfloat16,
-                   copy_gbps: float, warmup: int = 5, rep: int = 30, device="cuda") -> List[Dict[str, Any]]:
-    """Latency, peak memory and K+V bandwidth of one decode step per provider, batch and cache length.
-
-    Each shape: batch requests whose caches hold cache_len - 1 rows; the step appends one token and
-    attends over cache_len keys, so it reads kv_bytes = 2 * batch * cache_len * nheads_k * head_dim *
-    itemsize. Each provider is first checked against attention_ref on request 0 (a wrong result is
-    reported, never timed), then timed per call with CUDA events (median_ms: what a Python loop sees,
-    host overhead included) and with CUDA-graph replay (graph_ms), over copies of the inputs rotated
-    so that small caches do not run from L2; peak_mem_mib is what one step allocates beyond its inputs.
-    gbps = kv_bytes / median_ms, gbps_graph = kv_bytes / graph_ms; copy_gbps (the bandwidth line,
-    measured in the same run by kernels.bench.ceilings) is stored on every row.
-    """
-    rows: List[Dict[str, Any]] = []
-    for batch, cache_len in itertools.product(batches, cache_lens):
-        rows += _measure_decode_shape(providers, batch, cache_len, nheads, nheads_k, head_dim, dtype, copy_gbps,
-                                      warmup, rep, device)
-        torch.cuda.empty_cache()
-    return rows
-
-
-def _measure_decode_shape(providers, batch, cache_len, nheads, nheads_k, head_dim, dtype, copy_gbps, warmup, rep,
-                          device) -> List[Dict[str, Any]]:
-    """measure_decode() for one shape; its inputs are freed when this returns."""
-    kv_bytes = bench.decode_kv_bytes(batch * cache_len, nheads_k, head_dim, dtype)
-    with_valid = "eager_cat" in providers
-    copies = _rotation_copies(kv_bytes * (2 if with_valid else 1), device)
-    states = [_decode_state(batch, cache_len, nheads, nheads_k, head_dim, dtype, device, seed=i,
-                            with_valid_copy=with_valid) for i in range(copies)]
-    ref, same = _step_reference(states[0])
-    splits = decode_splits_used(batch, 1, nheads, nheads_k, head_dim, cache_len, dtype, states[0].q.device, 0)
-    rows = []
-    for key, step in providers.items():
-        what = f"{DECODE_LABELS.get(key, key)} batch={batch} cache_len={cache_len}"
-        try:
-            with torch.no_grad():
-                err, bound, ok = _check_step(step(states[0]), ref, same)
-                if not ok:
-                    print(f"WRONG {what}: rel err {err:.2e} > bound {bound:.2e} against attention_ref; not timed")
-                    continue
-                timing = bench.time_fn(step, warmup=warmup, rep=rep, rotate=[(st,) for st in states])
-                peak = bench.peak_memory_delta(lambda: step(states[0]))
-                graph_ms = _graph_ms(step, states, rep, what)
-        except (RuntimeError, NotImplementedError, ValueError, TypeError) as exc:
-            print(f"skip {what}: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
-            torch.cuda.empty_cache()
-            continue
-        row = bench.make_row(
-            suite="decode", impl=key, label=DECODE_LABELS.get(key, key), dtype=short_dtype(dtype), batch=batch,
-            cache_len=cache_len, seqlen_q=1, nheads=nheads, nheads_k=nheads_k, group=nheads // nheads_k,
-            head_dim=head_dim, num_splits=0 if key == "ours" else math.nan,
-            splits_used=splits if key == "ours" else math.nan, kv_bytes=kv_bytes, **timing,
-            gbps=bench.gbps(kv_bytes, timing["median_ms"]), graph_ms=graph_ms,
-            gbps_graph=bench.gbps(kv_bytes, graph_ms) if graph_ms == graph_ms else math.nan,
-            peak_mem_mib=peak / 2**20, copy_gbps=copy_gbps, rotated_copies=copies, err_fp32=err,
-        )
-        rows.append(row)
-        print(f"{what}: {row['median_ms'] * 1e3:9.1f} us/call, graph {graph_ms * 1e3:9.1f} us, "
-              f"{row['gbps_graph']:7.0f} GB/s (graph), peak +{row['peak_mem_mib']:.1f} MiB")
-    return rows
-
-
-def measure_decode_splits(*, cache_lens: Sequence[int], split_values: Sequence[int], nheads: int, nheads_k: int,
-                          head_dim: int, dtype: torch.dtype = torch.bfloat16, copy_gbps: float, batch: int = 1,
-                          rep: int = 100, with_sdpa: bool = True, device="cuda") -> List[Dict[str, Any]]:
-    """Split-KV at small batch: ours with each num_splits (0 = the heuristic), and SDPA for scale, one
-    decode step (append + attend) per cache length, timed with CUDA-graph replay (launch overhead
-    excluded) over rotated copies of the inputs. Rows as measure_decode's (timing columns graph_ms,
-    gbps_graph), plus num_splits (requested) and splits_used (launched). Each configuration is
-    checked against attention_ref first."""
-    rows: List[Dict[str, Any]] = []
-    for cache_len in cache_lens:
-        kv_bytes = bench.decode_kv_bytes(batch * cache_len, nheads_k, head_dim, dtype)
-        copies = _rotation_copies(kv_bytes, device)
-        states = [_decode_state(batch, cache_len, nheads, nheads_k, head_dim, dtype, device, seed=i,
-                                with_valid_copy=False) for i in range(copies)]
-        ref, same = _step_reference(states[0])
-        configs: List[Tuple[str, Any, DecodeStep]] = [("ours", ns, _ours_step) for ns in split_values]
-        if with_sdpa and sdpa_supports_enable_gqa():
-            configs.append(("sdpa", math.nan, _sdpa_step))
-        for key, ns, step in configs:
-            for st in states:
-                st.num_splits = 0 if key != "ours" else ns
-            what = f"{DECODE_LABELS[key]} batch={batch} cache_len={cache_len}" + (
-                f" num_splits={ns}" if key == "ours" else "")
-            try:
-                with torch.no_grad():
-                    err, bound, ok = _check_step(step(states[0]), ref, same)
-                    if not ok:
-                        print(f"WRONG {what}: rel err {err:.2e} > bound {bound:.2e}; not timed")
-                        continue
-                    graph_ms = _graph_ms(step, states, rep, what)
-            except (RuntimeError, NotImplementedError, ValueError, TypeError) as exc:
-                print(f"skip {what}: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
-                continue
-            if graph_ms != graph_ms:
-                continue
-            used = (decode_splits_used(batch, 1, nheads, nheads_k, head_dim, cache_len, dtype, states[0].q.device, ns)
-                    if key == "ours" else math.nan)
-            row = bench.make_row(
-                suite="decode_splits", impl=key, label=DECODE_LABELS[key], dtype=short_dtype(dtype), batch=batch,
-                cache_len=cache_len, seqlen_q=1, nheads=nheads, nheads_k=nheads_k, group=nheads // nheads_k,
-                head_dim=head_dim, num_splits=ns, splits_used=used, kv_bytes=kv_bytes, graph_ms=graph_ms,
-                gbps_graph=bench.gbps(kv_bytes, graph_ms), copy_gbps=copy_gbps, rotated_copies=copies, err_fp32=err,
-            )
-            rows.append(row)
-            print(f"{what}: {graph_ms * 1e3:8.1f} us (graph, {used} splits), {row['gbps_graph']:7.0f} GB/s")
-        del states
-        torch.cuda.empty_cache()
-    return rows
-
-
-def save_decode_results(rows: Sequence[Mapping[str, Any]], name: str, results_dir: Union[str, Path] = "results"):
-    """Append rows to results/<gpu>/<name>.csv (kernels.bench.write_csv); return them as a DataFrame (None: empty)."""
-    import pandas as pd
-
-    if not rows:
-        print(f"nothing was measured for {name}: every configuration was skipped")
-        return None
-    print(f"wrote {bench.write_csv(rows, name, results_dir=results_dir)}")
-    return pd.DataFrame(list(rows))
-
-
-_DECODE_KEYS = ("gpu", "impl", "dtype", "batch", "cache_len", "seqlen_q", "nheads", "nheads_k", "head_dim",
-                "num_splits")
-
-
-def _latest_decode(df):
-    """Keep the last measurement of each configuration (CSVs are appended to, run after run)."""
-    keys = [c for c in _DECODE_KEYS if c in df.columns]
-    return df.drop_duplicates(subset=keys, keep="last") if keys else df
-
-
-def _versions(sub) -> str:
-    versions = ", ".join(f"{c} {sub[c].iloc[0]}" for c in ("torch", "triton") if c in sub.columns)
-    dates = sorted({str(d)[:10] for d in sub["date"].unique()}) if "date" in sub.columns else []
-    when = f", measured {dates[0]}" + (f"..{dates[-1]}" if len(dates) > 1 else "") if dates else ""
-    return versions + when
-
-
 def plot_decode(df, *, name: str = "decode", title: str, where: Optional[Mapping[str, Any]] = None,
                 figures_dir: Union[str, Path] = "figures") -> List[Path]:
     """Per GPU, one column per batch: latency per eager call, peak memory beyond the inputs, and K+V
@@ -1545,7 +1021,7 @@ def plot_decode(df, *, name: str = "decode", title: str, where: Optional[Mapping
     figures/<gpu-slug>/<name>.png, titled with the GPU, versions and dates."""
     import matplotlib.pyplot as plt
 
-    df = _latest_decode(_select(df, where))
+    df = _select(df, where)
     missing = {"gpu", "impl", "batch", "cache_len", "median_ms"} - set(df.columns)
     if missing or df.empty:
         print(f"note: nothing to plot for {name}: " + (f"missing columns {sorted(missing)}" if missing else
@@ -1560,7 +1036,7 @@ def plot_decode(df, *, name: str = "decode", title: str, where: Optional[Mapping
             for impl, line in part.groupby("impl", sort=False):
                 line = line.sort_values("cache_len")
                 style = {"linewidth": 2.5 if impl == "ours" else 1.5, "marker": "o",
-                         "label": DECODE_LABELS.get(impl, impl)}
+                         "label": LABELS.get(impl, impl)}
                 axes[0, col].plot(line["cache_len"], line["median_ms"] * 1e3, **style)
                 if "peak_mem_mib" in line and line["peak_mem_mib"].notna().any():
                     axes[1, col].plot(line["cache_len"], line["peak_mem_mib"], **style)
@@ -1578,63 +1054,19 @@ def plot_decode(df, *, name: str = "decode", title: str, where: Optional[Mapping
             axes[2, col].set_ylim(bottom=0)
             axes[2, col].set_xlabel("cache length (keys per request)")
             for row in range(3):
-                log2_axis(axes[row, col], part["cache_len"].unique())
+                report.log2_axis(axes[row, col], part["cache_len"].unique())
             axes[0, col].legend(fontsize=8)
             axes[2, col].legend(fontsize=8)
-        fig.suptitle(f"{title} on {gpu}\n({_versions(sub)})", fontsize=11)
+        fig.suptitle(f"{title} on {gpu}\n({report.versions_text(sub)})", fontsize=11)
         fig.tight_layout()
-        saved.append(save_figure(fig, figures_dir, gpu, name))
-    return saved
-
-
-def plot_decode_splits(df, *, name: str = "decode_splits", title: str, where: Optional[Mapping[str, Any]] = None,
-                       figures_dir: Union[str, Path] = "figures") -> List[Path]:
-    """Per GPU: K+V GB/s (CUDA-graph replay) of ours against num_splits, one line per cache length, the
-    heuristic's pick starred, SDPA at the same shape dashed, and the device-copy line of the same run."""
-    import matplotlib.pyplot as plt
-
-    df = _latest_decode(_select(df, where))
-    missing = {"gpu", "impl", "cache_len", "num_splits", "gbps_graph"} - set(df.columns)
-    if missing or df.empty:
-        print(f"note: nothing to plot for {name}: " + (f"missing columns {sorted(missing)}" if missing else
-                                                       f"no rows match {dict(where or {})}"))
-        return []
-    saved = []
-    for gpu, sub in df.groupby("gpu", sort=True):
-        fig, ax = plt.subplots(figsize=(8, 5))
-        ours = sub[(sub["impl"] == "ours") & (sub["num_splits"] > 0)]
-        for i, (cache_len, line) in enumerate(ours.groupby("cache_len", sort=True)):
-            color = f"C{i}"
-            line = line.sort_values("num_splits")
-            ax.plot(line["num_splits"], line["gbps_graph"], marker="o", color=color, label=f"ours, cache {cache_len}")
-            heur = sub[(sub["impl"] == "ours") & (sub["num_splits"] == 0) & (sub["cache_len"] == cache_len)]
-            if len(heur):
-                used = heur["splits_used"].iloc[-1]
-                ax.plot([used], [heur["gbps_graph"].iloc[-1]], marker="*", markersize=16, color=color,
-                        linestyle="none", label=f"heuristic ({used:.0f} splits), cache {cache_len}")
-            sdpa = sub[(sub["impl"] == "sdpa") & (sub["cache_len"] == cache_len)]
-            if len(sdpa):
-                ax.axhline(sdpa["gbps_graph"].iloc[-1], color=color, linestyle="--", linewidth=1,
-                           label=f"SDPA, cache {cache_len}")
-        if "copy_gbps" in sub and sub["copy_gbps"].notna().any():
-            ax.axhline(sub["copy_gbps"].median(), color="black", linestyle=":",
-                       label=f"device copy {sub['copy_gbps'].median():.0f} GB/s (same run)")
-        if len(ours):
-            log2_axis(ax, ours["num_splits"].unique())
-        ax.set_xlabel("num_splits")
-        ax.set_ylabel("K+V GB/s (CUDA-graph replay)")
-        ax.set_ylim(bottom=0)
-        ax.legend(fontsize=7, ncol=2)
-        fig.suptitle(f"{title} on {gpu}\n({_versions(sub)})", fontsize=11)
-        fig.tight_layout()
-        saved.append(save_figure(fig, figures_dir, gpu, name))
+        saved.append(report.save_figure(fig, figures_dir, gpu, name))
     return saved
 
 
 def decode_summary_table(df, *, value: str = "gbps_graph", where: Optional[Mapping[str, Any]] = None):
     """`value` (default K+V GB/s with graph replay) per implementation by gpu, batch and cache length,
     plus ours / each other implementation present."""
-    df = _latest_decode(_select(df, where))
+    df = _select(df, where)
     table = df.pivot_table(index=["gpu", "batch", "cache_len"], columns="impl", values=value)
     for other in [c for c in table.columns if c != "ours"]:
         if "ours" in table.columns:
@@ -1642,12 +1074,205 @@ def decode_summary_table(df, *, value: str = "gbps_graph", where: Optional[Mappi
     return table
 
 
-def decode_splits_table(df, *, where: Optional[Mapping[str, Any]] = None):
-    """K+V GB/s (graph replay) of ours per num_splits (0 = heuristic, with the splits it launched) and
-    SDPA's, by gpu and cache length."""
-    df = _latest_decode(_select(df, where)).copy()
-    df["config"] = [
-        ("sdpa" if impl != "ours" else (f"heuristic ({used:.0f})" if ns == 0 else f"splits={ns:.0f}"))
-        for impl, ns, used in zip(df["impl"], df["num_splits"], df["splits_used"])
-    ]
-    return df.pivot_table(index=["gpu", "cache_len"], columns="config", values="gbps_graph", sort=False)
+# ============================================================================================
+# Serving (notebook 04)
+# ============================================================================================
+def serving_sizes(on_gpu: bool) -> SimpleNamespace:
+    """Sizes for notebook 04: realistic on a GPU, small enough for the Triton interpreter on a CPU.
+
+    GPU: bf16, 32 q heads over 8 KV heads, head dim 128, pages of 64 tokens, 32 requests with prompts of
+    100..4000 tokens and 16..256 new tokens arriving over 200 steps, 16 slots, a pool of 512 pages (a
+    dense cache for 16 requests of max_seqlen would need 1088), chunks of 512 tokens, 2048 tokens per step.
+    CPU: fp16, 4 q heads over 2 KV heads, head dim 32, pages of 16, 6 requests with prompts of 5..80
+    tokens and 2..8 new tokens, 4 slots, a pool of 14 pages (so admission has to wait), chunks of 32.
+    """
+    if on_gpu:
+        return SimpleNamespace(
+            dtype=torch.bfloat16, nheads=32, nheads_k=8, head_dim=128, page_size=64, num_blocks=512, max_batch=16,
+            max_seqlen=4352, chunk_size=512, token_budget=2048, num_requests=32, prompt_range=(100, 4000),
+            new_tokens_range=(16, 256), arrival_span=200, verify="sample", chunks=(5, 17, 1, 33, 700, 1000, 300),
+        )
+    return SimpleNamespace(
+        dtype=torch.float16, nheads=4, nheads_k=2, head_dim=32, page_size=16, num_blocks=14, max_batch=4,
+        max_seqlen=96, chunk_size=32, token_budget=40, num_requests=6, prompt_range=(5, 80),
+        new_tokens_range=(2, 8), arrival_span=6, verify="all", chunks=(5, 17, 1, 33),
+    )
+
+
+def engine_from_sizes(S: SimpleNamespace, device=None, **overrides) -> ServingEngine:
+    """A ServingEngine with the sizes of `serving_sizes` (keyword overrides win)."""
+    kwargs = dict(nheads=S.nheads, nheads_k=S.nheads_k, head_dim=S.head_dim, page_size=S.page_size,
+                  num_blocks=S.num_blocks, max_batch=S.max_batch, max_seqlen=S.max_seqlen, chunk_size=S.chunk_size,
+                  token_budget=S.token_budget, dtype=S.dtype, device=device, verify=S.verify)
+    kwargs.update(overrides)
+    return ServingEngine(**kwargs)
+
+
+# ============================================================================================
+# Chunked prefill against a cache, one request
+# ============================================================================================
+def chunked_prefill_table(chunks: Sequence[int], *, nheads: int, nheads_k: int, head_dim: int, page_size: int,
+                          dtype: torch.dtype, device=None, seed: int = 0):
+    """One prompt of sum(chunks) tokens prefilled chunk by chunk into a dense cache buffer and into a
+    PagedKVCache (flash_attn_with_kvcache with seqlen_q = chunk: append, then attend bottom-right
+    causal over the cache plus the chunk), against one-shot causal prefill (flash_attn_func) and the
+    fp32 reference. The dense buffer's rows past the prompt and the pool's unused pages hold NaN: a
+    read of a row that is not the request's poisons the output.
+
+    One row per chunk and cache: tokens [start, end), err (vs the reference), bound, diff_one_shot
+    (relative difference to the same rows of the one-shot prefill), ok.
+    """
+    import pandas as pd
+
+    device = torch.device(device) if device is not None else (torch.device("cuda") if torch.cuda.is_available()
+                                                              else torch.device("cpu"))
+    if not chunks or any(not isinstance(c, numbers.Integral) or c < 1 for c in chunks):
+        raise ValueError(f"Expected chunks to be positive ints, got {chunks!r}.")
+    total = sum(chunks)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
+
+    q = randn(1, total, nheads, head_dim)
+    k, v = randn(1, total, nheads_k, head_dim), randn(1, total, nheads_k, head_dim)
+    one_shot = flash_attn_func(q, k, v, causal=True)
+    k_dense = torch.full((1, total + 7, nheads_k, head_dim), float("nan"), dtype=dtype, device=device)
+    v_dense = k_dense.clone()
+    paged = PagedKVCache(-(-total // page_size) + 3, page_size, nheads_k, head_dim, max_batch=2,
+                         max_blocks_per_seq=-(-total // page_size), dtype=dtype, device=device)
+    paged.k_cache.fill_(float("nan"))
+    paged.v_cache.fill_(float("nan"))
+    paged.add_request()  # slot 0 takes nothing; slot 1's pages are then not simply blocks 0, 1, ...
+    paged.extend(0, page_size)
+    slot = paged.add_request()
+    rows, start = [], 0
+    agree = agreement_tolerance(dtype)
+    for n in chunks:
+        end = start + n
+        part = (q[:, start:end], k[:, start:end], v[:, start:end])
+        outs = {
+            "dense": flash_attn_with_kvcache(part[0], k_dense, v_dense, part[1], part[2], cache_seqlens=start,
+                                             causal=True),
+            "paged": paged.decode(*part, slots=[slot]),
+        }
+        for cache, out in outs.items():
+            err, bound = check_attention(out[0], q[0, start:end], k[0, :end], v[0, :end])
+            diff = rel_err(out, one_shot[:, start:end])
+            rows.append({"cache": cache, "chunk": n, "start": start, "end": end, "err": err, "bound": bound,
+                         "diff_one_shot": diff, "ok": bool(err <= bound and diff <= agree)})
+        start = end
+    return pd.DataFrame(rows)
+
+
+# ============================================================================================
+# Summaries, results and plots
+# ============================================================================================
+def summary(stats) -> Dict[str, float]:
+    """Totals of a run from its stats rows (a list of dicts or a DataFrame)."""
+    import pandas as pd
+
+    df = pd.DataFrame(stats) if not isinstance(stats, pd.DataFrame) else stats
+    wall_s = df["wall_ms"].sum() / 1e3
+    decode_only = df[(df["prefill_tokens"] == 0) & (df["decode_tokens"] > 0)]
+    with_prefill = df[df["prefill_tokens"] > 0]
+    return {
+        "steps": int(len(df)), "tokens": int(df["tokens"].sum()), "prefill_tokens": int(df["prefill_tokens"].sum()),
+        "decode_tokens": int(df["decode_tokens"].sum()), "attention_s": wall_s,
+        "tokens_per_s": df["tokens"].sum() / wall_s if wall_s > 0 else math.nan,
+        "tokens_per_s_decode_only_steps": (decode_only["tokens"].sum() / (decode_only["wall_ms"].sum() / 1e3)
+                                           if len(decode_only) else math.nan),
+        "tokens_per_s_prefill_steps": (with_prefill["tokens"].sum() / (with_prefill["wall_ms"].sum() / 1e3)
+                                       if len(with_prefill) else math.nan),
+        "max_running": int(df["running"].max()),
+        "peak_pool_in_use_mib": float(df["pool_in_use_mib"].max()), "pool_mib": float(df["pool_mib"].max()),
+        "peak_live_kv_mib": float(df["live_kv_mib"].max()),
+        "peak_dense_running_mib": float(df["dense_running_mib"].max()),
+        "dense_max_batch_mib": float(df["dense_max_batch_mib"].max()),
+    }
+
+
+def save_stats(stats: Sequence[Dict[str, Any]], config: Dict[str, Any], name: str = "serving_steps",
+               results_dir: Union[str, Path] = "results") -> Path:
+    """Append a run's stats rows, tagged with the config, a run id and the environment
+    (kernels.results.make_row), to results/<gpu>/<name>.csv."""
+    run = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S.%f")  # sorts by time
+    config = {key: (str(value).replace("torch.", "") if isinstance(value, torch.dtype) else value)
+              for key, value in config.items() if isinstance(value, (numbers.Number, str, torch.dtype))}
+    rows = [results.make_row(**{**config, **row, "run": run}) for row in stats]
+    return results.write_csv(rows, name, results_dir=results_dir)
+
+
+def load_stats(name: str = "serving_steps", results_dir: Union[str, Path] = "results"):
+    """The latest run per GPU of results/<gpu>/<name>.csv as a DataFrame, or None if there is none."""
+    try:
+        df = results.read_csv(name, results_dir=results_dir)
+    except FileNotFoundError:
+        return None
+    latest = df.groupby("gpu")["run"].transform("max")
+    return df[df["run"] == latest].reset_index(drop=True)
+
+
+def figure_path(gpu: str, name: str, figures_dir: Union[str, Path] = "figures") -> Path:
+    """figures/<gpu-slug>/<name>.png (a relative figures_dir is taken from the repo root)."""
+    root = Path(figures_dir)
+    root = root if root.is_absolute() else results.REPO_ROOT / root
+    return root / results.gpu_slug(str(gpu)) / f"{name}.png"
+
+
+def plot_serving(stats, *, title: str, path: Optional[Union[str, Path]] = None):
+    """Four panels over the engine steps: tokens/s, tokens per step (prefill and decode), memory (pool in
+    use and live K/V against the dense reservations), running and waiting requests. Saved to `path`
+    when given; shown in a notebook; returns the figure (closed)."""
+    import matplotlib
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    df = pd.DataFrame(stats) if not isinstance(stats, pd.DataFrame) else stats
+    x = df["step"]
+    fig, axes = plt.subplots(4, 1, figsize=(13, 12), sharex=True)
+    mixed = df["prefill_tokens"] > 0
+    ax = axes[0]
+    ax.plot(x, df["tokens_per_s"], color="0.6", linewidth=0.8)
+    ax.scatter(x[mixed], df["tokens_per_s"][mixed], s=12, label="steps with prefill chunks", color="tab:orange")
+    ax.scatter(x[~mixed], df["tokens_per_s"][~mixed], s=12, label="decode-only steps", color="tab:blue")
+    ax.set_yscale("log")
+    ax.set_ylabel("tokens / s")
+    ax = axes[1]
+    ax.bar(x, df["decode_tokens"], width=1.0, label="decode tokens", color="tab:blue")
+    ax.bar(x, df["prefill_tokens"], width=1.0, bottom=df["decode_tokens"], label="prefill tokens", color="tab:orange")
+    ax.set_ylabel("tokens per step")
+    ax = axes[2]
+    unit, scale = ("MiB", 1.0) if df["dense_max_batch_mib"].max() >= 1 else ("KiB", 1024.0)
+    mem = {c: df[c] * scale for c in ("dense_running_mib", "dense_max_batch_mib", "pool_in_use_mib", "live_kv_mib",
+                                      "pool_mib")}
+    ax.plot(x, mem["dense_running_mib"], label="dense: max_seqlen reserved per running request", color="tab:red")
+    ax.axhline(mem["dense_max_batch_mib"].max(), color="tab:red", linestyle=":",
+               label="dense: max_seqlen x max_batch, allocated up front")
+    ax.plot(x, mem["pool_in_use_mib"], label="paged: pages in use", color="tab:green", linewidth=2)
+    ax.plot(x, mem["live_kv_mib"], label="live K/V (tokens cached)", color="black", linewidth=1, linestyle="--")
+    ax.axhline(mem["pool_mib"].max(), color="tab:green", linestyle=":", label="paged: whole pool")
+    ax.set_ylabel(f"K/V memory, one layer ({unit})")
+    ax.set_ylim(bottom=0)
+    ax = axes[3]
+    ax.step(x, df["running"], where="mid", label="running")
+    ax.step(x, df["waiting"], where="mid", label="arrived, waiting for admission")
+    ax.set_ylabel("requests")
+    ax.set_xlabel("engine step")
+    ax.yaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    if path is not None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=110, metadata={"Software": None})
+        shown = path.relative_to(results.REPO_ROOT) if path.is_relative_to(results.REPO_ROOT) else path
+        print(f"saved {shown}")
+    if "agg" not in matplotlib.get_backend().lower():
+        plt.show()
+    plt.close(fig)
+    return fig

@@ -2,6 +2,7 @@
 
 Written once so their semantics cannot drift between kernels:
 
+- `gqa_kv_head`, `gqa_q_head`: the GQA head mapping (query head h reads KV head h // G).
 - `mask_scores`: the length mask and the bottom-right causal mask.
 - `online_softmax`: one step of the streaming softmax (FlashAttention-2, base 2).
 - `finalize`: the epilogue that turns (acc, m_i, l_i) into the output and its log-sum-exp.
@@ -23,6 +24,20 @@ import triton
 import triton.language as tl
 
 LN2 = tl.constexpr(0.6931471805599453)  # ln(2): log(x) == log2(x) * LN2
+LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): exp(x) == exp2(x * LOG2E)
+
+
+@triton.jit
+def gqa_kv_head(off_h, GROUP):
+    """The KV head (int64) that query head `off_h` reads: query heads [g * GROUP, (g + 1) * GROUP) share
+    KV head g (MHA: GROUP = 1, MQA: one KV head). K/V are never expanded per query head."""
+    return (off_h // GROUP).to(tl.int64)
+
+
+@triton.jit
+def gqa_q_head(off_hk, GROUP, g):
+    """Query head number `g` (< GROUP; a scalar or a vector) of KV head `off_hk`'s group."""
+    return off_hk * GROUP + g
 
 
 @triton.jit
@@ -180,7 +195,7 @@ def kv_block_offsets(blocks, start_n, offs_n, stride_b, stride_n, PAGE_SIZE: tl.
     Paged, the rows' places inside their pages are written from what the block's alignment gives
     away: when a page holds whole blocks (P a multiple of BLOCK_N) they are start_n % P + offs_n;
     when a block holds several whole pages, offs_n % P, the same for every block (loop-invariant).
-    See [Note] Paged address arithmetic in kernels/decode.py.
+    See [Note] Paged address arithmetic in kernels/decode_kernels.py.
     """
     if PAGED:
         if PAGE_SIZE % BLOCK_N == 0:  # the block lies in one page
@@ -199,14 +214,14 @@ def physical_blocks(Table, start_n, rows, n_rows, NUM_BLOCKS, PAGE_SIZE: tl.cons
     """Physical blocks holding the logical rows `rows` = start_n + [0, BLOCK_N) of one request, whose
     block-table row starts at `Table`; table entries that no row below n_rows needs are not read (0
     instead: block 0), and every entry is clamped into [0, NUM_BLOCKS), see [Note] Bad block-table
-    entries in kernels/decode.py.
+    entries in kernels/decode_kernels.py.
 
     When PAGE_SIZE is a multiple of BLOCK_N the key block lies in one page (start_n is a multiple of
     BLOCK_N): one table entry, a scalar. When the block holds a few whole pages (BLOCK_N a multiple of
     PAGE_SIZE, at most 4 pages, e.g. P = 16 at BLOCK_N 64) it loads one entry per page and broadcasts
     it over that page's rows (fewer loads than the rows each thread holds). Otherwise each row looks
     up its own page (a gather of BLOCK_N entries, as vLLM does). See [Note] BLOCK_N vs page size in
-    kernels/decode.py.
+    kernels/decode_kernels.py.
     """
     if PAGE_SIZE % BLOCK_N == 0:
         blocks = tl.load(Table + start_n // PAGE_SIZE, mask=start_n < n_rows, other=0)  # scalar

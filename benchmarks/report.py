@@ -1,10 +1,11 @@
-"""Benchmark results: load the suite's CSVs (and the older prefill CSVs), headline / memory / roofline
-tables, and the figures. Needs no GPU: the notebooks plot committed results with it on a CPU.
+"""Benchmark results: load the suite's CSVs, headline / memory / roofline tables, and the figures.
+Needs no GPU: the notebooks plot committed results with it on a CPU.
 
     load_suite(suite, results_dir, gpu)   rows of results/<gpu>/bench_<suite>.csv, normalized (latest per key)
     headline_table(...), headline_markdown(table)   ours / best peer per shape, and its README rendering
     value_table(df, suite), memory_table(df, suite), roofline_table(df, suite, ceilings), load_ceilings(...)
-    plot_prefill, plot_decode, plot_chunked, plot_roofline, plot_all   -> figures/<gpu>/bench_*.png
+    decode_splits_table(df)
+    plot_prefill, plot_decode, plot_decode_splits, plot_chunked, plot_roofline, plot_all   -> figures/<gpu>/bench_*.png
 
 Every figure is titled with the GPU the rows came from, its torch/triton versions and dates.
 """
@@ -15,45 +16,21 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
-from . import bench
-from .bench_suite import (
-    COLORS,
-    CSV_NAMES,
-    KEY_COLUMNS,
-    LABELS,
-    LEGACY_CSV_NAMES,
-    MODES,
-    PAGE_STYLES,
-    PREFILL_TOKENS,
-    SUITES,
-    PathLike,
-)
+from . import results
+from .grids import COLORS, CSV_NAMES, KEY_COLUMNS, LABELS, MODES, PAGE_STYLES, SUITES, PathLike
 
 
 # ============================================================================================
 # Loading, tables
 # ============================================================================================
-def _legacy_prefill(df, suite: str):
-    """Rows of scripts/bench_prefill.py (results/<gpu>/prefill_<mode>.csv) in this suite's schema."""
-    df = df.copy()
-    df["suite"] = suite
-    df["status"] = "ok"
-    df["quick"] = False
-    tokens = df["batch"] * df["seqlen"]
-    df["grid"] = ["issue" if t == PREFILL_TOKENS else "other" for t in tokens]
-    df["label"] = [LABELS.get(i, i) for i in df["impl"]]
-    df["source"] = "legacy"
-    return df
-
-
 def normalize(df, suite: str):
     """One convention for a suite's rows: status/grid/quick/page_size/metric filled, causal and quick boolean,
     group present; the latest row per key (a full-mode row wins over a quick one) kept."""
     df = df.copy()
-    defaults = {"status": "ok", "grid": "issue", "quick": False, "source": "bench"}
-    if suite in ("decode", "chunked"):
+    defaults = {"status": "ok", "grid": "issue", "quick": False}
+    if suite in ("decode", "decode_splits", "chunked"):
         defaults["page_size"] = 0
-    if suite == "decode":
+    if suite in ("decode", "decode_splits"):
         defaults["metric"] = "step"
     for col, value in defaults.items():
         if col not in df.columns:
@@ -76,30 +53,23 @@ def normalize(df, suite: str):
     return df.reset_index(drop=True)
 
 
-def load_suite(suite: str, results_dir: PathLike = "results", gpu: Optional[str] = None, *, legacy: bool = True,
+def load_suite(suite: str, results_dir: PathLike = "results", gpu: Optional[str] = None, *,
                log: Callable[[str], None] = print):
     """A suite's rows from results_dir/<gpu-slug>/bench_<suite>.csv (every GPU when gpu is None), normalized;
-    for the prefill suites, when that file is missing, the older prefill_<mode>.csv of
-    scripts/bench_prefill.py (legacy=True). None, with a message, when there is nothing."""
+    None, with a message, when there is nothing."""
     import pandas as pd
 
-    root = bench._results_root(results_dir)
-    slugs = [bench.gpu_slug(gpu)] if gpu else (sorted(p.name for p in root.iterdir() if p.is_dir())
+    root = results.results_root(results_dir)
+    slugs = [results.gpu_slug(gpu)] if gpu else (sorted(p.name for p in root.iterdir() if p.is_dir())
                                                if root.is_dir() else [])
     frames = []
     for slug in slugs:
         path = root / slug / f"{CSV_NAMES[suite]}.csv"
         if path.exists():
             frames.append(pd.read_csv(path))
-            continue
-        old = root / slug / f"{LEGACY_CSV_NAMES.get(suite, '-')}.csv"
-        if legacy and suite in LEGACY_CSV_NAMES and old.exists():
-            log(f"note: {path.name} is not in {root / slug} yet; loading {old.name} (scripts/bench_prefill.py's "
-                f"rows: ours vs SDPA cuDNN/flash, no memory, no ceilings)")
-            frames.append(_legacy_prefill(pd.read_csv(old), suite))
     if not frames:
-        where = root / (bench.gpu_slug(gpu) if gpu else "<gpu>") / f"{CSV_NAMES[suite]}.csv"
-        log(f"no results for suite {suite!r} ({where} does not exist): run `python -m kernels.bench --suite {suite}` "
+        where = root / (results.gpu_slug(gpu) if gpu else "<gpu>") / f"{CSV_NAMES[suite]}.csv"
+        log(f"no results for suite {suite!r} ({where} does not exist): run `python -m benchmarks --suite {suite}` "
             f"on a GPU to measure them")
         return None
     return normalize(pd.concat(frames, ignore_index=True), suite)
@@ -132,6 +102,8 @@ def headline_table(results_dir: PathLike = "results", gpu: Optional[str] = None,
 
     out: List[Dict[str, Any]] = []
     for suite in SUITES:
+        if suite == "decode_splits":  # a sweep of our own num_splits, not a comparison
+            continue
         df = (frames or {}).get(suite) if frames is not None else load_suite(suite, results_dir, gpu, log=log)
         if df is None or len(df) == 0:
             continue
@@ -214,8 +186,8 @@ def load_ceilings(results_dir: PathLike = "results", gpu: Optional[str] = None) 
     bench_ceilings.csv, or None when the file is missing."""
     import pandas as pd
 
-    root = bench._results_root(results_dir)
-    paths = [root / bench.gpu_slug(gpu) / "bench_ceilings.csv"] if gpu else sorted(root.glob("*/bench_ceilings.csv"))
+    root = results.results_root(results_dir)
+    paths = [root / results.gpu_slug(gpu) / "bench_ceilings.csv"] if gpu else sorted(root.glob("*/bench_ceilings.csv"))
     paths = [p for p in paths if p.exists()]
     if not paths:
         return None
@@ -271,7 +243,7 @@ def roofline_table(df, suite: str, ceilings: Optional[Mapping[str, float]] = Non
 # ============================================================================================
 # Plots
 # ============================================================================================
-def _versions(sub) -> str:
+def versions_text(sub) -> str:
     versions = ", ".join(f"{c} {sub[c].iloc[0]}" for c in ("torch", "triton") if c in sub.columns)
     dates = sorted({str(d)[:10] for d in sub["date"].dropna().unique()}) if "date" in sub.columns else []
     when = (f", {dates[0]}" + (f"..{dates[-1]}" if len(dates) > 1 else "")) if dates else ""
@@ -285,11 +257,11 @@ def save_figure(fig, figures_dir: PathLike, gpu: str, name: str, log: Callable[[
     import matplotlib
     import matplotlib.pyplot as plt
 
-    root = bench._results_root(figures_dir)
-    path = root / bench.gpu_slug(str(gpu)) / f"{name}.png"
+    root = results.results_root(figures_dir)
+    path = root / results.gpu_slug(str(gpu)) / f"{name}.png"
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, metadata={"Software": None})
-    log(f"saved {path.relative_to(bench.REPO_ROOT) if path.is_relative_to(bench.REPO_ROOT) else path}")
+    log(f"saved {path.relative_to(results.REPO_ROOT) if path.is_relative_to(results.REPO_ROOT) else path}")
     if "agg" not in matplotlib.get_backend().lower():
         plt.show()
     plt.close(fig)
@@ -351,7 +323,7 @@ def plot_prefill(df, suite: str, figures_dir: PathLike = "figures", log: Callabl
             ax.set_ylim(bottom=0)
         axes[0, 0].set_ylabel("TFLOP/s")
         axes[0, 0].legend(fontsize=7)
-        fig.suptitle(f"Prefill {what}, {dtype}, D={hdim} on {gpu}\n({_versions(sub)})", fontsize=11)
+        fig.suptitle(f"Prefill {what}, {dtype}, D={hdim} on {gpu}\n({versions_text(sub)})", fontsize=11)
         fig.tight_layout()
         saved.append(save_figure(fig, figures_dir, gpu, f"bench_{suite}_{dtype}_d{hdim}", log))
     return saved
@@ -392,9 +364,63 @@ def plot_decode(df, figures_dir: PathLike = "figures", log: Callable[[str], None
         axes[1, 0].legend(fontsize=7)
         nh, nk = int(sub["nheads"].iloc[0]), int(sub["nheads_k"].iloc[0])
         fig.suptitle(f"Decode step (append + attend), {dtype}, {nh} q / {nk} KV heads, D={hdim} on {gpu}\n"
-                     f"({_versions(sub)})", fontsize=11)
+                     f"({versions_text(sub)})", fontsize=11)
         fig.tight_layout()
         saved.append(save_figure(fig, figures_dir, gpu, f"bench_decode_{dtype}_d{hdim}", log))
+    return saved
+
+
+def decode_splits_table(df):
+    """K+V GB/s (graph replay) of ours per num_splits ('heuristic (n)' for num_splits=0, n the splits it
+    launched) and SDPA's, by GPU, dtype and cache length."""
+    df = _ok(normalize(df, "decode_splits"))
+    config = []
+    for impl, ns, used in zip(df["impl"], df.get("num_splits", math.nan), df.get("splits_used", math.nan)):
+        if impl != "ours":
+            config.append(str(LABELS.get(impl, impl)))
+        else:
+            config.append(f"heuristic ({used:.0f})" if ns == 0 else f"splits={ns:.0f}")
+    df = df.assign(config=config)
+    return df.pivot_table(index=["gpu", "dtype", "cache_len"], columns="config", values="gbps", sort=False)
+
+
+def plot_decode_splits(df, figures_dir: PathLike = "figures", log: Callable[[str], None] = print) -> List[Path]:
+    """Per (GPU, dtype): K+V GB/s of one request's decode step against num_splits, one line per cache
+    length, the heuristic's pick starred, SDPA at the same shape dashed, the run's bandwidth dotted."""
+    import matplotlib.pyplot as plt
+
+    df = _ok(normalize(df, "decode_splits"))
+    saved = []
+    for (gpu, dtype), sub in df.groupby(["gpu", "dtype"], sort=True):
+        fig, ax = plt.subplots(figsize=(8, 5))
+        ours = sub[(sub["impl"] == "ours") & (sub["num_splits"] > 0)]
+        for i, (cache_len, line) in enumerate(ours.groupby("cache_len", sort=True)):
+            color = f"C{i}"
+            line = line.sort_values("num_splits")
+            ax.plot(line["num_splits"], line["gbps"], marker="o", color=color, label=f"ours, cache {cache_len}")
+            heur = sub[(sub["impl"] == "ours") & (sub["num_splits"] == 0) & (sub["cache_len"] == cache_len)]
+            if len(heur):
+                used = heur["splits_used"].iloc[-1]
+                ax.plot([used], [heur["gbps"].iloc[-1]], marker="*", markersize=16, color=color, linestyle="none",
+                        label=f"heuristic ({used:.0f} splits), cache {cache_len}")
+            sdpa = sub[(sub["impl"] == "sdpa") & (sub["cache_len"] == cache_len)]
+            if len(sdpa):
+                ax.axhline(sdpa["gbps"].iloc[-1], color=color, linestyle="--", linewidth=1,
+                           label=f"{LABELS['sdpa']}, cache {cache_len}")
+        if "bandwidth_gbps" in sub and sub["bandwidth_gbps"].notna().any():
+            ax.axhline(sub["bandwidth_gbps"].median(), color="black", linestyle=":", linewidth=1,
+                       label=f"max(copy, read) {sub['bandwidth_gbps'].median():.0f} GB/s")
+        if len(ours):
+            log2_axis(ax, ours["num_splits"].unique())
+        ax.set_xlabel("num_splits")
+        ax.set_ylabel("K+V GB/s (CUDA-graph replay)")
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=7, ncol=2)
+        nh, nk, hdim = int(sub["nheads"].iloc[0]), int(sub["nheads_k"].iloc[0]), int(sub["head_dim"].iloc[0])
+        fig.suptitle(f"Split-KV at batch 1, {dtype}, {nh} q / {nk} KV heads, D={hdim} on {gpu}\n({versions_text(sub)})",
+                     fontsize=11)
+        fig.tight_layout()
+        saved.append(save_figure(fig, figures_dir, gpu, f"bench_decode_splits_{dtype}", log))
     return saved
 
 
@@ -421,7 +447,7 @@ def plot_chunked(df, figures_dir: PathLike = "figures", log: Callable[[str], Non
         axes[0, 0].set_ylabel("TFLOP/s (exact bottom-right causal pairs)")
         axes[0, 0].legend(fontsize=7)
         fig.suptitle(f"Chunked prefill against a KV cache, {dtype}, 32 q / 8 KV heads, D=128 on {gpu}\n"
-                     f"({_versions(sub)})", fontsize=11)
+                     f"({versions_text(sub)})", fontsize=11)
         fig.tight_layout()
         saved.append(save_figure(fig, figures_dir, gpu, f"bench_chunked_{dtype}", log))
     return saved
@@ -482,17 +508,19 @@ def plot_roofline(frames: Mapping[str, Any], figures_dir: PathLike = "figures",
 def plot_all(results_dir: PathLike = "results", figures_dir: PathLike = "figures", gpu: Optional[str] = None,
              log: Callable[[str], None] = print) -> List[Path]:
     """Redraw figures_dir/<gpu>/bench_*.png from results_dir/<gpu>/bench_*.csv (every GPU when gpu is None)."""
-    frames = {suite: load_suite(suite, results_dir, gpu, legacy=False, log=lambda m: None) for suite in SUITES}
+    frames = {suite: load_suite(suite, results_dir, gpu, log=lambda m: None) for suite in SUITES}
     saved: List[Path] = []
     for suite in ("prefill_fwd", "prefill_fwd_bwd"):
         if frames[suite] is not None:
             saved += plot_prefill(frames[suite], suite, figures_dir, log)
     if frames["decode"] is not None:
         saved += plot_decode(frames["decode"], figures_dir, log)
+    if frames["decode_splits"] is not None:
+        saved += plot_decode_splits(frames["decode_splits"], figures_dir, log)
     if frames["chunked"] is not None:
         saved += plot_chunked(frames["chunked"], figures_dir, log)
     saved += plot_roofline(frames, figures_dir, log=log)
     if not any(f is not None for f in frames.values()):
-        log(f"no bench_*.csv under {bench._results_root(results_dir)}/{bench.gpu_slug(gpu) if gpu else '<gpu>'}: "
+        log(f"no bench_*.csv under {results.results_root(results_dir)}/{results.gpu_slug(gpu) if gpu else '<gpu>'}: "
             f"nothing to plot")
     return saved

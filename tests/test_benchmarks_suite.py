@@ -1,5 +1,5 @@
-"""CPU tests of the benchmark suite (kernels.bench_suite, kernels.bench_report): the CLI without a GPU, the
-grids, resumable CSVs, wrong results never timed, the time budget, the headline ratios and the plots.
+"""CPU tests of the benchmark suite (benchmarks/suite.py, grids.py, report.py, __main__.py): the CLI without a
+GPU, the grids, resumable CSVs, wrong results never timed, the time budget, the headline ratios and the plots.
 
 Measurements run through a fake timer (calls each function once, returns fixed times) on the CPU, our
 kernels under the Triton interpreter at tiny shapes, so the row building, checks and CSV flow are the
@@ -8,12 +8,17 @@ GPU run's. Everything is written into pytest's tmp_path, never into results/ or 
 
 import csv
 import math
+import re
+import subprocess
+import sys
 
 import matplotlib
 import pytest
 import torch
 
-from kernels import bench, bench_report, bench_suite
+from benchmarks import grids, measure, report, results, suite
+from benchmarks.__main__ import main
+from benchmarks.grids import ChunkedShape, DecodeShape, PrefillShape
 
 matplotlib.use("Agg")
 
@@ -23,7 +28,7 @@ CPU = torch.device("cpu")
 
 
 class FakeTimer:
-    """kernels.bench_suite.CudaTimer's interface without a GPU: runs each function once (so the step code
+    """benchmarks.suite.CudaTimer's interface without a GPU: runs each function once (so the step code
     really executes), returns fixed timings, and counts what was timed."""
 
     def __init__(self):
@@ -64,18 +69,18 @@ class FakeTimer:
 
 def _run(tmp_path, suites, shapes, *, commit="c0ffee", gpu=GPU, timer=None, **kw):
     messages = []
-    summary = bench_suite.run(suites, quick=True, dtypes=["fp16"], results_dir=tmp_path / "results",
-                              figures_dir=None, flex=False, timer=timer or FakeTimer(), device=CPU, gpu=gpu,
-                              commit=commit, shapes=shapes, log=messages.append, **kw)
+    summary = suite.run(suites, quick=True, dtypes=["fp16"], results_dir=tmp_path / "results", figures_dir=None,
+                        flex=False, timer=timer or FakeTimer(), device=CPU, gpu=gpu, commit=commit, shapes=shapes,
+                        log=messages.append, **kw)
     return summary, messages
 
 
-def _rows(tmp_path, suite, slug=SLUG):
-    with open(tmp_path / "results" / slug / f"bench_{suite}.csv", newline="") as f:
+def _rows(tmp_path, name, slug=SLUG):
+    with open(tmp_path / "results" / slug / f"bench_{name}.csv", newline="") as f:
         return list(csv.DictReader(f))
 
 
-TINY_PREFILL = [bench_suite.PrefillShape(1, 24, 2, 1, 32, True), bench_suite.PrefillShape(2, 17, 2, 2, 32, False)]
+TINY_PREFILL = [PrefillShape(1, 24, 2, 1, 32, True), PrefillShape(2, 17, 2, 2, 32, False)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -83,22 +88,33 @@ TINY_PREFILL = [bench_suite.PrefillShape(1, 24, 2, 1, 32, True), bench_suite.Pre
 # --------------------------------------------------------------------------------------------
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CLI's exit without a GPU")
 def test_cli_without_gpu_exits_nonzero(capsys):
-    """`python -m kernels.bench` (any suite, quick or not) without a GPU says it needs one and exits 1."""
-    assert bench.main(["--suite", "decode", "--quick"]) == 1
+    """`python -m benchmarks` (any suite, quick or not) without a GPU says it needs one and exits 1."""
+    assert main([]) == 1
     assert "needs a CUDA GPU" in capsys.readouterr().err
-    assert bench_suite.main(["--max-minutes", "5"]) == 1
+    assert main(["--suite", "decode", "--quick"]) == 1
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    assert main(["--max-minutes", "5"]) == 1
     assert "needs a CUDA GPU" in capsys.readouterr().err
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
-        bench_suite.run(["decode"], quick=True)
+        suite.run(["decode"], quick=True)
 
 
 def test_cli_list_and_bad_arguments(capsys):
     """--list prints the grids without a GPU; an unknown suite or dtype is a usage error (exit 2)."""
-    assert bench_suite.main(["--list", "--quick", "--suite", "prefill_fwd,decode"]) == 0
+    assert main(["--list", "--quick", "--suite", "prefill_fwd,decode,decode_splits"]) == 0
     out = capsys.readouterr().out
     assert "prefill_fwd: 13 shapes" in out and "decode: 5 shapes" in out and "grid=seed" in out
-    assert bench_suite.main(["--suite", "prefill"]) == 2
-    assert bench_suite.main(["--dtypes", "int8"]) == 2
+    assert "decode_splits: 1 shapes" in out and "batch=1 cache_len=16384" in out and "grid=splits" in out
+    assert main(["--suite", "prefill"]) == 2
+    assert main(["--dtypes", "int8"]) == 2
+
+
+def test_module_runs_from_the_command_line():
+    """`python -m benchmarks --list` runs the package's __main__ in a fresh interpreter and exits 0."""
+    done = subprocess.run([sys.executable, "-m", "benchmarks", "--list", "--quick", "--suite", "decode_splits"],
+                          cwd=results.REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("decode_splits: 1 shapes")
 
 
 # --------------------------------------------------------------------------------------------
@@ -106,15 +122,15 @@ def test_cli_list_and_bad_arguments(capsys):
 # --------------------------------------------------------------------------------------------
 def test_grids_quick_is_a_small_subset_of_full():
     """Each suite's quick grid is a strict subset of its full grid."""
-    for suite in bench_suite.SUITES:
-        quick, full = bench_suite.suite_shapes(suite, True), bench_suite.suite_shapes(suite, False)
-        assert set(quick) < set(full), suite
-        assert len(quick) <= len(full) / 2, suite
+    for name in grids.SUITES:
+        quick, full = grids.suite_shapes(name, True), grids.suite_shapes(name, False)
+        assert set(quick) < set(full), name
+        assert len(quick) <= len(full) / 2, name
 
 
 def test_prefill_grid_has_issue_seed_and_head_dim_64():
     """Prefill: 16384 tokens, 32 q heads over 32/8 KV heads, causal and not, D=128 and 64, and the seed's rows."""
-    full = bench_suite.prefill_shapes(False)
+    full = grids.prefill_shapes(False)
     issue = [s for s in full if s.grid == "issue"]
     assert all(s.batch * s.seqlen == 16384 and s.nheads == 32 for s in issue)
     assert {s.seqlen for s in issue} == {1024, 2048, 4096, 8192, 16384}
@@ -127,17 +143,34 @@ def test_prefill_grid_has_issue_seed_and_head_dim_64():
 def test_decode_and_chunked_grids():
     """Decode: batch {1,8,32,128} x cache {1024..65536} at D=128 and 64, the seed's batch 2 up to 8192, one
     host-overhead shape (batch 1 x 4096, D=128); chunked: chunks 512/2048 on 0/4096/12288 cached tokens."""
-    full = bench_suite.decode_shapes(False)
+    full = grids.decode_shapes(False)
     issue = {(s.batch, s.cache_len, s.head_dim) for s in full if s.grid == "issue"}
     assert issue == {(b, n, d) for b in (1, 8, 32, 128) for n in (1024, 4096, 16384, 65536) for d in (128, 64)}
     assert {(s.batch, s.cache_len) for s in full if s.grid == "seed"} == {(2, n) for n in (1024, 2048, 4096, 8192)}
     assert all((s.nheads, s.nheads_k) == (32, 8) for s in full)
     host = [s for s in full if s.host]
     assert [(s.batch, s.cache_len, s.head_dim) for s in host] == [(1, 4096, 128)]
-    assert any(s.host for s in bench_suite.decode_shapes(True))
-    chunked = bench_suite.chunked_shapes(False)
+    assert any(s.host for s in grids.decode_shapes(True))
+    chunked = grids.chunked_shapes(False)
     assert {(s.batch, s.chunk, s.cache_len) for s in chunked} == {
         (b, c, n) for b in (1, 4) for c in (512, 2048) for n in (0, 4096, 12288)}
+
+
+def test_split_and_gqa_sweeps():
+    """decode_splits: one request of 32:8 heads, D=128, caches 4096/16384/65536 (quick 16384), num_splits 1..64;
+    the GQA sweep: 16 q heads over 16/8/4/2/1 KV heads (quick 16/4/1), 4 x 4096 tokens, D=128, causal and not."""
+    full = grids.decode_split_shapes(False)
+    assert {(s.batch, s.nheads, s.nheads_k, s.head_dim, s.grid) for s in full} == {(1, 32, 8, 128, "splits")}
+    assert [s.cache_len for s in full] == [4096, 16384, 65536] and not any(s.host for s in full)
+    assert [s.cache_len for s in grids.decode_split_shapes(True)] == [16384]
+    assert grids.SPLIT_VALUES == (1, 2, 4, 8, 16, 32, 64)
+    gqa = grids.gqa_shapes(False)
+    assert {(s.batch, s.seqlen, s.nheads, s.head_dim, s.grid) for s in gqa} == {(4, 4096, 16, 128, "gqa")}
+    assert sorted((s.nheads_k, s.causal) for s in gqa) == sorted((hk, c) for hk in (16, 8, 4, 2, 1)
+                                                                 for c in (False, True))
+    quick = grids.gqa_shapes(True)
+    assert set(quick) < set(gqa) and {s.nheads_k for s in quick} == {16, 4, 1}
+    assert "gqa" not in grids.SUITES  # run by notebook 01, not by the suite
 
 
 # --------------------------------------------------------------------------------------------
@@ -149,7 +182,7 @@ def test_resume_skips_rows_of_the_same_commit_and_gpu(tmp_path):
     kw = dict(peers=["eager"])
     summary, _ = _run(tmp_path, ["prefill_fwd"], shapes, **kw)
     assert summary["prefill_fwd"]["rows"] == 2
-    assert len(bench_suite.done_keys("prefill_fwd", gpu=GPU, commit="c0ffee", results_dir=tmp_path / "results")) == 2
+    assert len(suite.done_keys("prefill_fwd", gpu=GPU, commit="c0ffee", results_dir=tmp_path / "results")) == 2
 
     summary, _ = _run(tmp_path, ["prefill_fwd"], shapes, **kw)
     assert summary["prefill_fwd"] == {"rows": 0, "shapes_done_before": 2, "shapes_left": 0}
@@ -179,17 +212,17 @@ def test_resume_skips_rows_of_the_same_commit_and_gpu(tmp_path):
 
 def test_row_key_matches_after_a_csv_round_trip(tmp_path):
     """A row's key computed from Python values equals the key of the same row read back from the CSV."""
-    row = bench.make_row(gpu=GPU, impl="ours_paged", page_size=16, dtype="bf16", batch=8, cache_len=4096, nheads=32,
-                         nheads_k=8, head_dim=128, metric="step", quick=False, gbps=1.5)
-    bench.write_csv([row], "bench_decode", results_dir=tmp_path)
+    row = results.make_row(gpu=GPU, impl="ours_paged", page_size=16, dtype="bf16", batch=8, cache_len=4096,
+                           nheads=32, nheads_k=8, head_dim=128, metric="step", quick=False, gbps=1.5)
+    results.write_csv([row], "bench_decode", results_dir=tmp_path)
     with open(tmp_path / SLUG / "bench_decode.csv", newline="") as f:
         back = next(csv.DictReader(f))
-    assert bench_suite.row_key("decode", back) == bench_suite.row_key("decode", row)
+    assert suite.row_key("decode", back) == suite.row_key("decode", row)
 
 
 def test_wrong_result_is_reported_and_never_timed(tmp_path, monkeypatch):
     """If our kernel's output fails the reference check, the row says 'wrong' with its error and has no timing."""
-    monkeypatch.setattr(bench_suite, "flash_attn_func", lambda q, k, v, causal=False: torch.zeros_like(q))
+    monkeypatch.setattr(suite, "flash_attn_func", lambda q, k, v, causal=False: torch.zeros_like(q))
     timer = FakeTimer()
     summary, messages = _run(tmp_path, ["prefill_fwd"], {"prefill_fwd": TINY_PREFILL[:1]}, peers=["ours"],
                              timer=timer)
@@ -218,13 +251,13 @@ def test_time_budget_stops_cleanly(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="runs the runners on CPU tensors under the interpreter; on a GPU "
-                    "the suite itself (python -m kernels.bench) is the check")
+                    "the suite itself (python -m benchmarks) is the check")
 def test_interpreter_run_of_every_suite(tmp_path):
     """Our kernels under the interpreter through every runner: checked ok, rows stamped, ratios computed."""
     shapes = {
-        "prefill_fwd_bwd": [bench_suite.PrefillShape(1, 24, 2, 1, 32, True)],
-        "decode": [bench_suite.DecodeShape(2, 48, 2, 1, 32, host=True)],
-        "chunked": [bench_suite.ChunkedShape(1, 16, 128, 1, 1, 32)],  # >= 128 new tokens: the prefill path
+        "prefill_fwd_bwd": [PrefillShape(1, 24, 2, 1, 32, True)],
+        "decode": [DecodeShape(2, 48, 2, 1, 32, host=True)],
+        "chunked": [ChunkedShape(1, 16, 128, 1, 1, 32)],  # >= 128 new tokens: the prefill path
     }
     peers = ["ours", "eager", "ours_paged", "sdpa", "eager_slice", "eager_cat", "ours_prefill", "ours_kvcache",
              "ours_kvcache_paged"]
@@ -235,8 +268,8 @@ def test_interpreter_run_of_every_suite(tmp_path):
     assert {r["impl"]: r["status"] for r in prefill} == {"ours": "ok", "eager": "ok"}
     ours = next(r for r in prefill if r["impl"] == "ours")
     assert float(ours["err"]) <= float(ours["err_bound"]) and ours["config"].startswith("fwd ")
-    flops = bench.attention_flops(1, 2, 24, 24, 32, True, "fwd_bwd")
-    assert math.isclose(float(ours["tflops"]), bench.tflops(flops, 2.0))
+    flops = measure.attention_flops(1, 2, 24, 24, 32, True, "fwd_bwd")
+    assert math.isclose(float(ours["tflops"]), measure.tflops(flops, 2.0))
     assert math.isclose(float(ours["frac_ceiling"]), float(ours["tflops"]) / 800.0)
     for key in ("gpu", "torch", "triton", "cudnn", "date", "commit", "dtype", "peak_mem_mib"):
         assert key in ours
@@ -248,13 +281,13 @@ def test_interpreter_run_of_every_suite(tmp_path):
                           ("eager_slice", 0), ("eager_cat", 0)}
     assert all(r["status"] == "ok" for r in steps.values())
     assert all(float(r["err"]) <= float(r["err_bound"]) for r in steps.values() if r["impl"].startswith("ours"))
-    kv_bytes = bench.decode_kv_bytes(2 * 48, 1, 32, torch.float16)
+    kv_bytes = measure.decode_kv_bytes(2 * 48, 1, 32, torch.float16)
     ours = steps[("ours", 0)]
     copies = int(ours["rotated_copies"])  # 2 * L2 (8192 B here) / 12 KiB of K+V -> 2 copies in one graph
     assert copies == 2 and ours["timing"] == "graph"  # small cache: graph replay is the headline time
     assert math.isclose(float(ours["graph_ms"]), 1.0 / copies)
-    assert math.isclose(float(ours["gbps"]), bench.gbps(kv_bytes, 1.0 / copies))
-    assert math.isclose(float(ours["gbps_eager"]), bench.gbps(kv_bytes, 2.0))
+    assert math.isclose(float(ours["gbps"]), measure.gbps(kv_bytes, 1.0 / copies))
+    assert math.isclose(float(ours["gbps_eager"]), measure.gbps(kv_bytes, 2.0))
     hosts = [r for r in decode if r["metric"] == "host_overhead"]
     assert len(hosts) == len(steps) and all(float(r["host_us"]) == 20.0 for r in hosts)
 
@@ -270,11 +303,55 @@ def test_interpreter_run_of_every_suite(tmp_path):
     assert float(ceiling["bandwidth_gbps"]) == 4400.0 and ceiling["gpu"] == GPU
 
 
+SPLITS_SHAPE = DecodeShape(1, 200, 2, 1, 32, "splits")  # 7 key blocks of 32 under the interpreter
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="runs the runner on CPU tensors under the interpreter; on a GPU "
+                    "the suite itself (python -m benchmarks --suite decode_splits) is the check")
+def test_decode_splits_rows_and_resume(tmp_path):
+    """decode_splits: a checked row per num_splits (0: the heuristic) with the splits it launched, SDPA's row,
+    and a later run measures only the (num_splits, shape) rows that are missing."""
+    shapes = {"decode_splits": [SPLITS_SHAPE]}
+    summary, _ = _run(tmp_path, ["decode_splits"], shapes)
+    assert summary["decode_splits"] == {"rows": len(grids.SPLIT_VALUES) + 2, "shapes_done_before": 0,
+                                        "shapes_left": 0}
+    rows = _rows(tmp_path, "decode_splits")
+    assert all(r["status"] == "ok" and r["metric"] == "step" and r["grid"] == "splits" for r in rows)
+    ours = {int(r["num_splits"]): r for r in rows if r["impl"] == "ours"}
+    assert sorted(ours) == [0, *grids.SPLIT_VALUES]
+    (sdpa,) = [r for r in rows if r["impl"] == "sdpa"]
+    assert sdpa["num_splits"] == "" and sdpa["splits_used"] == ""
+    kv_bytes = measure.decode_kv_bytes(200, 1, 32, torch.float16)
+    used = {ns: int(r["splits_used"]) for ns, r in ours.items()}
+    for ns, r in ours.items():
+        assert float(r["err"]) <= float(r["err_bound"]), ns
+        assert r["config"].endswith(f"/splits{used[ns]}"), (ns, r["config"])
+        assert r["timing"] == "graph" and math.isclose(float(r["gbps"]), measure.gbps(kv_bytes, 1.0))
+    assert ours[0]["label"].endswith("(heuristic)") and ours[8]["label"].endswith("num_splits=8")
+    blocks = -(-SPLITS_SHAPE.cache_len // int(re.search(r"BN(\d+)/", ours[1]["config"]).group(1)))
+    explicit = [used[ns] for ns in grids.SPLIT_VALUES]
+    assert explicit[0] == 1 and explicit == sorted(explicit) and explicit[-1] == blocks == 7
+    assert all(u <= ns for ns, u in zip(grids.SPLIT_VALUES, explicit)) and 1 <= used[0] <= blocks
+
+    summary, _ = _run(tmp_path, ["decode_splits"], shapes)
+    assert summary["decode_splits"] == {"rows": 0, "shapes_done_before": 1, "shapes_left": 0}
+    path = tmp_path / "results" / SLUG / "bench_decode_splits.csv"
+    with open(path, "w", newline="") as f:  # one num_splits' row lost: only it is measured again
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(r for r in rows if not (r["impl"] == "ours" and r["num_splits"] == "8"))
+    timer = FakeTimer()
+    summary, _ = _run(tmp_path, ["decode_splits"], shapes, timer=timer)
+    assert summary["decode_splits"]["rows"] == 1 and len(timer.timed) == 1
+    again = _rows(tmp_path, "decode_splits")
+    assert len(again) == len(rows) and (again[-1]["num_splits"], again[-1]["splits_used"]) == ("8", str(used[8]))
+
+
 # --------------------------------------------------------------------------------------------
 # Headline table and plots from synthetic CSVs
 # --------------------------------------------------------------------------------------------
-def _synthetic_results(root, suites=("prefill_fwd", "decode", "chunked")):
-    """Rows shaped like a GPU run's, written with bench.write_csv into root/<slug>/bench_<suite>.csv."""
+def _synthetic_results(root, suites=("prefill_fwd", "decode", "decode_splits", "chunked")):
+    """Rows shaped like a GPU run's, written with results.write_csv into root/<slug>/bench_<suite>.csv."""
     common = dict(gpu="NVIDIA H200", commit="abc1234", status="ok", quick=False, dtype="bf16", head_dim=128,
                   nheads=32, grid="issue", torch="2.11.0", triton="3.6.0", date="2026-12-01T00:00:00+00:00")
     prefill = []
@@ -282,14 +359,14 @@ def _synthetic_results(root, suites=("prefill_fwd", "decode", "chunked")):
         for hk in (32, 8):
             shape = dict(common, batch=16384 // seqlen, seqlen=seqlen, nheads_k=hk, causal=True)
             for impl, tf in (("ours", 400.0), ("sdpa_cudnn", 500.0), ("sdpa_flash", 300.0)):
-                prefill.append(dict(shape, impl=impl, label=bench_suite.LABELS[impl], tflops=tf * seqlen / 1024,
+                prefill.append(dict(shape, impl=impl, label=grids.LABELS[impl], tflops=tf * seqlen / 1024,
                                     ceiling_tflops=800.0, peak_mem_mib=10.0))
             prefill.append(dict(shape, impl="flex", label="flex", status="error", note="boom"))
     # a quick row and an older full row of the same key: the latest full row wins
     prefill.insert(0, dict(prefill[0], quick=True, tflops=1.0))
     prefill.insert(0, dict(prefill[1], tflops=2.0))
     if "prefill_fwd" in suites:
-        bench.write_csv(prefill, "bench_prefill_fwd", results_dir=root)
+        results.write_csv(prefill, "bench_prefill_fwd", results_dir=root)
 
     decode = []
     for batch in (1, 8):
@@ -301,7 +378,19 @@ def _synthetic_results(root, suites=("prefill_fwd", "decode", "chunked")):
                                    peak_mem_mib=1.0))
     decode.append(dict(decode[0], metric="host_overhead", host_us=25.0, gbps=""))
     if "decode" in suites:
-        bench.write_csv(decode, "bench_decode", results_dir=root)
+        results.write_csv(decode, "bench_decode", results_dir=root)
+
+    splits = []
+    for n, heuristic in ((4096, 4), (16384, 16)):  # GB/s = 100 x splits launched + cache_len / 1024
+        shape = dict(common, grid="splits", batch=1, cache_len=n, nheads_k=8, metric="step", bandwidth_gbps=4400.0)
+        for ns in (0, *SPLITS):
+            used = heuristic if ns == 0 else ns
+            splits.append(dict(shape, impl="ours", page_size=0, num_splits=ns, splits_used=used, label="ours",
+                               gbps=100.0 * used + n / 1024))
+        splits.append(dict(shape, impl="sdpa", page_size=0, label=grids.LABELS["sdpa"], gbps=500.0))
+    splits.insert(0, dict(splits[1], gbps=1.0))  # an older row of the same key: the latest wins
+    if "decode_splits" in suites:
+        results.write_csv(splits, "bench_decode_splits", results_dir=root)
 
     chunked = []
     for n in (0, 4096):
@@ -310,13 +399,16 @@ def _synthetic_results(root, suites=("prefill_fwd", "decode", "chunked")):
                     dict(shape, impl="ours_kvcache", page_size=0, label="kvcache", tflops=400.0),
                     dict(shape, impl="ours_kvcache_paged", page_size=64, label="paged", tflops=450.0)]
     if "chunked" in suites:
-        bench.write_csv(chunked, "bench_chunked", results_dir=root)
+        results.write_csv(chunked, "bench_chunked", results_dir=root)
+
+
+SPLITS = (1, 2, 4, 8, 16)  # num_splits of the synthetic decode_splits rows
 
 
 def test_headline_ratios(tmp_path):
     """Ours / best peer per shape (errors ignored, latest full row per key), paged / dense, kvcache / prefill."""
     _synthetic_results(tmp_path)
-    table = bench_report.headline_table(tmp_path, "NVIDIA H200", log=lambda m: None)
+    table = report.headline_table(tmp_path, "NVIDIA H200", log=lambda m: None)
     prefill = table[table["suite"] == "prefill_fwd"]
     assert len(prefill) == 4
     assert set(prefill["versus"]) == {"SDPA cuDNN"} and all(abs(prefill["ratio"] - 0.8) < 1e-12)
@@ -328,17 +420,18 @@ def test_headline_ratios(tmp_path):
     chunked = table[table["suite"] == "chunked"].set_index("ours")["ratio"]
     assert all(abs(chunked["kvcache"] - 0.8) < 1e-12) and all(abs(chunked["paged"] - 0.9) < 1e-12)
     assert table["ratio"].map(math.isfinite).all()
+    assert set(table["suite"]) == {"prefill_fwd", "decode", "chunked"}  # decode_splits sweeps ours: no ratio
 
-    text = bench_report.headline_markdown(table)
+    text = report.headline_markdown(table)
     assert "| B=16 S=1024 MHA D=128 causal | Triton (ours) | 400 | SDPA cuDNN | 500 | 0.80 |" in text
     assert text.count("**decode**") == 1
 
-    df = bench_report.load_suite("prefill_fwd", tmp_path, "NVIDIA H200", log=lambda m: None)
+    df = report.load_suite("prefill_fwd", tmp_path, "NVIDIA H200", log=lambda m: None)
     first = df[(df["impl"] == "ours") & (df["seqlen"] == 1024) & (df["nheads_k"] == 32)]
     assert list(first["tflops"]) == [400.0]
-    fractions = bench_report.roofline_table(df, "prefill_fwd")
+    fractions = report.roofline_table(df, "prefill_fwd")
     assert abs(fractions.loc[("NVIDIA H200", "bf16", "B=16 S=1024 MHA D=128 causal"), "Triton (ours)"] - 0.5) < 1e-12
-    memory = bench_report.memory_table(df, "prefill_fwd")
+    memory = report.memory_table(df, "prefill_fwd")
     assert (memory.to_numpy() == 10.0).all()
 
 
@@ -346,25 +439,33 @@ def test_plots_from_synthetic_csvs(tmp_path):
     """plot_all draws every suite's figure and the roofline from CSVs into the given folder only."""
     _synthetic_results(tmp_path / "res")
     messages = []
-    saved = bench_report.plot_all(tmp_path / "res", tmp_path / "fig", log=messages.append)
+    saved = report.plot_all(tmp_path / "res", tmp_path / "fig", log=messages.append)
     names = sorted(p.name for p in saved)
-    assert names == ["bench_chunked_bf16.png", "bench_decode_bf16_d128.png", "bench_prefill_fwd_bf16_d128.png",
-                     "bench_roofline.png"]
+    assert names == ["bench_chunked_bf16.png", "bench_decode_bf16_d128.png", "bench_decode_splits_bf16.png",
+                     "bench_prefill_fwd_bf16_d128.png", "bench_roofline.png"]
     assert all(p.parent == tmp_path / "fig" / "nvidia-h200" and p.stat().st_size > 10_000 for p in saved)
     _synthetic_results(tmp_path / "res2", suites=("chunked",))
-    assert bench_suite.main(["--plot-only", "--out", str(tmp_path / "res2"), "--figures", str(tmp_path / "f2")]) == 0
+    assert main(["--plot-only", "--out", str(tmp_path / "res2"), "--figures", str(tmp_path / "f2")]) == 0
     assert [p.name for p in (tmp_path / "f2" / "nvidia-h200").glob("*.png")] == ["bench_chunked_bf16.png"]
 
 
-def test_committed_legacy_prefill_results_load(tmp_path):
-    """The older results/nvidia-h200/prefill_fwd.csv (scripts/bench_prefill.py) loads in the suite's schema
-    where the suite's own bench_prefill_fwd.csv is absent (here: a results folder holding only the old file)."""
-    legacy = bench.REPO_ROOT / "results" / "nvidia-h200" / "prefill_fwd.csv"
-    (tmp_path / "nvidia-h200").mkdir()
-    (tmp_path / "nvidia-h200" / "prefill_fwd.csv").write_bytes(legacy.read_bytes())
-    df = bench_report.load_suite("prefill_fwd", tmp_path, gpu="NVIDIA H200", log=lambda m: None)
-    assert df is not None and len(df) > 0
-    assert set(df["gpu"]) == {"NVIDIA H200"} and (df["tflops"] > 0).all() and set(df["status"]) == {"ok"}
-    assert {"ours", "sdpa_cudnn"} <= set(df["impl"]) and (df["grid"] == "issue").all()
-    table = bench_report.headline_table(frames={"prefill_fwd": df})
-    assert len(table) == 40 and table["ratio"].between(0.3, 3).all()  # bf16 + fp16, 20 shapes each
+def test_decode_splits_table_and_plot(tmp_path):
+    """decode_splits_table: GB/s per cache length and num_splits (latest row per key), the heuristic labelled with the
+    splits it launched, SDPA's alongside; plot_decode_splits draws one figure per GPU and dtype."""
+    _synthetic_results(tmp_path / "res", suites=("decode_splits",))
+    df = report.load_suite("decode_splits", tmp_path / "res", "NVIDIA H200", log=lambda m: None)
+    assert len(df) == 2 * (len(SPLITS) + 2)
+    table = report.decode_splits_table(df)
+    assert list(table.index) == [("NVIDIA H200", "bf16", 4096), ("NVIDIA H200", "bf16", 16384)]
+    assert set(table.columns) == ({f"splits={ns}" for ns in SPLITS} | {"heuristic (4)", "heuristic (16)"}
+                                  | {grids.LABELS["sdpa"]})
+    for n in (4096, 16384):
+        row = table.loc[("NVIDIA H200", "bf16", n)]
+        assert all(row[f"splits={ns}"] == 100.0 * ns + n / 1024 for ns in SPLITS)
+        assert row[grids.LABELS["sdpa"]] == 500.0
+    assert table.loc[("NVIDIA H200", "bf16", 4096), "heuristic (4)"] == 404.0
+    assert table.loc[("NVIDIA H200", "bf16", 16384), "heuristic (16)"] == 1616.0
+    assert math.isnan(table.loc[("NVIDIA H200", "bf16", 4096), "heuristic (16)"])
+    saved = report.plot_decode_splits(df, tmp_path / "fig", log=lambda m: None)
+    assert [p.name for p in saved] == ["bench_decode_splits_bf16.png"]
+    assert saved[0].parent == tmp_path / "fig" / "nvidia-h200" and saved[0].stat().st_size > 10_000

@@ -1,6 +1,6 @@
 """Sweep prefill tile configs on the present GPU and print the best per (head dim, causal).
 
-Usage (GPU only): python scripts/tune_prefill.py [--out DIR] [--quick]
+Usage (GPU only): python -m benchmarks.tune_prefill [--out DIR] [--quick]
 Writes tune_fwd.csv and tune_bwd.csv to --out (default results/<gpu>/). The winners are copied by
 hand into kernels/_configs.py: the tables there are the contract, this script is how they were found.
 """
@@ -11,17 +11,16 @@ import argparse
 import csv
 import itertools
 import os
-import sys
 import time
 
 import torch
 import triton
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from kernels._configs import AttnConfig  # noqa: E402
-from kernels.prefill import _flash_attn_backward, _flash_attn_forward  # noqa: E402
-from kernels.reference import attention_ref, rel_err  # noqa: E402
+from kernels._configs import AttnConfig
+from kernels._options import attn_options
+from kernels.prefill import _flash_attn_backward, _flash_attn_forward
+from kernels.reference import attention_ref
+from kernels.testing import rel_err
 
 
 def flops(b, h, m, n, d, causal, mode):
@@ -67,12 +66,13 @@ def main():
             k = torch.randn(B, S, H, D, device="cuda", dtype=dtype)
             v = torch.randn(B, S, H, D, device="cuda", dtype=dtype)
             ref, _ = attention_ref(q[:1, :1024], k[:1, :1024], v[:1, :1024], causal=causal)
+            options = attn_options(D, None, causal)
             for cfg in fwd_cands:
                 t0 = time.time()
                 try:
-                    o, _ = _flash_attn_forward(q[:1, :1024], k[:1, :1024], v[:1, :1024], D**-0.5, causal, cfg)
+                    o, _ = _flash_attn_forward(q[:1, :1024], k[:1, :1024], v[:1, :1024], options, cfg)
                     err = rel_err(o, ref)
-                    ms = bench(lambda: _flash_attn_forward(q, k, v, D**-0.5, causal, cfg))
+                    ms = bench(lambda: _flash_attn_forward(q, k, v, options, cfg))
                 except Exception as e:  # out of resources etc.
                     print("fail", cfg, repr(e)[:200])
                     continue
@@ -110,7 +110,8 @@ def main():
         q = torch.randn(B, S, H, D, device="cuda", dtype=dtype)
         k = torch.randn(B, S, H // 4, D, device="cuda", dtype=dtype)
         v = torch.randn(B, S, H // 4, D, device="cuda", dtype=dtype)
-        o, lse = _flash_attn_forward(q, k, v, D**-0.5, causal)
+        options = attn_options(D, None, causal)
+        o, lse = _flash_attn_forward(q, k, v, options)
         do = torch.randn_like(o)
         best_kv = kv_cands[0]
         best_ms = float("inf")
@@ -118,7 +119,7 @@ def main():
             for cfg in cands:
                 pair = (cfg, q_cands[0]) if which == "dkdv" else (best_kv, cfg)
                 try:
-                    ms = bench(lambda: _flash_attn_backward(do, q, k, v, o, lse, D**-0.5, causal, pair))
+                    ms = bench(lambda: _flash_attn_backward(do, q, k, v, o, lse, options, pair))
                 except Exception as e:
                     print("fail", which, cfg, repr(e)[:200])
                     continue

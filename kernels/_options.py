@@ -1,0 +1,106 @@
+"""`AttnOptions`: what one attention call computes, split into what is compiled and what is passed.
+
+Every path -- prefill forward and backward, varlen, kvcache dense and paged, chunked prefill, and the
+KV-cache helpers and serving engine through them -- turns its public arguments into one frozen
+`AttnOptions` (`attn_options`, which validates them) and hands it down. No launcher lists an option
+by hand:
+
+- `options.constexprs`: the compiled part, a `tl.constexpr` of every attention kernel (head dim and
+  its power-of-two tile, causal). Another value compiles another kernel.
+- `options.runtime`: the runtime part, plain kernel arguments named like the kernel parameters
+  (softmax_scale). Another value never recompiles.
+- `options.compiled`: the compiled part as a hashable tuple. Launch caches (kernels/_launch.py) and
+  decode's replays (kernels/decode.py) key on it; a replay fills `options.runtime` into the recorded
+  launch by parameter name, so a call with another runtime value reuses the launch with its own value.
+
+Attention kernels take `**options.constexprs, **options.runtime`; helper kernels that do no attention
+(the backward's preprocessing, the cache append, the split combine) take `**options.tile`. A kernel
+that lacks a parameter for an option fails at its first launch (an unexpected keyword), never silently.
+
+Adding an option (a sliding window, say) -- see docs/design.md:
+1. a field here whose default means "off", validated in `attn_options`;
+2. its compiled part in `constexprs` (HAS_WINDOW) and its values in `runtime` (window_left,
+   window_right), so a new window size is a new argument, not a new kernel;
+3. the parameters in every attention kernel and one place in kernels/_jit.py (the mask) that they call;
+4. the reference (kernels/reference.py) and the tests (tests/test_options.py checks every field).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
+
+
+def head_dim_tile(head_dim: int) -> int:
+    """The head-dim tile of the kernels: the next power of two >= head_dim, at least 16 (`tl.dot`)."""
+    return max(16, 1 << (int(head_dim) - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class AttnOptions:
+    """The options of one attention call (see the module docstring). Build it with `attn_options`.
+
+    head_dim: compiled (HEAD_DIM, and HEAD_DIM_PAD = `head_dim_tile(head_dim)`).
+    softmax_scale: runtime; the scores are q @ k^T * softmax_scale.
+    causal: compiled (IS_CAUSAL); bottom-right aligned.
+    """
+
+    head_dim: int
+    softmax_scale: float
+    causal: bool = False
+
+    @functools.cached_property
+    def constexprs(self) -> Dict[str, Any]:
+        """The compiled part, by kernel parameter name."""
+        return {**self.tile, "IS_CAUSAL": self.causal}
+
+    @functools.cached_property
+    def runtime(self) -> Dict[str, Any]:
+        """The runtime part, by kernel parameter name."""
+        return {"softmax_scale": self.softmax_scale}
+
+    @functools.cached_property
+    def tile(self) -> Dict[str, int]:
+        """The head-dim constexprs alone, for helper kernels that do no attention."""
+        return {"HEAD_DIM": self.head_dim, "HEAD_DIM_PAD": head_dim_tile(self.head_dim)}
+
+    @functools.cached_property
+    def compiled(self) -> Tuple[Tuple[str, Any], ...]:
+        """`constexprs` as a hashable tuple: what launch and replay keys hold of the options."""
+        return tuple(self.constexprs.items())
+
+    @property
+    def head_dim_pad(self) -> int:
+        return self.tile["HEAD_DIM_PAD"]
+
+
+def _resolve_scale(softmax_scale, head_dim: int) -> float:
+    if softmax_scale is None:
+        return head_dim**-0.5
+    try:
+        scale = float(softmax_scale)
+    except (TypeError, ValueError):
+        raise TypeError(f"Expected softmax_scale to be a number or None, got {type(softmax_scale).__name__}.") from None
+    if not (scale > 0.0 and math.isfinite(scale)):
+        raise ValueError(f"Expected softmax_scale to be a finite positive number, got {softmax_scale}.")
+    return scale
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached_options(head_dim: int, softmax_scale: Optional[float], causal: bool) -> AttnOptions:
+    return AttnOptions(head_dim, _resolve_scale(softmax_scale, head_dim), causal)
+
+
+def attn_options(head_dim: int, softmax_scale=None, causal=False) -> AttnOptions:
+    """Validated `AttnOptions` (softmax_scale None: head_dim ** -0.5; it must be finite and positive).
+
+    Options of plain Python values are cached, so a decode loop builds each one once. The head dim
+    itself is checked by the public functions (kernels/_utils.py `_validate_head_dim`).
+    """
+    causal = bool(causal)
+    if type(softmax_scale) in (float, int, type(None)) and isinstance(head_dim, numbers.Integral):
+        return _cached_options(int(head_dim), softmax_scale, causal)
+    return AttnOptions(int(head_dim), _resolve_scale(softmax_scale, int(head_dim)), causal)

@@ -1,0 +1,505 @@
+"""Decode attention: batched KV-cache decode with per-request lengths, fused in-place append, GQA
+read-once and split-KV (flash-decoding), over a dense or a paged cache, with no host synchronisation.
+
+Algorithm: each request b of the batch brings seqlen_q new query tokens (1 for plain decoding, a few
+for speculative verification) and attends over its own cache of L_b = cache_seqlens[b] keys plus,
+when k/v are given, the seqlen_q new keys, which the same launch writes into the cache at
+[L_b, L_b + seqlen_q). Decode is bound by memory bandwidth, so the kernel is organised so that every
+cached K/V byte is read once:
+
+- GQA read-once: a program owns one (request, KV head) and a block of query rows made of the G q
+  heads that share that KV head times the seqlen_q tokens, so each K/V tile it loads serves all of
+  them through one `tl.dot` (rows padded to at least 16).
+- Split-KV (flash-decoding, Tri Dao, Daniel Haziza, Francisco Massa, Grigory Sizov, 2023): the
+  cache is cut into num_splits chunks streamed by parallel programs; each writes a partial output
+  and its log-sum-exp to fp32 scratch, and a small combine kernel merges them (`merge_partials` in
+  kernels/_jit.py). With one split the decode kernel writes the final output directly.
+- Paged caches (PagedAttention, Woosuk Kwon et al., 2023; vLLM and flash-attn's block_table): the
+  cache is a pool of fixed-size pages and a block table maps each request's logical pages to
+  physical blocks; the same kernel reads it behind the constexpr PAGED (see [Note] Paged caches).
+The streaming softmax and the masks are the prefill kernel's (`online_softmax`, `mask_scores`,
+`finalize`), so prefill and decode cannot drift apart.
+
+Notation:
+    B batch, H q heads, H_KV KV heads, G = H // H_KV, M = seqlen_q (new tokens), D = head dim,
+    D_PAD = next power of two >= D, N_CACHE = a request's capacity (dense: the allocated
+    seqlen_cache; paged: max_blocks_per_seq * P), L_b = cache_seqlens[b], N_b = L_b + M keys seen
+    when appending (L_b without k/v). Paged: P = page_size, NUM_BLOCKS = blocks in the pool,
+    Block_table (B, max_blocks_per_seq) int32.
+    A program's query rows are r = g * M + t for g in [0, G) (q head h = kv_head * G + g) and t in
+    [0, M) (the token), head-major; BLOCK_H >= 16 rows per program, several row blocks when G * M
+    exceeds the config's max_rows.
+    m_i running max (base 2) [BLOCK_H], l_i running sum [BLOCK_H], acc [BLOCK_H, D_PAD] fp32.
+
+Supported: fp16/bf16 (fp32 accumulation), fp32; head dims that are multiples of 8 in [16, 256];
+any seqlen_q >= 1; MHA/GQA/MQA; dense caches with any strides and a contiguous last dim (including
+a (B, H_KV, S, D) buffer seen through .transpose(1, 2)); paged pools (NUM_BLOCKS, P, H_KV, D) with
+any strides and a contiguous last dim (including a (NUM_BLOCKS, H_KV, P, D) pool seen through
+.transpose(1, 2)) and any page size P >= 1 (tested: 1, 2, 8, 16, 48, 64, 256); caches beyond 2^31
+elements (int64 offsets). Not supported (yet): cache_batch_idx, rotary embedding, alibi, sliding
+windows, softcapping. All K/V row addresses go through `kv_row_offsets` (kernels/_jit.py).
+
+[Note] Fused append without hazards. The new keys/values are read from the k/v inputs, not from
+the cache, by the program that owns them (the last split of each (request, KV head), first row
+block), which also writes them into the cache. Every other program reads only cache rows [0, L_b),
+so no program reads a row another program writes in the same launch. Paged, each new row looks up
+its own page, so an append crossing page boundaries writes each row to its own page slot; requests
+may share pages they only read (prefix sharing), but a page appended into must be one request's.
+The last split streams its share of the cached keys like every other split, then the new rows, so
+it ends last; loading those rows only then (and, paged, their table entries) would add a memory
+round trip or two at the end of the grid. With EARLY_NEW (dense caches and pools whose pages hold
+whole key blocks, P % BLOCK_N == 0: `_early_new`) it loads the first BLOCK_NEW new rows and their
+page entries at its start, under the cached keys' loads (the other splits' loads of them are fully
+masked). Measured on an H200 (bf16, 32:8 heads, D = 128, one new token, CUDA-graph replay;
+results/nvidia-h200/decode_ab_stop13.log, run 1): dense batch 1 x 16384 23.8 -> 22.7 us, 1 x 65536
+69.8 -> 66.7, 8 x 4096 39.4 -> 37.8, 128 x 1024 137.8 -> 133.5; P = 64 and 256 from 0.2 us slower
+(batch 1 x 65536) to 5.7 us faster (128 x 1024). Pools that gather a key block from several pages
+(P = 16, 48) load early only when split: unsplit, the early tiles' registers (157 -> 240 per
+thread) cost more than the round trip (run 3 of that log). The cost on sm_90: 168 registers
+instead of 144 for the dense kernel with an append, 4 KB more shared memory.
+
+[Note] One loop for short splits. A split streams its whole blocks through an unmasked loop, then
+its ragged tail (the last cached keys when L_b is not a multiple of BLOCK_N, and without an append
+the causal band) through a masked one. The pipeliner fills each loop's pipeline on its own, so the
+tail's tiles are requested only when the first loop is done: one memory round trip per program that
+no other work hides when the splits are short and there is one program per SM. With ONE_LOOP
+(`_one_loop`: splits of at most DECODE_ONE_LOOP_MAX_BLOCKS blocks, kernels/_configs.py) every block
+takes the masked loop, so the tail comes through the same pipeline; the masks cost a little per
+block, which long splits pay more often than the round trip they save. Measured on an H200 (bf16,
+32:8 heads, D = 128, one new token, L_b = n - 1, CUDA-graph replay;
+results/nvidia-h200/decode_ab_stop14.log): dense batch 1 x 4096 11.7 -> 10.7 us, 1 x 16384 22.7 ->
+22.1, 128 x 1024 132.6 -> 129.9; P = 64 batch 1 x 4096 12.2 -> 10.6, 1 x 16384 24.3 -> 22.8; but
+dense batch 1 x 65536 (64 blocks per split) 66.6 -> 67.4, so long splits keep the two loops.
+
+[Note] Empty KV splits. The split size is a fixed multiple of BLOCK_N computed from the allocated
+N_CACHE and num_splits, never from the current lengths (they live on the device). A split
+whose range starts at or past L_b runs no loop iteration and writes an empty partial (lse = -inf,
+weight 0 in the merge). A request whose splits are all empty (L_b = 0, no append) outputs zeros and
+LSE = +inf.
+
+[Note] Causal with seqlen_q > 1. Bottom-right aligned over the N_b keys: token t sees key j iff
+j <= t + N_b - M. With an append every cached key is visible to every token and only the new keys
+are masked (token t sees new keys 0..t); without one, the last M - 1 cached keys are masked per row.
+
+[Note] Paged caches. Logical key j of request b lives in row j % P of physical block
+Block_table[b, j // P]; `kv_row_offsets` / `kv_block_offsets` (kernels/_jit.py) turn (block,
+row) into an int64 offset with the pool's block and row strides, so pool views with any strides
+work (see [Note] Paged address arithmetic). Paging is a constexpr: with PAGED=False the paging arguments are
+passed as None (Triton makes them constexprs) and every paged branch is compiled out, so the dense
+kernel is the very code it was before paging existed (its TTGIR and PTX for sm_90 were compared
+identical, line info aside). The grid, the splits and the heuristic see a paged request as a dense
+one of N_CACHE = max_blocks_per_seq * P keys.
+
+[Note] BLOCK_N vs page size. A key block of BLOCK_N rows may span several pages (P < BLOCK_N) or a
+page several key blocks (P >= BLOCK_N). Rather than tie BLOCK_N to P (48 would force BLOCK_N = 16,
+P = 8 a block of 8 rows, too small for `tl.dot`, and a decode tuned at BLOCK_N = 64 would lose its
+tuning), the kernel keeps the dense BLOCK_N and finds each key's physical row (`physical_blocks`):
+- P % BLOCK_N == 0 (e.g. 64 and 256 at BLOCK_N 64): key blocks start at multiples of BLOCK_N
+  (splits are whole blocks), so a block lies in one page: one table entry per block, a scalar load.
+- BLOCK_N % P == 0 with at most 4 pages per block (P = 16 and 32 at BLOCK_N 64; 32 and 64 at
+  BLOCK_N 128): one entry per page, broadcast over the page's rows (`tl.reshape` of a [pages, P]
+  broadcast). Per-key entries (below) would cost each thread a table load per row it holds (8 at
+  D = 128, twice since the K and the V tile each re-derive them) where this costs one per page: on
+  sm_90, P = 16 went from 241 to 192 registers and from 16 to 4 table loads per thread in the loop,
+  and on an H200 (bf16, 32:8 heads, append, CUDA-graph replay; results/nvidia-h200/
+  decode_ab_stop14.log, run 4) P = 16 at D = 128 took 11.3 against 12.0 us at batch 1 x 4096, 14.6
+  against 15.5 at 8 x 1024 and 128.4 against 132.8 at 32 x 4096, faster at every shape, and P = 64
+  at D = 64 (2 pages per block) 0.5-0.9 us less at batch 1-8. With 8 pages per block (P = 16 at
+  D = 64) it was slower at 6 of 11 shapes, and again (decode_ab_stop16.log, run 2) 1-3% faster at
+  batch 1 x 1024-4096 and 8 x 1024 but up to 4.5% slower elsewhere, so more pages per block keep the
+  per-key gather; an unsplit deep grid instead halves BLOCK_N to 4 pages (decode_paged_tiles).
+- otherwise (P = 48 and P <= 8 at BLOCK_N 64, P = 16 at BLOCK_N 128): each key gathers its own
+  table entry (BLOCK_N int32 loads from one cached table row, as vLLM's paged attention does); rows
+  are still loaded whole, so a K/V row is as coalesced as in the dense cache (a row of one KV head is
+  D contiguous elements in both). So pages of 1..8 rows take the same path as 48: no slow path, and
+  they are supported.
+The append always gathers (its rows start anywhere). Table loads are masked to rows below the split's
+end, so a program never reads past max_blocks_per_seq entries: its first lookup is bounded by the
+capacity N_CACHE (it may read entries past the request's pages, which are clamped and never used,
+see [Note] Paged pipelining), later ones by N_b.
+
+[Note] Paged address arithmetic. A key's offset is block * stride_b (64 bits: pools pass 2^31
+elements) plus its row inside the page times stride_n, which is below (P - 1) * stride_n and so
+computed in 32 bits: the int64 multiplies and adds per row were most of the loop's integer work
+(offline sm_90, split, append, one loop: 618 instructions per iteration for P = 16 at D = 64 against
+428 dense, 316 of them integer address arithmetic). `kv_block_offsets` also writes the in-page row
+from the key block's alignment (start_n is a multiple of BLOCK_N): start_n % P + offs_n when a page
+holds whole blocks, offs_n % P, the same for every block, when a block holds whole pages. The loop
+body went to 453 instructions at P = 16 / D = 64, 407 at P = 64 / D = 64 and 401-412 at D = 128.
+Interleaved on an H200 (results/nvidia-h200/decode_ab_stop17.log, runs 1-2) P = 16 at D = 64 went
+from 1.07-1.10 of dense to 1.00-1.05 at batch 1 / 8 / 32 x 1024-4096, and P = 64 / 256 gained up to
+5.5% at split shapes. Not kept: hoisting the rest of the offset out of the loop too (the
+page-holds-blocks case as a scalar plus a loop-invariant vector, and the same for the dense path):
+fewer instructions (dense D = 128: 389 -> 334) but 1-11% slower at D = 128 split shapes (dense batch
+1 x 16384: 24.6 against 22.1 us). The same change left the unsplit 3-stage kernel at 178-186 registers
+(as compiled on the device, with seqlen_q = 1 a constexpr), 2 programs per SM instead of the 3 its
+shared memory allows (the earlier kernel's registers on the device were not read; its 0.84 of dense at
+batch 40 x 4096 fits 3 per SM): P = 64 at D = 64, batch 128 x 1024 went from 1.006 to 1.051 of dense,
+and off the grid, batch 40 / 48 x 4096 at D = 128, P = 16 from 0.84 / 0.92 to 1.12 / 1.05. The register
+cap of `decode_max_registers` (kernels/_configs.py, see [Note] Paged pipelining) took them back to 1.009
+and 0.86 / 0.91 (results/nvidia-h200/decode_ab_stop18.log, run 3). A
+pool whose page rows lie 2^31 / (P - 1) elements apart or more (a permuted (P, num_blocks, ...)
+buffer) would overflow the 32-bit in-page offset; the host sees it from the strides (`wide_pages`)
+and compiles such calls with WIDE_PAGES, 64-bit in-page offsets.
+
+[Note] Paged pipelining. Triton's software pipeliner gives each load that feeds a `tl.dot` a
+latency of (num_stages - 1) // (indirection level + 1) iterations (AssignLatencies.cpp). Looking
+the page up in the same iteration as the K/V tile it addresses makes the tile a level-1 load, so
+with 4 stages it would be issued only 1 iteration ahead instead of 3: a shallower memory pipeline
+than the dense kernel's. The level is traced through values defined in the loop body only, so each
+iteration fetches the table entries of the *next* key block into a loop-carried value
+(`next_blocks`); the K/V tiles stay level-0 loads, as deep as the dense kernel's at the same stage
+count (at 4 stages: the same 3-deep prologue, `async_wait num = 4` and 16-byte cp.async count in the
+sm_90 TTGIR/PTX). The table load does not get a free iteration, though: the pipeliner issues each
+tile num_stages - 1 iterations ahead, and for it re-derives that block's page lookup inside the
+iteration, a plain load (an L1 hit after a split's first block) that the tile's cp.async waits for;
+the loop-carried value only hands the first block to the next loop (sm_90 TTGIR at 3 stages).
+(Fetching two blocks ahead instead, through two loop-carried values, made the pipeliner give up:
+the tiles became plain loads. The natural form, the lookup in its own tile's iteration, at 5 or 7
+stages, lets the pipeliner stage the table entries too, by cp.async two iterations before their
+tiles, but was slower at 27 of 30 shape / page-size points on an H200, by up to 2.5 us:
+results/nvidia-h200/decode_ab_stop13.log, run 2.)
+The split's first lookup is bounded by the capacity N_CACHE rather than by L_b, so it can be issued
+with the length's load instead of after it (entries past the request's pages are clamped and never
+used; on its own this measured no change at P = 64 / 256). It also comes before the query load in
+the source: the query tile reaches the dot's layout through shared memory, behind a barrier that
+waits for the tile to arrive, and ptxas keeps later loads after that barrier (sm_90 SASS), so a
+lookup placed after the query load was issued one memory round trip late. Interleaved on an H200
+(decode_ab_stop15.log, run 1) the move made P = 16 0.1-0.6 us faster at 6 of 11 shapes (batch 1 x
+1024 7.23 -> 7.11 us, 1 x 65536 68.55 -> 68.16, 128 x 1024 133.0 -> 132.4; 0.3% slower at 32 / 128 x
+4096) and moved P = 64 / 256 by less than 0.2 us at most shapes; issuing the last split's early
+new-row loads before the query too gained nothing more.
+Paged caches run at most DECODE_PAGED_STAGES = 3 pipeline stages, against the dense config's 4,
+which measured faster at almost every split or one-wave shape (kernels/_configs.py); an unsplit grid
+of more programs than the 3-stage kernel fits at once (3 per SM) keeps the config's stages, and
+halves a BLOCK_N that would gather 8 pages (P = 16 at D <= 64), see decode_paged_tiles. Offline
+sm_90 compiles (bf16, D = 128, the Hopper config, split, causal, with an append; cuobjdump
+-res-usage; before the 32-bit in-page offsets of 2f0d92a) show no spills: the dense kernel uses 168
+registers with two loops and 184 with ONE_LOOP (109 without an append) and 106 KB of shared memory
+for its 4 stages, the paged kernel 242-243 with two loops (P = 16 / 64, the early append) and
+192 / 243 with ONE_LOOP, and 74 KB for its 3. Those compiles passed seqlen_q as a plain integer;
+Triton specialises the 1 of a decode step to a constant, and so compiled on the device the unsplit
+3-stage paged kernel of 2f0d92a takes 178-186 registers (D = 64 / 128, one new token; 70-75 KB), too
+many for 3 programs of 4 warps in an SM's 65536 registers. So a stage-capped paged plan in a grid of
+more than 2 programs per SM is compiled with Triton's maxnreg = 168 (`decode_max_registers`; no
+spills on sm_90) and 3 programs share an SM, as their shared memory allows.
+What the pipeline does not hide is the scatter itself: with one program
+per SM (the dense split rule) a paged request streamed 8-21% slower than a dense one at batch 1-8
+(P = 16: 621 against 497 us at batch 8 x 65536), so paged caches split over two programs per SM when
+the splits stay long enough (DECODE_PAGED_WAVES, DECODE_PAGED_WAVE_MIN_BLOCKS in
+kernels/_configs.py). Timed on an H200 (bf16, 32:8 heads, random block tables) in the 219a0ab grid
+(results/nvidia-h200/bench_decode.csv, 16 shapes of batch 1-128 x 1024-65536 per head dim),
+paged / dense was at most 1.029 for P = 64 and 1.028 for P = 256 at D = 128, 1.041 and 1.032 at
+D = 64; P = 16 at most 1.046 at D = 64 and, at D = 128, 1.054 at batch 1 x 16384, the one point above 1.05 (1.066 /
+1.063 in the 8aeb96e / c1c3755 grids): not occupancy (its split grid needs 2 programs per SM). A sorted block table
+ran it at 1.040 (the pages' scatter); the rest is not the 4-page gather: on one sorted pool the P = 64 addressing
+inside this kernel ran 23.52 against 22.95 us; L1 prefetches of the table, 16-byte lookups and BLOCK_N 32 gained
+nothing; the point measures 1.044-1.065 from process to process (decode_ab_stop18.log, run 2;
+decode_ab_stop19.log). On the very same pool (sorted) the P = 64 kernel, reading it as 64-row pages, runs
+1.004-1.010 of dense against 1.037-1.043: the cost is this kernel's code, not memory; per-key or scalar lookups,
+loop-variant in-page rows, packed KV heads and 4 page tiles per key block were no faster with an append
+(decode_ab_stop21.log), and TMA page tiles (tensor descriptors) were slower at every shape (for P = 64 at 11 of 12;
+decode_ab_stop22.log). Earlier grids' dense batch 1 x 1024 was
+the process's first CUDA-graph timing, which reads ~0.35 us fast (decode_ab_stop15.log, runs 2-3; now discarded).
+
+[Note] Bad block-table entries. A CPU block_table is checked on the host (ValueError for an entry
+outside [0, NUM_BLOCKS) among those the call uses). A device block_table cannot be checked without
+a sync, so the kernel guards it: for reads every entry is clamped into [0, NUM_BLOCKS) (a bad entry
+gives wrong results, never a read outside the pool), and an appended row whose entry lies outside
+the pool is dropped (never a write outside it, and -1 fillers past a request's pages, as
+PagedKVCache keeps, are never written through).
+"""
+
+import triton
+import triton.language as tl
+
+from ._jit import (
+    LOG2E,
+    finalize,
+    gqa_q_head,
+    kv_block_offsets,
+    kv_row_offsets,
+    load_rows,
+    mask_scores,
+    merge_partials,
+    online_softmax,
+    physical_blocks,
+    store_rows,
+)
+
+
+# ============================================================================================
+# Kernels
+# ============================================================================================
+@triton.jit
+def new_row_pages(table, seqlen, us, n_write, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """Paged: the raw block-table entries of the pages that new rows `us` go to (cache rows seqlen + us),
+    -1 for rows at or past n_write. Dense: `us` itself, a placeholder `store_new_rows` never reads."""
+    if PAGED:
+        return tl.load(table + (seqlen + us) // PAGE_SIZE, mask=us < n_write, other=-1)
+    else:
+        return us
+
+
+@triton.jit
+def store_new_rows(k_head, v_head, kn, vn, us, raw_pages, seqlen, M, n_write, NUM_BLOCKS, off_b,
+                    stride_kb, stride_kn, stride_vb, stride_vn, offs_d,
+                    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                    WIDE_PAGES: tl.constexpr):
+    """Write new rows kn, vn [BLOCK, D_PAD] (token indices `us`) of one (request, KV head) into its
+    cache at rows seqlen + us; rows at or past n_write (they would pass the buffer) are dropped.
+    Paged, each row goes to its own page, raw_pages from `new_row_pages` (an append may cross page
+    boundaries), and a row whose table entry lies outside the pool is dropped, see [Note] Bad
+    block-table entries."""
+    dst = seqlen + us  # [BLOCK] cache rows
+    if PAGED:
+        blocks = tl.minimum(tl.maximum(raw_pages, 0), NUM_BLOCKS - 1)
+        us_write = tl.where((raw_pages >= 0) & (raw_pages < NUM_BLOCKS), us, M)  # bad page: row dropped
+    else:
+        blocks = off_b
+        us_write = us
+    store_rows(k_head + kv_row_offsets(blocks, dst, stride_kb, stride_kn, PAGE_SIZE, PAGED, WIDE_PAGES)[:, None]
+               + offs_d[None, :], kn, us_write, n_write, offs_d, HEAD_DIM, HEAD_DIM_PAD)
+    store_rows(v_head + kv_row_offsets(blocks, dst, stride_vb, stride_vn, PAGE_SIZE, PAGED, WIDE_PAGES)[:, None]
+               + offs_d[None, :], vn, us_write, n_write, offs_d, HEAD_DIM, HEAD_DIM_PAD)
+
+
+@triton.jit
+def append_kernel(
+    K_cache, V_cache, K_new, V_new, Cache_seqlens,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_knb, stride_knm, stride_knh,
+    stride_vnb, stride_vnm, stride_vnh,
+    H_KV, M, N_CACHE,
+    Block_table, stride_btb, NUM_BLOCKS,  # paged only; None (compiled out) for a dense cache
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, WIDE_PAGES: tl.constexpr,
+):
+    """Append BLOCK of the M new tokens of one (request, KV head) to the cache (chunked prefill's
+    first launch; the decode kernel fuses its appends instead, see [Note] Chunked prefill)."""
+    pid_u = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    off_b = (pid_bh // H_KV).to(tl.int64)
+    off_hk = (pid_bh % H_KV).to(tl.int64)
+    seqlen = tl.minimum(tl.maximum(tl.load(Cache_seqlens + off_b), 0), N_CACHE)
+    n_write = tl.minimum(M, N_CACHE - seqlen)  # new rows that fit in the buffer
+    us = pid_u * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    kn = load_rows(K_new + off_b * stride_knb + off_hk * stride_knh + us[:, None].to(tl.int64) * stride_knm
+                   + offs_d[None, :], us, M, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+    vn = load_rows(V_new + off_b * stride_vnb + off_hk * stride_vnh + us[:, None].to(tl.int64) * stride_vnm
+                   + offs_d[None, :], us, M, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+    if PAGED:
+        table = Block_table + off_b * stride_btb
+    else:
+        table = Block_table  # None: never read
+    store_new_rows(K_cache + off_hk * stride_kh, V_cache + off_hk * stride_vh, kn, vn, us,
+                    new_row_pages(table, seqlen, us, n_write, PAGED, PAGE_SIZE), seqlen, M, n_write,
+                    NUM_BLOCKS, off_b, stride_kb, stride_kn, stride_vb, stride_vn, offs_d,
+                    HEAD_DIM, HEAD_DIM_PAD, PAGED, PAGE_SIZE, WIDE_PAGES)
+
+
+@triton.jit
+def decode_kernel(
+    Q, K_cache, V_cache, K_new, V_new, Cache_seqlens, Out, Lse, Out_part, Lse_part,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_knb, stride_knm, stride_knh,
+    stride_vnb, stride_vnm, stride_vnh,
+    H_KV, GROUP, M, N_CACHE, SPLIT_N, softmax_scale,
+    Block_table, stride_btb, NUM_BLOCKS,  # paged only; None (compiled out) for a dense cache
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_NEW: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, APPEND: tl.constexpr, SPLIT: tl.constexpr, STORE_LSE: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, WIDE_PAGES: tl.constexpr,
+    EARLY_NEW: tl.constexpr, ONE_LOOP: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    tl.static_assert(BLOCK_H >= 16 and BLOCK_N >= 16 and BLOCK_NEW >= 16, "tl.dot needs tiles of at least 16")
+    qk_scale = softmax_scale * LOG2E  # scores to base-2 logits
+    if USE_PDL:  # let the combine launch now; it waits for this grid to finish, see [Note] Combine launch
+        tl.extra.cuda.gdc_launch_dependents()
+    # -- which (request, KV head, row block) and which split -------------------------------------
+    rows_total = GROUP * M  # query rows sharing this KV head
+    row_blocks = tl.cdiv(rows_total, BLOCK_H)
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    num_splits = tl.num_programs(1)
+    pid_rb = pid % row_blocks
+    pid_bh = pid // row_blocks
+    off_b = (pid_bh // H_KV).to(tl.int64)
+    off_hk = (pid_bh % H_KV).to(tl.int64)
+    H = H_KV * GROUP
+
+    # -- query rows: r -> (q head off_hk * G + r // M, token r % M) --------------------------------
+    offs_r = pid_rb * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    offs_t = offs_r % M  # [BLOCK_H] token
+    offs_h = gqa_q_head(off_hk, GROUP, offs_r // M)  # [BLOCK_H] q head, int64
+    offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    offs_d = tl.arange(0, HEAD_DIM_PAD)  # [D_PAD]
+
+    # -- this request's lengths, read on the device and clamped to the buffer ---------------------
+    seqlen = tl.minimum(tl.maximum(tl.load(Cache_seqlens + off_b), 0), N_CACHE)  # L_b
+    if APPEND:
+        n_total = seqlen + M
+    else:
+        n_total = seqlen
+    row_limit = offs_t + (n_total - M)  # [BLOCK_H] last key each row may see (causal)
+
+    # -- this split's range of cached keys, see [Note] Empty KV splits -----------------------------
+    lo = split * SPLIT_N
+    hi = tl.minimum(lo + SPLIT_N, seqlen)
+    if IS_CAUSAL:
+        free_end = tl.minimum(hi, n_total - M + 1)  # keys every row sees
+    else:
+        free_end = hi
+    if ONE_LOOP:  # every block takes the masked loop, see [Note] One loop for short splits
+        full_end = lo
+    else:
+        full_end = lo + tl.maximum(free_end - lo, 0) // BLOCK_N * BLOCK_N
+
+    if PAGED:  # this request's row of the block table, and the pages of the split's first key block
+        table = Block_table + off_b * stride_btb
+        # bounded by the capacity, not by L_b: the lookup need not wait for the length's load (rows
+        # past L_b get clamped entries and are never loaded); and issued before the query load, whose
+        # tile's barrier it would otherwise wait behind, see [Note] Paged pipelining
+        next_blocks = physical_blocks(table, lo, lo + offs_n, tl.minimum(lo + SPLIT_N, N_CACHE), NUM_BLOCKS,
+                                      PAGE_SIZE, BLOCK_N)
+    else:
+        table = Block_table  # None: never read
+    q_ptrs = Q + off_b * stride_qb + offs_t[:, None].to(tl.int64) * stride_qm + offs_h[:, None] * stride_qh
+    q = load_rows(q_ptrs + offs_d[None, :], offs_r, rows_total, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+    k_head = K_cache + off_hk * stride_kh
+    v_head = V_cache + off_hk * stride_vh
+    if APPEND:  # the new rows' first chunk, loaded now by the last split, see [Note] Fused append
+        offs_u = tl.arange(0, BLOCK_NEW)  # [BLOCK_NEW]
+        kn_head = K_new + off_b * stride_knb + off_hk * stride_knh
+        vn_head = V_new + off_b * stride_vnb + off_hk * stride_vnh
+        n_write = tl.minimum(M, N_CACHE - seqlen)  # new rows that fit in the buffer
+        if EARLY_NEW:
+            m_early = tl.where(split == num_splits - 1, M, 0)  # the other splits load nothing
+            kn0 = load_rows(kn_head + offs_u[:, None].to(tl.int64) * stride_knm + offs_d[None, :],
+                            offs_u, m_early, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)  # [BLOCK_NEW, D_PAD]
+            vn0 = load_rows(vn_head + offs_u[:, None].to(tl.int64) * stride_vnm + offs_d[None, :],
+                            offs_u, m_early, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+            pages0 = new_row_pages(table, seqlen, offs_u, tl.minimum(m_early, n_write), PAGED, PAGE_SIZE)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM_PAD], dtype=tl.float32)
+
+    if not ONE_LOOP:  # stage 1: whole blocks every row sees, no mask
+        for start_n in tl.range(lo, full_end, BLOCK_N):
+            rows = start_n + offs_n
+            if PAGED:  # this block's pages were fetched one iteration ahead, see [Note] Paged pipelining
+                blocks = next_blocks
+                next_blocks = physical_blocks(table, start_n + BLOCK_N, rows + BLOCK_N, hi, NUM_BLOCKS, PAGE_SIZE,
+                                               BLOCK_N)
+            else:
+                blocks = off_b
+            k_offs = kv_block_offsets(blocks, start_n, offs_n, stride_kb, stride_kn, PAGE_SIZE, PAGED, WIDE_PAGES,
+                                      BLOCK_N)
+            k = load_rows(k_head + k_offs[:, None] + offs_d[None, :], rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD,
+                          False)  # [BLOCK_N, D_PAD]
+            qk = tl.dot(q, tl.trans(k))  # [BLOCK_H, BLOCK_N]
+            p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, False)
+            v_offs = kv_block_offsets(blocks, start_n, offs_n, stride_vb, stride_vn, PAGE_SIZE, PAGED, WIDE_PAGES,
+                                      BLOCK_N)
+            v = load_rows(v_head + v_offs[:, None] + offs_d[None, :], rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD, False)
+            acc = tl.dot(p.to(v.dtype), v, acc)
+    # stage 2: the ragged tail of the split (and, without an append, the causal band), masked; with
+    # ONE_LOOP all of the split's blocks
+    for start_n in tl.range(full_end, hi, BLOCK_N):
+        rows = start_n + offs_n
+        if PAGED:  # this block's pages were fetched one iteration ahead, see [Note] Paged pipelining
+            blocks = next_blocks
+            next_blocks = physical_blocks(table, start_n + BLOCK_N, rows + BLOCK_N, hi, NUM_BLOCKS, PAGE_SIZE,
+                                           BLOCK_N)
+        else:
+            blocks = off_b
+        k_offs = kv_block_offsets(blocks, start_n, offs_n, stride_kb, stride_kn, PAGE_SIZE, PAGED, WIDE_PAGES, BLOCK_N)
+        k = load_rows(k_head + k_offs[:, None] + offs_d[None, :], rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+        qk = tl.dot(q, tl.trans(k))
+        qk = mask_scores(qk, rows, hi, row_limit, IS_CAUSAL)
+        p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, True)
+        v_offs = kv_block_offsets(blocks, start_n, offs_n, stride_vb, stride_vn, PAGE_SIZE, PAGED, WIDE_PAGES, BLOCK_N)
+        v = load_rows(v_head + v_offs[:, None] + offs_d[None, :], rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+        acc = tl.dot(p.to(v.dtype), v, acc)
+
+    # stage 3: the new keys, read from k/v and written to the cache, see [Note] Fused append
+    if APPEND:
+        if split == num_splits - 1:
+            if EARLY_NEW:  # the first chunk, loaded at the start
+                qk = tl.dot(q, tl.trans(kn0))  # [BLOCK_H, BLOCK_NEW]
+                qk = mask_scores(qk, seqlen + offs_u, n_total, row_limit, IS_CAUSAL)
+                p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, True)
+                acc = tl.dot(p.to(vn0.dtype), vn0, acc)
+                if pid_rb == 0:  # one row block writes the cache
+                    store_new_rows(k_head, v_head, kn0, vn0, offs_u, pages0, seqlen, M, n_write, NUM_BLOCKS, off_b,
+                                    stride_kb, stride_kn, stride_vb, stride_vn, offs_d,
+                                    HEAD_DIM, HEAD_DIM_PAD, PAGED, PAGE_SIZE, WIDE_PAGES)
+            for start_u in tl.range(BLOCK_NEW if EARLY_NEW else 0, M, BLOCK_NEW):
+                us = start_u + offs_u
+                kn = load_rows(kn_head + us[:, None].to(tl.int64) * stride_knm + offs_d[None, :],
+                               us, M, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)  # [BLOCK_NEW, D_PAD]
+                qk = tl.dot(q, tl.trans(kn))  # [BLOCK_H, BLOCK_NEW]
+                qk = mask_scores(qk, seqlen + us, n_total, row_limit, IS_CAUSAL)
+                p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, True)
+                vn = load_rows(vn_head + us[:, None].to(tl.int64) * stride_vnm + offs_d[None, :],
+                               us, M, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+                acc = tl.dot(p.to(vn.dtype), vn, acc)
+                if pid_rb == 0:  # one row block writes the cache
+                    pages = new_row_pages(table, seqlen, us, n_write, PAGED, PAGE_SIZE)
+                    store_new_rows(k_head, v_head, kn, vn, us, pages, seqlen, M, n_write, NUM_BLOCKS, off_b,
+                                    stride_kb, stride_kn, stride_vb, stride_vn, offs_d,
+                                    HEAD_DIM, HEAD_DIM_PAD, PAGED, PAGE_SIZE, WIDE_PAGES)
+
+    # -- epilogue --------------------------------------------------------------------------------
+    out, lse = finalize(acc, m_i, l_i)  # empty rows: 0 and +inf
+    row_ok = offs_r < rows_total
+    lse_row = (off_b * H + offs_h) * M + offs_t  # [BLOCK_H] index into (B, H, M)
+    if SPLIT:  # partials to fp32 scratch (B, H, M, num_splits[, D]); empty ones get weight 0
+        part_row = lse_row * num_splits + split
+        tl.store(Lse_part + part_row, tl.where(l_i == 0.0, float("-inf"), lse), mask=row_ok)
+        store_rows(Out_part + part_row[:, None] * HEAD_DIM + offs_d[None, :], out,
+                   offs_r, rows_total, offs_d, HEAD_DIM, HEAD_DIM_PAD)
+    else:  # the final output, (B, M, H, D) contiguous
+        o_row = (off_b * M + offs_t) * H + offs_h
+        store_rows(Out + o_row[:, None] * HEAD_DIM + offs_d[None, :], out.to(Out.dtype.element_ty),
+                   offs_r, rows_total, offs_d, HEAD_DIM, HEAD_DIM_PAD)
+        if STORE_LSE:
+            tl.store(Lse + lse_row, lse, mask=row_ok)
+
+
+@triton.jit
+def combine_kernel(
+    Out_part, Lse_part, Out, Lse,
+    H, M, NUM_SPLITS,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, STORE_LSE: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    # -- one query row (b, h, t), in the (B, H, M) order of Lse and of the scratch -----------------
+    row = tl.program_id(0).to(tl.int64)
+    off_b = row // (H * M)
+    off_h = (row // M) % H
+    off_t = row % M
+    offs_s = tl.arange(0, SPLITS_PAD)  # [SPLITS_PAD]
+    offs_d = tl.arange(0, HEAD_DIM_PAD)  # [D_PAD]
+    if USE_PDL:  # launched early: wait until the decode grid has finished and its writes are visible
+        tl.extra.cuda.gdc_wait()
+
+    lse_parts = tl.load(Lse_part + row * NUM_SPLITS + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
+    # Empty splits' outputs are not read. Every split does write its partial (zeros for an empty one), so
+    # the outputs could be loaded together with the LSEs, but then ptxas spreads those loads among the
+    # merge's arithmetic, one round trip after another: 1.4-2.2 us more per step at batch 1 on an H200
+    # (16 splits; results/nvidia-h200/decode_ab_stop12.log, run 1). Masked by the LSEs, they all issue
+    # at once when the LSEs land.
+    nonempty = lse_parts != float("-inf")
+    o_parts = tl.load(Out_part + (row * NUM_SPLITS + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                      mask=nonempty[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)  # [SPLITS_PAD, D_PAD]
+    out, lse = merge_partials(o_parts, lse_parts)
+    tl.store(Out + ((off_b * M + off_t) * H + off_h) * HEAD_DIM + offs_d, out.to(Out.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
+    if STORE_LSE:
+        tl.store(Lse + row, lse)

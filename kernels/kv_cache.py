@@ -1,0 +1,497 @@
+"""KV caches for generation on top of `flash_attn_with_kvcache` (kernels/decode.py).
+
+- `KVCache`: preallocated dense K/V buffers (batch, max_seqlen, nheads_k, head_dim) and lengths.
+- `PagedKVCache`: a pool of fixed-size pages shared by requests that come and go, with a free list
+  and a block table (PagedAttention, vLLM); `PoolExhaustedError` when the pool or the slots run out.
+
+Both keep their lengths twice: an int32 device tensor (what the kernels read, advanced in place, so a
+decode step never syncs with the host and can be captured in a CUDA graph) and a host mirror (what
+the overflow and allocation checks read).
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import NamedTuple, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from ._options import attn_options
+from ._utils import (
+    SUPPORTED_DTYPES,
+    _validate_devices,
+    _validate_dtypes,
+    _validate_head_dim,
+    _validate_heads,
+    _validate_tensor,
+    default_device,
+)
+from .decode import (
+    _check_host_lengths,
+    _kvcache_call,
+    _validate_kvcache_inputs,
+    _validate_num_splits,
+    flash_attn_with_kvcache,
+)
+from .prefill import flash_attn_func
+
+
+# ============================================================================================
+# KV cache helper
+# ============================================================================================
+class KVCache:
+    """Preallocated K/V buffers plus per-request lengths, for batched autoregressive generation.
+
+    Owns k_cache / v_cache of shape (batch, max_seqlen, nheads_k, head_dim) and the lengths, kept
+    twice: an int32 device tensor (what the kernel reads; advanced in place, so a decode step never
+    syncs with the host and can be captured in a CUDA graph) and a host mirror (what the overflow
+    checks read). Every method raises ValueError before an append could pass max_seqlen.
+
+        cache = KVCache(batch, max_seqlen, nheads_k, head_dim, dtype=torch.float16, device="cuda")
+        out = cache.prefill(q_prompt, k_prompt, v_prompt)        # causal prompt attention, fills the cache
+        for step in range(n):
+            out = cache.decode(q_t, k_t, v_t)                    # append + attend, lengths += seqlen_q
+
+    CUDA graphs: a captured `decode` advances the device lengths on every replay but the host mirror
+    only once, at capture; call `refresh_host_seqlens()` (one host sync) after replaying.
+    """
+
+    def __init__(self, batch: int, max_seqlen: int, nheads_k: int, head_dim: int, *,
+                 dtype: torch.dtype = torch.float16, device: Union[str, torch.device, None] = None):
+        for name, value in (("batch", batch), ("max_seqlen", max_seqlen), ("nheads_k", nheads_k)):
+            if not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"Expected {name} to be a positive int, got {value!r}.")
+        _validate_head_dim(head_dim)
+        if dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"Expected dtype float16, bfloat16 or float32, got {dtype}.")
+        device = default_device() if device is None else torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        shape = (int(batch), int(max_seqlen), int(nheads_k), int(head_dim))
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self._seqlens = torch.zeros(int(batch), dtype=torch.int32, device=device)
+        self._host = np.zeros(int(batch), dtype=np.int64)
+        self.batch, self.max_seqlen, self.nheads_k, self.head_dim = shape
+        self.dtype, self.device = dtype, device
+
+    # -- lengths ---------------------------------------------------------------------------------
+    @property
+    def seqlens(self) -> list:
+        """Current length of each request (host mirror, a list of ints)."""
+        return self._host.tolist()
+
+    @property
+    def seqlens_device(self) -> torch.Tensor:
+        """Current lengths as the int32 (batch,) device tensor the kernel reads (do not modify)."""
+        return self._seqlens
+
+    def refresh_host_seqlens(self) -> list:
+        """Copy the device lengths to the host mirror (one sync), e.g. after CUDA-graph replays."""
+        self._host = self._seqlens.cpu().numpy().astype(np.int64)
+        return self.seqlens
+
+    def _indices(self, batch_idx) -> Union[slice, torch.Tensor]:
+        """batch_idx (None, int, sequence or 1-D tensor of ints) -> a slice or an index tensor."""
+        if batch_idx is None:
+            return slice(0, self.batch)
+        if isinstance(batch_idx, numbers.Integral) and not isinstance(batch_idx, bool):
+            idx = [int(batch_idx)]
+        elif isinstance(batch_idx, torch.Tensor):
+            if batch_idx.dim() != 1 or batch_idx.dtype.is_floating_point or batch_idx.dtype == torch.bool:
+                raise ValueError(f"Expected batch_idx to be a 1-D integer tensor, got {batch_idx.dtype} "
+                                 f"of shape {tuple(batch_idx.shape)}.")
+            idx = [int(i) for i in batch_idx.tolist()]
+        elif isinstance(batch_idx, Sequence):
+            idx = [int(i) for i in batch_idx]
+        else:
+            raise TypeError(
+                f"Expected batch_idx to be None, an int or a sequence of ints, got {type(batch_idx).__name__}."
+            )
+        if not idx:
+            raise ValueError("Expected batch_idx to name at least one request.")
+        for i in idx:
+            if not 0 <= i < self.batch:
+                raise ValueError(f"Expected batch indices in [0, {self.batch}), got {i}.")
+        if len(set(idx)) != len(idx):
+            raise ValueError(f"Expected distinct batch indices, got {idx}.")
+        if idx == list(range(idx[0], idx[0] + len(idx))):
+            return slice(idx[0], idx[0] + len(idx))
+        return torch.tensor(idx, dtype=torch.long, device=self.device)
+
+    def _host_index(self, index):
+        return index if isinstance(index, slice) else index.cpu().numpy()
+
+    def reset(self, batch_idx=None) -> None:
+        """Forget the contents of the given requests (all by default): their lengths become 0."""
+        index = self._indices(batch_idx)
+        self._host[self._host_index(index)] = 0
+        self._seqlens[index] = 0
+
+    # -- prefill and decode ----------------------------------------------------------------------
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+                softmax_scale: Optional[float] = None, batch_idx=None) -> torch.Tensor:
+        """Attention over prompts of one length with the prefill kernel; stores k/v in the cache.
+
+        q: (n, seqlen, nheads, head_dim), k/v: (n, seqlen, nheads_k, head_dim) for the n requests
+        named by batch_idx (all by default), whose caches must be empty (reset them first). Returns
+        kernels.flash_attn_func(q, k, v, causal=causal) and sets those requests' lengths to seqlen.
+        """
+        index = self._indices(batch_idx)
+        host_index = self._host_index(index)
+        count = len(self._host[host_index])
+        for name, t in (("k", k), ("v", v)):
+            _validate_tensor(name, t, 4, "(n, seqlen, nheads_k, headdim)")
+            expected = (count, k.shape[1] if isinstance(k, torch.Tensor) else -1, self.nheads_k, self.head_dim)
+            if tuple(t.shape) != expected:
+                raise ValueError(f"Expected {name} of shape (n, seqlen, nheads_k, head_dim) = {expected} for "
+                                 f"{count} requests, got {tuple(t.shape)}.")
+            if t.dtype != self.dtype or t.device != self.device:
+                raise ValueError(f"Expected {name} as {self.dtype} on {self.device} (the cache's), got {t.dtype} "
+                                 f"on {t.device}.")
+        if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[0] != count or q.shape[1] != k.shape[1]:
+            raise ValueError(f"Expected q of shape ({count}, {k.shape[1]}, nheads, {self.head_dim}), got "
+                             f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}.")
+        seqlen = k.shape[1]
+        busy = np.nonzero(self._host[host_index] != 0)[0]
+        if len(busy):
+            request = int(np.arange(self.batch)[host_index][busy[0]])
+            raise ValueError(f"Expected empty caches for prefill, but request {request} holds "
+                             f"{int(self._host[request])} tokens; call reset() first.")
+        if seqlen > self.max_seqlen:
+            raise ValueError(f"KV cache overflow: prompt of {seqlen} tokens > max_seqlen {self.max_seqlen}.")
+        out = flash_attn_func(q, k, v, causal=causal, softmax_scale=softmax_scale)
+        self.k_cache[index, :seqlen] = k
+        self.v_cache[index, :seqlen] = v
+        self._host[host_index] = seqlen
+        self._seqlens[index] = seqlen
+        return out
+
+    def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+               softmax_scale: Optional[float] = None, num_splits: int = 0) -> torch.Tensor:
+        """One decode step for the whole batch: append k/v (batch, seqlen_q, nheads_k, head_dim) at
+        each request's length, attend q (batch, seqlen_q, nheads, head_dim) over the cache, advance
+        the lengths by seqlen_q (device tensor in place, no host sync; host mirror). Returns out."""
+        if not isinstance(q, torch.Tensor) or q.dim() != 4:
+            raise ValueError("Expected q of shape (batch, seqlen_q, nheads, head_dim).")
+        if k is None or v is None:
+            raise ValueError("KVCache.decode appends: expected k and v (batch, seqlen_q, nheads_k, head_dim).")
+        seqlen_q = q.shape[1]
+        if int(self._host.max()) + seqlen_q > self.max_seqlen:
+            _check_host_lengths(self._host, seqlen_q, self.max_seqlen)
+        out = flash_attn_with_kvcache(q, self.k_cache, self.v_cache, k, v, cache_seqlens=self._seqlens,
+                                      softmax_scale=softmax_scale, causal=causal, num_splits=num_splits)
+        self._seqlens += seqlen_q
+        self._host += seqlen_q
+        return out
+
+
+# ============================================================================================
+# Paged KV cache helper
+# ============================================================================================
+class PoolExhaustedError(RuntimeError):
+    """PagedKVCache has too few free blocks (or no free request slot) for what was asked.
+
+    Raised before anything changes: no block is taken, no page written, no length advanced.
+    Serving loops catch it to preempt or queue a request, then retry after `free`.
+    """
+
+
+class PagedBatch(NamedTuple):
+    """What flash_attn_with_kvcache needs for a batch of PagedKVCache requests (`PagedKVCache.batch`)."""
+
+    block_table: torch.Tensor  # int32 (n, max_blocks_per_seq) on the cache's device; -1 = no page
+    cache_seqlens: torch.Tensor  # int32 (n,) on the cache's device
+    block_table_host: torch.Tensor  # int32 (n, max_blocks_per_seq) CPU copy of the host mirror
+    seqlens_host: list  # n ints, the host mirror
+
+
+class PagedKVCache:
+    """A pool of fixed-size K/V pages shared by requests that come and go (PagedAttention, vLLM).
+
+    Owns the pools k_cache / v_cache of shape (num_blocks, page_size, nheads_k, head_dim), a free
+    list of their blocks, and max_batch request slots. Each slot has a row of the block table
+    (max_batch, max_blocks_per_seq) (logical page i of the request -> physical block; -1 where the
+    request has no page) and a length. Table and lengths are kept twice: int32 device tensors
+    (`block_table`, `seqlens_device`: what the kernel reads; lengths advance in place, so a decode
+    step never syncs with the host and can be captured in a CUDA graph) and host mirrors (what the
+    allocation and overflow checks read).
+
+        cache = PagedKVCache(1024, 16, nheads_k, head_dim, max_batch=8, max_blocks_per_seq=256,
+                             dtype=torch.float16, device="cuda")
+        a = cache.add_request()                            # a free slot id
+        out = cache.prefill(q_p, k_p, v_p, slots=[a])      # causal prompt attention; pages filled
+        b = cache.add_request(); cache.prefill(q_p2, k_p2, v_p2, slots=[b])
+        out = cache.decode(q_t, k_t, v_t, slots=[a, b])    # append + attend, pages taken on demand
+        cache.free(a)                                      # a's pages return to the pool
+
+    Guarantees: a block belongs to at most one request at a time; blocks are taken only from the
+    free list, all-or-nothing per call (PoolExhaustedError leaves the cache unchanged), so a full
+    pool never overwrites a live page; a request growing past max_seqlen = max_blocks_per_seq *
+    page_size raises ValueError before any launch. Freed blocks are reused first (LIFO).
+
+    CUDA graphs: capture `decode` for slots that form a contiguous ascending range (the table and
+    lengths it passes are then views of the cache's own tensors) after reserving, with
+    `extend(slot, tokens)`, the pages of every step you will replay: no page can be allocated on the
+    host during a replay (a decode that would need one while capturing raises). Each replay
+    advances the device lengths; the host mirror advances once, at capture: call
+    `refresh_host_seqlens()` (one sync) after replaying. A replay that outgrows the reserved pages
+    reaches table entries of -1: its appended rows are dropped (no live page is overwritten) and
+    its output is not meaningful.
+    """
+
+    def __init__(self, num_blocks: int, page_size: int, nheads_k: int, head_dim: int, *, max_batch: int,
+                 max_blocks_per_seq: int, dtype: torch.dtype = torch.float16,
+                 device: Union[str, torch.device, None] = None):
+        for name, value in (("num_blocks", num_blocks), ("page_size", page_size), ("nheads_k", nheads_k),
+                            ("max_batch", max_batch), ("max_blocks_per_seq", max_blocks_per_seq)):
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"Expected {name} to be a positive int, got {value!r}.")
+        _validate_head_dim(head_dim)
+        if dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"Expected dtype float16, bfloat16 or float32, got {dtype}.")
+        device = default_device() if device is None else torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.num_blocks, self.page_size, self.nheads_k, self.head_dim = (int(num_blocks), int(page_size),
+                                                                         int(nheads_k), int(head_dim))
+        self.max_batch, self.max_blocks_per_seq = int(max_batch), int(max_blocks_per_seq)
+        self.max_seqlen = self.max_blocks_per_seq * self.page_size
+        self.dtype, self.device = dtype, device
+        shape = (self.num_blocks, self.page_size, self.nheads_k, self.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.block_table = torch.full((self.max_batch, self.max_blocks_per_seq), -1, dtype=torch.int32, device=device)
+        self._seqlens = torch.zeros(self.max_batch, dtype=torch.int32, device=device)
+        self._host_table = np.full((self.max_batch, self.max_blocks_per_seq), -1, dtype=np.int32)
+        self._host_len = np.zeros(self.max_batch, dtype=np.int64)
+        self._npages = np.zeros(self.max_batch, dtype=np.int64)  # pages owned by each slot
+        self._active = np.zeros(self.max_batch, dtype=bool)
+        self._free = list(range(self.num_blocks - 1, -1, -1))  # pop() from the end: block 0 first
+
+    # -- state ------------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks in the free list."""
+        return len(self._free)
+
+    @property
+    def active_slots(self) -> list:
+        """Slots holding a request, ascending."""
+        return np.nonzero(self._active)[0].tolist()
+
+    @property
+    def seqlens(self) -> list:
+        """Length of every slot (host mirror, a list of max_batch ints; 0 for free slots)."""
+        return self._host_len.tolist()
+
+    @property
+    def seqlens_device(self) -> torch.Tensor:
+        """Lengths as the int32 (max_batch,) device tensor the kernel reads (do not modify)."""
+        return self._seqlens
+
+    def pages(self, slot: int) -> list:
+        """Physical blocks of a request, in logical order."""
+        self._check_slots([slot])
+        return self._host_table[slot, : self._npages[slot]].tolist()
+
+    def capacity(self, slot: int) -> int:
+        """Tokens the request can hold without a new page (its pages x page_size)."""
+        self._check_slots([slot])
+        return int(self._npages[slot]) * self.page_size
+
+    def refresh_host_seqlens(self) -> list:
+        """Copy the device lengths to the host mirror (one sync), e.g. after CUDA-graph replays."""
+        self._host_len = self._seqlens.cpu().numpy().astype(np.int64)
+        return self.seqlens
+
+    # -- requests ---------------------------------------------------------------------------------
+    def add_request(self) -> int:
+        """Take a free slot for a new request (length 0, no page yet) and return its id."""
+        free = np.nonzero(~self._active)[0]
+        if len(free) == 0:
+            raise PoolExhaustedError(f"All {self.max_batch} request slots are in use; free a finished request first.")
+        slot = int(free[0])
+        self._active[slot] = True
+        return slot
+
+    def free(self, slot: int) -> None:
+        """Release a finished request: its pages return to the pool, its slot to the free slots."""
+        self._check_slots([slot])
+        pages = self._host_table[slot, : self._npages[slot]].tolist()
+        self._free.extend(reversed(pages))  # reused first, in logical order
+        self._host_table[slot] = -1
+        self._npages[slot] = 0
+        self._host_len[slot] = 0
+        self._active[slot] = False
+        self.block_table[slot] = -1
+        self._seqlens[slot] = 0
+
+    def extend(self, slot: int, num_tokens: int) -> list:
+        """Make room for `num_tokens` more tokens after the request's current length: take the pages
+        they need from the pool (none while the last page has room). Returns the new blocks.
+
+        Raises ValueError past max_seqlen and PoolExhaustedError when the pool is short; either way
+        nothing changes. The length itself advances only when K/V are written (prefill, decode).
+        """
+        return self._reserve([slot], int(num_tokens))
+
+    def _check_slots(self, slots) -> None:
+        for s in slots:
+            if not isinstance(s, numbers.Integral) or isinstance(s, bool) or not 0 <= s < self.max_batch:
+                raise ValueError(f"Expected slot ids in [0, {self.max_batch}), got {s!r}.")
+            if not self._active[s]:
+                raise ValueError(f"Slot {s} holds no request (add_request() first, or it was freed).")
+        if len(set(int(s) for s in slots)) != len(slots):
+            raise ValueError(f"Expected distinct slots, got {list(slots)}.")
+
+    def _reserve(self, slots: list, num_tokens: int) -> list:
+        """Pages for `num_tokens` more tokens in each slot, all or nothing; returns the new blocks."""
+        if num_tokens < 0:
+            raise ValueError(f"Expected num_tokens >= 0, got {num_tokens}.")
+        lengths = self._host_len[slots] + num_tokens
+        if len(slots) and int(lengths.max()) > self.max_seqlen:
+            i = int(np.argmax(lengths > self.max_seqlen))
+            raise ValueError(
+                f"KV cache overflow for slot {slots[i]}: {int(self._host_len[slots[i]])} tokens + {num_tokens} new = "
+                f"{int(lengths[i])} > max_seqlen = max_blocks_per_seq * page_size = {self.max_blocks_per_seq} * "
+                f"{self.page_size} = {self.max_seqlen}."
+            )
+        need = np.maximum(-(-lengths // self.page_size) - self._npages[slots], 0)
+        total = int(need.sum())
+        if total == 0:
+            return []
+        if total > len(self._free):
+            raise PoolExhaustedError(
+                f"Page pool exhausted: {total} new blocks of {self.page_size} tokens needed for slots {list(slots)}, "
+                f"{len(self._free)} of {self.num_blocks} free; free finished requests or allocate a larger pool."
+            )
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "PagedKVCache needs new pages while a CUDA graph is being captured (the block-table update "
+                "would only run on replay); reserve them before capturing with extend(slot, num_tokens)."
+            )
+        taken, rows = [], []
+        for s, n in zip(slots, need.tolist()):
+            if n == 0:
+                continue
+            blocks = [self._free.pop() for _ in range(n)]
+            start = int(self._npages[s])
+            self._host_table[s, start : start + n] = blocks
+            self._npages[s] = start + n
+            taken += blocks
+            rows.append(np.concatenate([[s], self._host_table[s]]))
+        # one host-to-device copy of the changed rows (slot id first), scattered into the device table
+        update = torch.from_numpy(np.stack(rows).astype(np.int32)).to(self.device)
+        self.block_table.index_copy_(0, update[:, 0].long(), update[:, 1:])
+        return taken
+
+    def _index(self, slots: list) -> Union[slice, torch.Tensor]:
+        """slots -> a slice (contiguous ascending: views, graph-friendly) or a device index tensor."""
+        if slots == list(range(slots[0], slots[0] + len(slots))):
+            return slice(slots[0], slots[0] + len(slots))
+        return torch.tensor(slots, dtype=torch.long, device=self.device)
+
+    def _slots(self, slots) -> list:
+        if slots is None:
+            slots = self.active_slots
+        elif isinstance(slots, numbers.Integral) and not isinstance(slots, bool):
+            slots = [int(slots)]
+        elif isinstance(slots, torch.Tensor):
+            slots = [int(s) for s in slots.tolist()]
+        elif isinstance(slots, Sequence):
+            slots = list(slots)
+        else:
+            raise TypeError(f"Expected slots to be None, an int or a sequence of ints, got {type(slots).__name__}.")
+        if not slots:
+            raise ValueError("Expected at least one request slot.")
+        self._check_slots(slots)
+        return [int(s) for s in slots]
+
+    def batch(self, slots=None) -> PagedBatch:
+        """Block table and lengths of a batch of requests (default: every active slot, ascending).
+
+        For slots forming a contiguous ascending range the device tensors are views of the cache's
+        own (they follow later decode steps and are safe to capture in a CUDA graph); otherwise they
+        are gathered copies of the current state.
+        """
+        slots = self._slots(slots)
+        index = self._index(slots)
+        return PagedBatch(
+            block_table=self.block_table[index], cache_seqlens=self._seqlens[index],
+            block_table_host=torch.from_numpy(self._host_table[slots].copy()),
+            seqlens_host=self._host_len[slots].tolist(),
+        )
+
+    # -- prefill and decode ---------------------------------------------------------------------------
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, slots, causal: bool = True,
+                softmax_scale: Optional[float] = None) -> torch.Tensor:
+        """Prompt attention with the prefill kernel; writes the prompts' K/V into their pages.
+
+        q: (n, seqlen, nheads, head_dim), k/v: (n, seqlen, nheads_k, head_dim) for the n empty
+        requests named by `slots` (prompts of one length; call once per length). Takes the pages
+        (all or nothing), returns kernels.flash_attn_func(q, k, v, causal=causal) and sets those
+        requests' lengths to seqlen.
+        """
+        slots = self._slots(slots)
+        count = len(slots)
+        for name, t in (("k", k), ("v", v)):
+            _validate_tensor(name, t, 4, "(n, seqlen, nheads_k, head_dim)")
+            expected = (count, k.shape[1] if isinstance(k, torch.Tensor) else -1, self.nheads_k, self.head_dim)
+            if tuple(t.shape) != expected:
+                raise ValueError(f"Expected {name} of shape (n, seqlen, nheads_k, head_dim) = {expected} for "
+                                 f"{count} requests, got {tuple(t.shape)}.")
+            if t.dtype != self.dtype or t.device != self.device:
+                raise ValueError(f"Expected {name} as {self.dtype} on {self.device} (the cache's), got {t.dtype} "
+                                 f"on {t.device}.")
+        if (not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[0] != count or q.shape[1] != k.shape[1]
+                or q.shape[3] != self.head_dim):
+            raise ValueError(f"Expected q of shape ({count}, {k.shape[1]}, nheads, {self.head_dim}), got "
+                             f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}.")
+        _validate_heads(q.shape[2], self.nheads_k)
+        _validate_dtypes(q=q, k=k)
+        _validate_devices(q=q, k=k)
+        busy = [s for s in slots if self._host_len[s] != 0]
+        if busy:
+            raise ValueError(f"Expected empty requests for prefill, but slot {busy[0]} holds "
+                             f"{int(self._host_len[busy[0]])} tokens; decode appends to it, or free it.")
+        seqlen = k.shape[1]
+        self._reserve(slots, seqlen)  # raises before anything is written
+        out = flash_attn_func(q, k, v, causal=causal, softmax_scale=softmax_scale)
+        if seqlen > 0:
+            pos = np.arange(seqlen)
+            blocks = torch.from_numpy(self._host_table[slots][:, pos // self.page_size].astype(np.int64))
+            rows = torch.from_numpy(pos % self.page_size)
+            blocks, rows = blocks.to(self.device), rows.to(self.device)
+            self.k_cache[blocks, rows] = k  # (n, seqlen) physical rows <- (n, seqlen, nheads_k, head_dim)
+            self.v_cache[blocks, rows] = v
+        self._host_len[slots] = seqlen
+        self._seqlens[self._index(slots)] = seqlen
+        return out
+
+    def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, slots=None, causal: bool = True,
+               softmax_scale: Optional[float] = None, num_splits: int = 0) -> torch.Tensor:
+        """One decode step for a batch of requests (default: every active slot, ascending; q's batch
+        order is the slots' order): take the pages the new tokens need, append k/v (n, seqlen_q,
+        nheads_k, head_dim) at each request's length through the kernel's fused append, attend q
+        (n, seqlen_q, nheads, head_dim) over the cache, advance the lengths by seqlen_q (device
+        tensor in place, no host sync; host mirror). Returns out (n, seqlen_q, nheads, head_dim)."""
+        slots = self._slots(slots)
+        if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[0] != len(slots):
+            raise ValueError(f"Expected q of shape ({len(slots)}, seqlen_q, nheads, head_dim) for slots {slots}, got "
+                             f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}.")
+        if k is None or v is None:
+            raise ValueError("PagedKVCache.decode appends: expected k and v (n, seqlen_q, nheads_k, head_dim).")
+        # everything that could still fail is checked before pages are taken: all or nothing per call
+        _validate_kvcache_inputs(q, self.k_cache, self.v_cache, k, v, paged=True)
+        attn_options(q.shape[3], softmax_scale, causal)
+        _validate_num_splits(num_splits)
+        seqlen_q = q.shape[1]
+        self._reserve(slots, seqlen_q)
+        index = self._index(slots)
+        out = _kvcache_call(q, self.k_cache, self.v_cache, k, v, self._seqlens[index], self.block_table[index],
+                            softmax_scale, causal, num_splits, False, validated=True)
+        self._seqlens[index] += seqlen_q
+        self._host_len[slots] += seqlen_q
+        return out

@@ -1,0 +1,587 @@
+"""Prefill attention: FlashAttention-2 forward (and backward) for MHA, GQA and MQA in Triton.
+
+Algorithm: FlashAttention-2 (Tri Dao, https://tridao.me/publications/flash2/flash2.pdf) as in the
+Triton fused-attention tutorial (OpenAI kernel team): each program owns BLOCK_M query rows of one
+head, streams the keys and values of that head's KV head in BLOCK_N blocks, and keeps the softmax
+online (running max m_i and sum l_i in base 2), so the [M, N] score matrix never reaches memory.
+The log-sum-exp of each row is saved for the backward pass.
+
+Notation:
+    B batch, H query heads, H_KV key/value heads, G = H // H_KV (group size), M = seqlen_q,
+    N = seqlen_k, D = head dim, D_PAD = next power of two >= D.
+    Query head h reads KV head h // G: MHA is G = 1, MQA is H_KV = 1; K/V are never expanded.
+    m_i running max (base 2) [BLOCK_M], l_i running sum [BLOCK_M], acc [BLOCK_M, D_PAD] fp32.
+
+Supported: fp16/bf16 (fp32 accumulation), fp32 (tf32 matmuls on GPUs, exact under the
+interpreter); head dims that are multiples of 8 in [16, 256] (padded to D_PAD inside the kernel
+with masks); any seqlen_q, seqlen_k (including seqlen_q != seqlen_k and 0); any strides with a
+contiguous last dim; causal masks aligned to the bottom-right corner; batches of sequences of
+different lengths packed without padding (flash_attn_varlen_func). Not supported: dropout.
+
+[Note] Masking layout. The KV loop is split in two ranges. Blocks in [0, n_full) are seen whole by
+every row of the query block (in bounds and, when causal, left of the diagonal band): they run
+without any mask. Blocks in [n_full, n_end) are the diagonal band and the ragged tail: their loads
+are bounds-checked and their scores masked. Blocks at or past n_end are never visited, so a causal
+program does about half the work of a non-causal one.
+
+[Note] Two load paths. On Hopper (capability >= 9) with 2-byte dtypes and 16-byte aligned bases and
+strides, tiles are loaded through device-side tensor descriptors (TMA) bounded by each (batch,
+head)'s [rows, D] slice, so out-of-range rows and padded head dims read as zero without masks;
+descriptors need a scratch allocator, which `_ensure_tma_allocator` installs unless the user set
+one. Elsewhere (older GPUs, the interpreter, fp32, unaligned views) tiles are loaded through masked
+pointers. On an H200 the pointer path reached only ~100 TFLOP/s against ~520 for descriptors
+(results/nvidia-h200/tune_fwd.csv): unaligned views are correct there, not fast.
+
+[Note] Causal with M != N. Query i sees key j iff j <= i + N - M (flash-attn >= 2.1). When M > N
+the first M - N rows see nothing: they output zeros and LSE = +inf (see kernels/_jit.py).
+
+[Note] Packed sequences. flash_attn_varlen_func runs the same four kernels with IS_VARLEN=True. Then
+off_b indexes a sequence of the packed batch: each program reads that sequence's first row and
+length from Cu_seqlens_q / Cu_seqlens_k and uses them as its M, N and base offsets (the launcher
+passes batch strides of 0, and M, N = max_seqlen_q, max_seqlen_k, which the kernels replace). The
+grid is sized by the longest sequence; a program whose block starts at or past its own sequence's
+end returns at once, and the KV loops stop at each sequence's own length, so no work is spent on
+padding. Causal masks are bottom-right per sequence (diag = N - M of that sequence). On the
+tensor-descriptor path the descriptors start at the sequence's first row with shape [its length,
+D], so each sequence keeps zero-filled bounds. LSE and Delta are (H, total_q), flash-attn's packed
+layout. Every varlen argument defaults to None / False, and with IS_VARLEN=False all varlen code
+is compiled out: the dense kernels are exactly what they were before varlen was added.
+
+[Note] Chunked prefill over a cache. flash_attn_with_kvcache hands a long chunk (see kernels/decode.py
+[Note] Chunked prefill) to the forward kernel with IS_KVCACHE=True: K and V are then a KV cache, N
+is its capacity per request, and each program reads its request's key count from Cache_seqlens
+(clamped to the capacity; plus M when the chunk was appended just before, KV_APPEND), so lengths
+stay on the device and nothing recompiles as they grow. Bottom-right causal over those keys is the
+dense kernel's mask with diag = N_b - M. A dense cache (B, S, H_KV, D) is read like a dense K with
+per-request length (the descriptors are bounded by N_b). A paged pool (NUM_BLOCKS, P, H_KV, D)
+with PAGED=True is addressed through Block_table: when P is a multiple of BLOCK_N and the pool's
+rows are evenly spaced, one descriptor spans the whole pool as [NUM_BLOCKS * P, D] rows and each
+key block starts at row block * P + start_n % P (`page_row`, looked up one block ahead as in the
+decode kernel's [Note] Paged pipelining); rows of the last block past N_b belong to the page's
+unused tail (stale data, possibly NaN bit patterns), so their scores are masked and their values
+zeroed. Otherwise (P = 16, 48, ...) each key finds its page through `physical_blocks` (an entry per
+page when a key block holds at most 4 whole pages, else per key) and loads through masked pointers.
+Every cache argument defaults to None / False: with IS_KVCACHE=False the cache code is compiled out.
+"""
+
+import triton
+import triton.language as tl
+
+from ._jit import (
+    LOG2E,
+    finalize,
+    gqa_kv_head,
+    gqa_q_head,
+    kv_block_offsets,
+    load_rows,
+    mask_scores,
+    online_softmax,
+    physical_blocks,
+    store_rows,
+    tile_ptrs,
+)
+
+
+# ============================================================================================
+# Forward kernel
+# ============================================================================================
+@triton.jit
+def page_row(Table, start_n, n_rows, NUM_BLOCKS, PAGE_SIZE: tl.constexpr):
+    """Row of the [NUM_BLOCKS * P, D] pool view where the key block starting at logical row start_n
+    begins (P a multiple of BLOCK_N: the block lies in one page). Entries at or past n_rows are not
+    read (block 0 instead) and every entry is clamped into the pool."""
+    block = tl.load(Table + start_n // PAGE_SIZE, mask=start_n < n_rows, other=0)
+    block = tl.minimum(tl.maximum(block, 0), NUM_BLOCKS - 1)
+    return block * PAGE_SIZE + start_n % PAGE_SIZE
+
+
+@triton.jit
+def fwd_kernel(
+    Q, K, V, Out, Lse,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_ob, stride_om, stride_oh,
+    H, M, N, GROUP, softmax_scale,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
+    Cu_seqlens_q=None, Cu_seqlens_k=None, stride_lseh=None, IS_VARLEN: tl.constexpr = False,
+    Cache_seqlens=None, Block_table=None, stride_btb=None, NUM_BLOCKS=None, stride_kblk=None, stride_vblk=None,
+    IS_KVCACHE: tl.constexpr = False, KV_APPEND: tl.constexpr = False, PAGED: tl.constexpr = False,
+    PAGE_SIZE: tl.constexpr = 1, WIDE_PAGES: tl.constexpr = False,
+):
+    tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
+    qk_scale = softmax_scale * LOG2E  # scores to base-2 logits
+    # -- which query block and head ------------------------------------------------------------
+    if IS_CAUSAL:  # heaviest blocks first: the last query blocks see the most keys
+        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    off_b = (pid_bh // H).to(tl.int64)
+    off_h = pid_bh % H
+    off_hk = gqa_kv_head(off_h, GROUP)  # the KV head this query head reads
+    start_m = pid_m * BLOCK_M
+    if IS_VARLEN:  # off_b is a packed sequence: its own M, N and first rows (see [Note] Packed sequences)
+        q_start = tl.load(Cu_seqlens_q + off_b)
+        M = tl.load(Cu_seqlens_q + off_b + 1) - q_start  # this sequence's seqlen_q
+        if start_m >= M:  # the grid covers max_seqlen_q: blocks past this sequence's end exit at once
+            return
+        k_start = tl.load(Cu_seqlens_k + off_b)
+        N = tl.load(Cu_seqlens_k + off_b + 1) - k_start  # this sequence's seqlen_k
+        Q += q_start.to(tl.int64) * stride_qm  # the launcher passes batch strides of 0
+        K += k_start.to(tl.int64) * stride_kn
+        V += k_start.to(tl.int64) * stride_vn
+        Out += q_start.to(tl.int64) * stride_om
+        Lse += q_start  # Lse is (H, total_q)
+    if IS_KVCACHE:  # K/V are a cache: N is its capacity, the request's key count lives on the device
+        n_cached = tl.minimum(tl.maximum(tl.load(Cache_seqlens + off_b), 0), N)
+        if KV_APPEND:  # the chunk's own keys were appended at [n_cached, n_cached + M) just before
+            N = tl.minimum(n_cached + M, N)
+        else:
+            N = n_cached
+
+    q_base = Q + off_b * stride_qb + off_h.to(tl.int64) * stride_qh
+    k_base = K + off_b * stride_kb + off_hk * stride_kh
+    v_base = V + off_b * stride_vb + off_hk * stride_vh
+    o_base = Out + off_b * stride_ob + off_h.to(tl.int64) * stride_oh
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    offs_d = tl.arange(0, HEAD_DIM_PAD)  # [D_PAD]
+
+    # -- the KV range this block visits (see [Note] Masking layout) ------------------------------
+    if IS_CAUSAL:
+        diag = N - M  # row i sees keys j <= i + diag
+        row_limit = offs_m + diag  # [BLOCK_M]
+        n_full = tl.minimum(tl.maximum(start_m + diag + 1, 0) // BLOCK_N * BLOCK_N, N // BLOCK_N * BLOCK_N)
+        n_end = tl.minimum(tl.maximum(start_m + BLOCK_M + diag, 0), N)
+    else:
+        row_limit = offs_m  # unused
+        n_full = N // BLOCK_N * BLOCK_N
+        n_end = N
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+
+    if USE_TMA:
+        # Hopper tensor descriptors bounded by this (batch, head)'s [rows, D] slice: out-of-range
+        # rows and padded head dims read as zero and are never written.
+        q_desc = tl.make_tensor_descriptor(q_base, [M, HEAD_DIM], [stride_qm, 1], [BLOCK_M, HEAD_DIM_PAD])
+        if PAGED:  # the whole pool as [NUM_BLOCKS * P, D] rows; see [Note] Chunked prefill over a cache
+            k_desc = tl.make_tensor_descriptor(k_base, [NUM_BLOCKS * PAGE_SIZE, HEAD_DIM], [stride_kn, 1],
+                                               [BLOCK_N, HEAD_DIM_PAD])
+            v_desc = tl.make_tensor_descriptor(v_base, [NUM_BLOCKS * PAGE_SIZE, HEAD_DIM], [stride_vn, 1],
+                                               [BLOCK_N, HEAD_DIM_PAD])
+            q = q_desc.load([start_m, 0])  # [BLOCK_M, D_PAD]
+            table = Block_table + off_b * stride_btb
+            next_row = page_row(table, 0, n_end, NUM_BLOCKS, PAGE_SIZE)
+            # stage 1: blocks every row sees whole, no mask; each page is looked up one block ahead
+            for start_n in tl.range(0, n_full, BLOCK_N):
+                row = next_row
+                next_row = page_row(table, start_n + BLOCK_N, n_end, NUM_BLOCKS, PAGE_SIZE)
+                k = k_desc.load([row, 0])
+                qk = tl.dot(q, tl.trans(k))
+                p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, False)
+                v = v_desc.load([row, 0])
+                acc = tl.dot(p.to(v.dtype), v, acc)
+            # stage 2: diagonal band and ragged tail, masked; rows past N are another request's or
+            # stale: their scores are masked and their values zeroed (0 * NaN would poison acc)
+            for start_n in tl.range(n_full, n_end, BLOCK_N):
+                row = next_row
+                next_row = page_row(table, start_n + BLOCK_N, n_end, NUM_BLOCKS, PAGE_SIZE)
+                k = k_desc.load([row, 0])
+                qk = tl.dot(q, tl.trans(k))
+                qk = mask_scores(qk, start_n + offs_n, n_end, row_limit, IS_CAUSAL)
+                p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, True)
+                v = v_desc.load([row, 0])
+                v = tl.where((start_n + offs_n)[:, None] < n_end, v, 0.0)
+                acc = tl.dot(p.to(v.dtype), v, acc)
+        else:
+            k_desc = tl.make_tensor_descriptor(k_base, [N, HEAD_DIM], [stride_kn, 1], [BLOCK_N, HEAD_DIM_PAD])
+            v_desc = tl.make_tensor_descriptor(v_base, [N, HEAD_DIM], [stride_vn, 1], [BLOCK_N, HEAD_DIM_PAD])
+            q = q_desc.load([start_m, 0])  # [BLOCK_M, D_PAD]
+            # stage 1: blocks every row sees whole, no mask
+            for start_n in tl.range(0, n_full, BLOCK_N):
+                k = k_desc.load([start_n, 0])  # [BLOCK_N, D_PAD]
+                qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N]
+                p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, False)
+                v = v_desc.load([start_n, 0])
+                acc = tl.dot(p.to(v.dtype), v, acc)
+            # stage 2: diagonal band and ragged tail, masked
+            for start_n in tl.range(n_full, n_end, BLOCK_N):
+                k = k_desc.load([start_n, 0])
+                qk = tl.dot(q, tl.trans(k))
+                qk = mask_scores(qk, start_n + offs_n, n_end, row_limit, IS_CAUSAL)
+                p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, True)
+                v = v_desc.load([start_n, 0])
+                acc = tl.dot(p.to(v.dtype), v, acc)
+    elif PAGED:  # pointer path over a paged pool: each key block finds its rows through the block table
+        q = load_rows(tile_ptrs(q_base, start_m, stride_qm, BLOCK_M, offs_d), offs_m, M, offs_d,
+                      HEAD_DIM, HEAD_DIM_PAD, True)
+        table = Block_table + off_b * stride_btb
+        next_blocks = physical_blocks(table, 0, offs_n, n_end, NUM_BLOCKS, PAGE_SIZE, BLOCK_N)
+        for start_n in tl.range(0, n_end, BLOCK_N):  # one loop: the masks are cheap next to the gathers
+            rows = start_n + offs_n
+            blocks = next_blocks
+            next_blocks = physical_blocks(table, start_n + BLOCK_N, rows + BLOCK_N, n_end, NUM_BLOCKS, PAGE_SIZE,
+                                          BLOCK_N)
+            k_offs = kv_block_offsets(blocks, start_n, offs_n, stride_kblk, stride_kn, PAGE_SIZE, True, WIDE_PAGES,
+                                      BLOCK_N)
+            k = load_rows(k_base + k_offs[:, None] + offs_d[None, :], rows, n_end, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+            qk = tl.dot(q, tl.trans(k))
+            qk = mask_scores(qk, rows, n_end, row_limit, IS_CAUSAL)
+            p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, True)
+            v_offs = kv_block_offsets(blocks, start_n, offs_n, stride_vblk, stride_vn, PAGE_SIZE, True, WIDE_PAGES,
+                                      BLOCK_N)
+            v = load_rows(v_base + v_offs[:, None] + offs_d[None, :], rows, n_end, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+            acc = tl.dot(p.to(v.dtype), v, acc)
+    else:
+        q = load_rows(tile_ptrs(q_base, start_m, stride_qm, BLOCK_M, offs_d), offs_m, M, offs_d,
+                      HEAD_DIM, HEAD_DIM_PAD, True)  # [BLOCK_M, D_PAD]
+        # Offsets inside a tile stay small (int32); the tile's start moves by 64-bit pointer steps.
+        k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :]  # [BLOCK_N, D_PAD]
+        v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :]  # [BLOCK_N, D_PAD]
+        # stage 1: blocks every row sees whole, no mask
+        for start_n in tl.range(0, n_full, BLOCK_N):
+            k = load_rows(k_ptrs, offs_n, BLOCK_N, offs_d, HEAD_DIM, HEAD_DIM_PAD, False)
+            qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N]
+            p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, False)
+            v = load_rows(v_ptrs, offs_n, BLOCK_N, offs_d, HEAD_DIM, HEAD_DIM_PAD, False)
+            acc = tl.dot(p.to(v.dtype), v, acc)
+            k_ptrs += BLOCK_N * stride_kn
+            v_ptrs += BLOCK_N * stride_vn
+        # stage 2: diagonal band and ragged tail, masked
+        for start_n in tl.range(n_full, n_end, BLOCK_N):
+            k = load_rows(k_ptrs, start_n + offs_n, n_end, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+            qk = tl.dot(q, tl.trans(k))
+            qk = mask_scores(qk, start_n + offs_n, n_end, row_limit, IS_CAUSAL)
+            p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, True)
+            v = load_rows(v_ptrs, start_n + offs_n, n_end, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+            acc = tl.dot(p.to(v.dtype), v, acc)
+            k_ptrs += BLOCK_N * stride_kn
+            v_ptrs += BLOCK_N * stride_vn
+
+    # -- epilogue: normalise, store the output and the LSE ---------------------------------------
+    out, lse = finalize(acc, m_i, l_i)
+    if IS_VARLEN:
+        tl.store(Lse + off_h.to(tl.int64) * stride_lseh + offs_m, lse, mask=offs_m < M)
+    else:
+        tl.store(Lse + pid_bh.to(tl.int64) * M + offs_m, lse, mask=offs_m < M)
+    if USE_TMA:
+        o_desc = tl.make_tensor_descriptor(o_base, [M, HEAD_DIM], [stride_om, 1], [BLOCK_M, HEAD_DIM_PAD])
+        o_desc.store([start_m, 0], out.to(Out.dtype.element_ty))
+    else:
+        store_rows(tile_ptrs(o_base, start_m, stride_om, BLOCK_M, offs_d), out.to(Out.dtype.element_ty),
+                   offs_m, M, offs_d, HEAD_DIM, HEAD_DIM_PAD)
+
+
+# ============================================================================================
+# Backward kernels
+# ============================================================================================
+# dS = P * (dP - delta), delta_i = sum_d O_id * dO_id, dP = dO V^T, P = exp(S - lse):
+#   dV = P^T dO,   dK = scale * dS^T Q,   dQ = scale * dS K.
+# Three launches: a preprocessing step (delta), a dK/dV kernel whose programs own a block of keys
+# of one KV head and stream the queries of every q head in its group (GQA sums in registers: no
+# atomics, no per-q-head copies), and a dQ kernel whose programs own a block of queries. Neither
+# uses atomics, so the backward is deterministic by construction.
+#
+# [Note] Fully masked rows in the backward. Their LSE is +inf, so P = exp2(s - inf) = 0 and dS = 0:
+# they add nothing to dK/dV and get dQ = 0. Rows past M load LSE = +inf too, which is how the
+# dK/dV kernel ignores them without a separate mask.
+
+
+@triton.jit
+def bwd_preprocess_kernel(
+    Out, DO, Delta,
+    stride_ob, stride_om, stride_oh,
+    stride_dob, stride_dom, stride_doh,
+    H, M,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    Cu_seqlens_q=None, stride_lseh=None, IS_VARLEN: tl.constexpr = False,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    off_b = (pid_bh // H).to(tl.int64)
+    off_h = (pid_bh % H).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    if IS_VARLEN:
+        q_start = tl.load(Cu_seqlens_q + off_b)
+        M = tl.load(Cu_seqlens_q + off_b + 1) - q_start
+        if pid_m * BLOCK_M >= M:
+            return
+        Out += q_start.to(tl.int64) * stride_om
+        DO += q_start.to(tl.int64) * stride_dom
+        Delta += q_start  # Delta is (H, total_q), like Lse
+    o_ptrs = tile_ptrs(Out + off_b * stride_ob + off_h * stride_oh, pid_m * BLOCK_M, stride_om, BLOCK_M, offs_d)
+    do_ptrs = tile_ptrs(DO + off_b * stride_dob + off_h * stride_doh, pid_m * BLOCK_M, stride_dom, BLOCK_M, offs_d)
+    o = load_rows(o_ptrs, offs_m, M, offs_d, HEAD_DIM, HEAD_DIM_PAD, True).to(tl.float32)
+    do = load_rows(do_ptrs, offs_m, M, offs_d, HEAD_DIM, HEAD_DIM_PAD, True).to(tl.float32)
+    delta = tl.sum(o * do, 1)  # [BLOCK_M]
+    if IS_VARLEN:
+        tl.store(Delta + off_h * stride_lseh + offs_m, delta, mask=offs_m < M)
+    else:
+        tl.store(Delta + pid_bh.to(tl.int64) * M + offs_m, delta, mask=offs_m < M)
+
+
+@triton.jit
+def bwd_dkdv_inner(
+    dk, dv, k, v,
+    q_src, do_src, lse_base, delta_base, stride_qm, stride_dom,
+    offs_n, offs_d, M, diag, qk_scale, lo, hi,
+    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr,
+):
+    """Accumulate dK, dV [BLOCK_N, D_PAD] over query rows [lo, hi) of one q head.
+
+    q_src/do_src are tensor descriptors (USE_TMA) or base pointers of that head's (M, D) slice.
+    """
+    offs_mb = tl.arange(0, BLOCK_M)
+    q_rel = offs_mb[:, None] * stride_qm + offs_d[None, :]  # [BLOCK_M, D_PAD], small offsets
+    do_rel = offs_mb[:, None] * stride_dom + offs_d[None, :]
+    for start_m in tl.range(lo, hi, BLOCK_M):
+        offs_m = start_m + offs_mb  # [BLOCK_M]
+        if USE_TMA:
+            q = q_src.load([start_m, 0])  # [BLOCK_M, D_PAD], rows past M read as 0
+        else:
+            q = load_rows(q_src + tl.cast(start_m, tl.int64) * stride_qm + q_rel, offs_m, M, offs_d,
+                          HEAD_DIM, HEAD_DIM_PAD, MASKED)
+        if MASKED:
+            lse2 = tl.load(lse_base + offs_m, mask=offs_m < M, other=float("inf")) * LOG2E
+        else:
+            lse2 = tl.load(lse_base + offs_m) * LOG2E
+        qkT = tl.dot(k, tl.trans(q))  # [BLOCK_N, BLOCK_M]
+        pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])  # [BLOCK_N, BLOCK_M]
+        if MASKED and IS_CAUSAL:
+            pT = tl.where(offs_n[:, None] <= offs_m[None, :] + diag, pT, 0.0)
+        if USE_TMA:
+            do = do_src.load([start_m, 0])
+        else:
+            do = load_rows(do_src + tl.cast(start_m, tl.int64) * stride_dom + do_rel, offs_m, M, offs_d,
+                           HEAD_DIM, HEAD_DIM_PAD, MASKED)  # [BLOCK_M, D_PAD]
+        dv = tl.dot(pT.to(do.dtype), do, dv)  # [BLOCK_N, D_PAD]
+        if MASKED:
+            delta = tl.load(delta_base + offs_m, mask=offs_m < M, other=0.0)
+        else:
+            delta = tl.load(delta_base + offs_m)
+        dpT = tl.dot(v, tl.trans(do))  # [BLOCK_N, BLOCK_M]
+        dsT = pT * (dpT - delta[None, :])
+        dk = tl.dot(dsT.to(q.dtype), q, dk)  # [BLOCK_N, D_PAD]
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["M"])  # M == 1 as a constant folds the query loops away (see below)
+def bwd_dkdv_kernel(
+    Q, K, V, DO, Lse, Delta, DK, DV,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh,
+    stride_dkb, stride_dkn, stride_dkh,
+    stride_dvb, stride_dvn, stride_dvh,
+    H, M, N, GROUP, softmax_scale,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
+    Cu_seqlens_q=None, Cu_seqlens_k=None, stride_lseh=None, IS_VARLEN: tl.constexpr = False,
+):
+    tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
+    qk_scale = softmax_scale * LOG2E
+    pid_n = tl.program_id(0)
+    pid_bhk = tl.program_id(1)
+    H_KV = H // GROUP
+    off_b = (pid_bhk // H_KV).to(tl.int64)
+    off_hk = (pid_bhk % H_KV).to(tl.int64)
+    start_n = pid_n * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    if IS_VARLEN:
+        k_start = tl.load(Cu_seqlens_k + off_b)
+        N = tl.load(Cu_seqlens_k + off_b + 1) - k_start
+        if start_n >= N:  # the grid covers max_seqlen_k
+            return
+        q_start = tl.load(Cu_seqlens_q + off_b)
+        M = tl.load(Cu_seqlens_q + off_b + 1) - q_start  # may be 0: no query, dK = dV = 0
+        Q += q_start.to(tl.int64) * stride_qm
+        DO += q_start.to(tl.int64) * stride_dom
+        K += k_start.to(tl.int64) * stride_kn
+        V += k_start.to(tl.int64) * stride_vn
+        DK += k_start.to(tl.int64) * stride_dkn
+        DV += k_start.to(tl.int64) * stride_dvn
+        Lse += q_start
+        Delta += q_start
+
+    k_base = K + off_b * stride_kb + off_hk * stride_kh
+    v_base = V + off_b * stride_vb + off_hk * stride_vh
+    if USE_TMA:
+        k = tl.make_tensor_descriptor(k_base, [N, HEAD_DIM], [stride_kn, 1], [BLOCK_N, HEAD_DIM_PAD]).load([start_n, 0])
+        v = tl.make_tensor_descriptor(v_base, [N, HEAD_DIM], [stride_vn, 1], [BLOCK_N, HEAD_DIM_PAD]).load([start_n, 0])
+    else:
+        k = load_rows(tile_ptrs(k_base, start_n, stride_kn, BLOCK_N, offs_d), offs_n, N, offs_d,
+                      HEAD_DIM, HEAD_DIM_PAD, True)  # [BLOCK_N, D_PAD]
+        v = load_rows(tile_ptrs(v_base, start_n, stride_vn, BLOCK_N, offs_d), offs_n, N, offs_d,
+                      HEAD_DIM, HEAD_DIM_PAD, True)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
+
+    # Query ranges: [m_lo, m_mid) is the diagonal band (causal mask), [m_mid, m_full) is seen
+    # whole and in bounds (no mask), [max(m_mid, m_full), m_ceil) is the ragged row tail.
+    diag = N - M  # query i sees key j iff j <= i + diag
+    if IS_CAUSAL:
+        m_lo = tl.maximum(start_n - diag, 0) // BLOCK_M * BLOCK_M
+        m_mid = (tl.maximum(start_n + BLOCK_N - 1 - diag, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    else:
+        m_lo = 0
+        m_mid = 0
+    m_ceil = tl.cdiv(M, BLOCK_M) * BLOCK_M
+    m_full = M // BLOCK_M * BLOCK_M
+    m_band_end = tl.minimum(m_mid, m_ceil)
+    m_tail = tl.maximum(m_mid, m_full)
+
+    # Every q head of this KV head's group adds into the same dK, dV. num_stages=1: this outer loop
+    # creates tensor descriptors, which the software pipeliner cannot predicate, so it must never
+    # be pipelined (it would be, were the inner query loops folded away).
+    for g in tl.range(0, GROUP, num_stages=1):
+        off_h = gqa_q_head(off_hk, GROUP, g)
+        q_src = Q + off_b * stride_qb + off_h * stride_qh
+        do_src = DO + off_b * stride_dob + off_h * stride_doh
+        if USE_TMA:
+            q_src = tl.make_tensor_descriptor(q_src, [M, HEAD_DIM], [stride_qm, 1], [BLOCK_M, HEAD_DIM_PAD])
+            do_src = tl.make_tensor_descriptor(do_src, [M, HEAD_DIM], [stride_dom, 1], [BLOCK_M, HEAD_DIM_PAD])
+        if IS_VARLEN:
+            lse_base = Lse + off_h * stride_lseh
+            delta_base = Delta + off_h * stride_lseh
+        else:
+            lse_base = Lse + (off_b * H + off_h) * M
+            delta_base = Delta + (off_b * H + off_h) * M
+        dk, dv = bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qm, stride_dom,
+                                 offs_n, offs_d, M, diag, qk_scale, m_lo, m_band_end,
+                                 BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, IS_CAUSAL, True, USE_TMA)
+        dk, dv = bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qm, stride_dom,
+                                 offs_n, offs_d, M, diag, qk_scale, m_mid, m_full,
+                                 BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, IS_CAUSAL, False, USE_TMA)
+        dk, dv = bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qm, stride_dom,
+                                 offs_n, offs_d, M, diag, qk_scale, m_tail, m_ceil,
+                                 BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, IS_CAUSAL, True, USE_TMA)
+
+    dk = dk * softmax_scale
+    store_rows(tile_ptrs(DK + off_b * stride_dkb + off_hk * stride_dkh, start_n, stride_dkn, BLOCK_N, offs_d),
+               dk.to(DK.dtype.element_ty), offs_n, N, offs_d, HEAD_DIM, HEAD_DIM_PAD)
+    store_rows(tile_ptrs(DV + off_b * stride_dvb + off_hk * stride_dvh, start_n, stride_dvn, BLOCK_N, offs_d),
+               dv.to(DV.dtype.element_ty), offs_n, N, offs_d, HEAD_DIM, HEAD_DIM_PAD)
+
+
+@triton.jit
+def bwd_dq_kernel(
+    Q, K, V, DO, Lse, Delta, DQ,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh,
+    stride_dqb, stride_dqm, stride_dqh,
+    H, M, N, GROUP, softmax_scale,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
+    Cu_seqlens_q=None, Cu_seqlens_k=None, stride_lseh=None, IS_VARLEN: tl.constexpr = False,
+):
+    tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
+    qk_scale = softmax_scale * LOG2E
+    if IS_CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    off_b = (pid_bh // H).to(tl.int64)
+    off_h = pid_bh % H
+    off_hk = gqa_kv_head(off_h, GROUP)
+    off_h = off_h.to(tl.int64)
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    if IS_VARLEN:
+        q_start = tl.load(Cu_seqlens_q + off_b)
+        M = tl.load(Cu_seqlens_q + off_b + 1) - q_start
+        if start_m >= M:  # the grid covers max_seqlen_q
+            return
+        k_start = tl.load(Cu_seqlens_k + off_b)
+        N = tl.load(Cu_seqlens_k + off_b + 1) - k_start  # may be 0: no key, dQ = 0
+        Q += q_start.to(tl.int64) * stride_qm
+        DO += q_start.to(tl.int64) * stride_dom
+        DQ += q_start.to(tl.int64) * stride_dqm
+        K += k_start.to(tl.int64) * stride_kn
+        V += k_start.to(tl.int64) * stride_vn
+        Lse += q_start
+        Delta += q_start
+
+    q_base = Q + off_b * stride_qb + off_h * stride_qh
+    do_base = DO + off_b * stride_dob + off_h * stride_doh
+    k_base = K + off_b * stride_kb + off_hk * stride_kh
+    v_base = V + off_b * stride_vb + off_hk * stride_vh
+    if USE_TMA:
+        q = tl.make_tensor_descriptor(q_base, [M, HEAD_DIM], [stride_qm, 1], [BLOCK_M, HEAD_DIM_PAD]).load([start_m, 0])
+        do = tl.make_tensor_descriptor(do_base, [M, HEAD_DIM], [stride_dom, 1], [BLOCK_M, HEAD_DIM_PAD]).load(
+            [start_m, 0])
+        k_desc = tl.make_tensor_descriptor(k_base, [N, HEAD_DIM], [stride_kn, 1], [BLOCK_N, HEAD_DIM_PAD])
+        v_desc = tl.make_tensor_descriptor(v_base, [N, HEAD_DIM], [stride_vn, 1], [BLOCK_N, HEAD_DIM_PAD])
+    else:
+        q = load_rows(tile_ptrs(q_base, start_m, stride_qm, BLOCK_M, offs_d), offs_m, M, offs_d,
+                      HEAD_DIM, HEAD_DIM_PAD, True)  # [BLOCK_M, D_PAD]
+        do = load_rows(tile_ptrs(do_base, start_m, stride_dom, BLOCK_M, offs_d), offs_m, M, offs_d,
+                       HEAD_DIM, HEAD_DIM_PAD, True)
+    if IS_VARLEN:
+        row = off_h * stride_lseh
+    else:
+        row = pid_bh.to(tl.int64) * M
+    lse2 = tl.load(Lse + row + offs_m, mask=offs_m < M, other=float("inf")) * LOG2E
+    delta = tl.load(Delta + row + offs_m, mask=offs_m < M, other=0.0)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+
+    if IS_CAUSAL:
+        diag = N - M
+        row_limit = offs_m + diag
+        n_full = tl.minimum(tl.maximum(start_m + diag + 1, 0) // BLOCK_N * BLOCK_N, N // BLOCK_N * BLOCK_N)
+        n_end = tl.minimum(tl.maximum(start_m + BLOCK_M + diag, 0), N)
+    else:
+        row_limit = offs_m
+        n_full = N // BLOCK_N * BLOCK_N
+        n_end = N
+
+    k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :]  # [BLOCK_N, D_PAD]
+    v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :]
+    for start_n in tl.range(0, n_full, BLOCK_N):  # blocks every row sees whole
+        if USE_TMA:
+            k = k_desc.load([start_n, 0])
+            v = v_desc.load([start_n, 0])
+        else:
+            k = load_rows(k_ptrs, offs_n, BLOCK_N, offs_d, HEAD_DIM, HEAD_DIM_PAD, False)  # [BLOCK_N, D_PAD]
+            v = load_rows(v_ptrs, offs_n, BLOCK_N, offs_d, HEAD_DIM, HEAD_DIM_PAD, False)
+        qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N]
+        p = tl.math.exp2(qk * qk_scale - lse2[:, None])
+        dp = tl.dot(do, tl.trans(v))  # [BLOCK_M, BLOCK_N]
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq)  # [BLOCK_M, D_PAD]
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+    for start_n in tl.range(n_full, n_end, BLOCK_N):  # diagonal band and ragged tail
+        if USE_TMA:
+            k = k_desc.load([start_n, 0])
+            v = v_desc.load([start_n, 0])
+        else:
+            k = load_rows(k_ptrs, start_n + offs_n, n_end, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+            v = load_rows(v_ptrs, start_n + offs_n, n_end, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+        qk = tl.dot(q, tl.trans(k))
+        qk = mask_scores(qk, start_n + offs_n, n_end, row_limit, IS_CAUSAL)
+        p = tl.math.exp2(qk * qk_scale - lse2[:, None])
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq)
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+
+    dq = dq * softmax_scale
+    store_rows(tile_ptrs(DQ + off_b * stride_dqb + off_h * stride_dqh, start_m, stride_dqm, BLOCK_M, offs_d),
+               dq.to(DQ.dtype.element_ty), offs_m, M, offs_d, HEAD_DIM, HEAD_DIM_PAD)
+

@@ -1,0 +1,106 @@
+"""The error rule: how close a kernel's result must be to the reference. One rule, used by the tests,
+the notebooks, the serving engine's checks and the benchmarks' correctness checks.
+
+flash-attn's rule: a float16 / bfloat16 output passes when its relative error against the fp32 (or
+fp64) reference is at most `factor` times the error PyTorch's own eager attention makes in the same
+dtype -- FWD_FACTOR = 2 for outputs, GRAD_FACTOR = 3 for gradients -- plus a small floor, for cases
+where PyTorch's error is ~0 (a single key, tiny rows) while the kernel still rounds its output once.
+So the bound follows the precision of the inputs instead of being a magic constant. float32 has no
+same-dtype yardstick (the reference is fp32): plain bounds, tight under the Triton interpreter (its
+fp32 dot is an exact numpy matmul) and looser on a GPU (tf32 tensor-core matmuls, a 10-bit
+mantissa). NaN or inf never passes.
+
+Besides: `agreement_tolerance`, how far two kernel paths may differ on the same data (split vs
+unsplit decode, packed vs alone, chunked vs one-shot prefill: the same sums in another order, each
+output rounded once), and `lse_tolerance` / `check_lse` for the log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Tuple
+
+import torch
+
+from ._utils import is_interpreter
+
+FWD_FACTOR, GRAD_FACTOR = 2.0, 3.0
+ATOL_FLOOR = {torch.float16: 1e-3, torch.bfloat16: 4e-3}
+# float32: (under the interpreter, on a GPU); gradients sum in another order than autograd's
+FP32_RTOL = (1e-5, 5e-3)
+FP32_GRAD_RTOL = (1e-5, 1e-2)
+# two kernel paths on the same data: (float16, bfloat16, float32 under the interpreter, float32 on a GPU)
+AGREEMENT = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+FP32_AGREEMENT = (1e-5, 5e-3)
+# Natural-log LSE: kernel and reference both accumulate the scores in fp32 (exact products of
+# fp16/bf16 inputs), so they agree to fp32 rounding of the sum (~1e-6 under the interpreter). fp32
+# inputs on a GPU go through tf32, whose conversion truncates the mantissa to 10 bits: score errors
+# are biased and grow with |score|, so the LSE (dominated by the largest scores) gets a relative
+# term too (5.4e-3 measured at |lse| ~ 7 on an H200).
+LSE_ATOL = {torch.float16: 1e-3, torch.bfloat16: 1e-3, torch.float32: 1e-4}
+LSE_FP32_GPU = (5e-3, 2e-3)  # (atol, rtol)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64 (||out - ref|| when ref is zero or empty)."""
+    out, ref = out.double(), ref.double()
+    denom = ref.norm().item()
+    diff = (out - ref).norm().item()
+    if denom == 0.0:
+        return diff
+    return diff / denom
+
+
+def _on_gpu() -> int:
+    """Index into the (interpreter, GPU) pairs above."""
+    return 0 if is_interpreter() else 1
+
+
+def error_bound(dtype: torch.dtype, eager_err: float, *, grad: bool = False) -> float:
+    """The largest relative error the rule accepts for a kernel result in `dtype`, given PyTorch's own
+    same-dtype error `eager_err` (ignored for float32); `grad` for gradients."""
+    if dtype == torch.float32:
+        return (FP32_GRAD_RTOL if grad else FP32_RTOL)[_on_gpu()]
+    return (GRAD_FACTOR if grad else FWD_FACTOR) * eager_err + ATOL_FLOOR[dtype]
+
+
+def check_close(out: torch.Tensor, ref: torch.Tensor, same: torch.Tensor, *, grad: bool = False
+                ) -> Tuple[bool, float, float]:
+    """(ok, err, bound) of a kernel result `out` against the fp32 reference `ref`, with `same` PyTorch's
+    result in out's dtype (unused for float32). err is inf when out holds NaN or inf."""
+    if out.shape != ref.shape:
+        raise ValueError(f"Expected out and ref of one shape, got {tuple(out.shape)} and {tuple(ref.shape)}.")
+    eager_err = 0.0 if out.dtype == torch.float32 else rel_err(same, ref)
+    bound = error_bound(out.dtype, eager_err, grad=grad)
+    if not bool(torch.isfinite(out).all()):
+        return False, math.inf, bound
+    err = rel_err(out, ref)
+    return err <= bound, err, bound
+
+
+def agreement_tolerance(dtype: torch.dtype) -> float:
+    """Largest relative difference allowed between two kernel paths' results on the same data."""
+    if dtype == torch.float32:
+        return FP32_AGREEMENT[_on_gpu()]
+    return AGREEMENT[dtype]
+
+
+def lse_tolerance(dtype: torch.dtype) -> Tuple[float, float]:
+    """(atol, rtol) of the LSE of inputs in `dtype`: |lse - ref| <= atol + rtol * |ref|."""
+    if dtype == torch.float32 and _on_gpu():
+        return LSE_FP32_GPU
+    return LSE_ATOL[dtype], 0.0
+
+
+def check_lse(lse: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> Tuple[bool, float]:
+    """(ok, worst |lse - ref| over rows that see a key): +inf exactly where the reference is +inf (rows
+    that see no key), no NaN or -inf, and the rest within `lse_tolerance(dtype)` of the inputs' dtype."""
+    ref_inf = torch.isposinf(ref)
+    ok = (lse.shape == ref.shape and torch.equal(torch.isposinf(lse), ref_inf)
+          and not bool(torch.isnan(lse).any()) and not bool(torch.isneginf(lse).any()))
+    if not ok or not bool((~ref_inf).any()):
+        return ok, 0.0 if ok else math.inf
+    got, want = lse[~ref_inf].double(), ref[~ref_inf].double()
+    atol, rtol = lse_tolerance(dtype)
+    diff = (got - want).abs()
+    return bool((diff <= atol + rtol * want.abs()).all()), diff.max().item()
