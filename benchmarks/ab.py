@@ -1,0 +1,196 @@
+"""Interleaved A/B of two trees' kernels on the headline shapes: is a change faster, slower, or the same?
+
+    python -m benchmarks.ab --base /path/to/old/checkout --new . --rounds 3 [--quick] [--out DIR]
+
+Each round runs one process per tree, alternating which goes first, and every process imports
+`kernels` from its tree (the harness, this module and benchmarks.measure, from this one) and times
+the same cases on fresh seeded inputs, through the public API only, so trees of any layout compare:
+
+- prefill: flash_attn_func forward and forward + backward, bf16, D = 128, 32 q heads over 32 or 8 KV
+  heads, batch x seqlen = 16384 tokens, seqlen 1024 / 4096 / 16384, causal and not (CUDA events,
+  L2 flushed before each call);
+- decode: one step (append one token, attend) of flash_attn_with_kvcache, dense and paged (P = 16,
+  64), bf16, D = 128, 32:8 heads, CUDA-graph replay of 16 steps rotating over input copies;
+- chunked: a 2048-token chunk appended to 12288 cached tokens, dense and P = 64;
+- host: the CPU time of one eager decode call (batch 1, cache 4096, device lengths).
+
+Per case the median over rounds of each tree, and new / base. Prints the table and writes it with
+every process's raw numbers to --out (default: no files). Needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable, Dict, List
+
+HERE = Path(__file__).resolve().parents[1]  # this checkout: the harness comes from here
+
+
+def _cases(quick: bool) -> List[Dict]:
+    cases = []
+    seqlens = (1024, 16384) if quick else (1024, 4096, 16384)
+    for mode in ("fwd", "fwd_bwd"):
+        for hk in (32, 8):
+            for causal in (False, True):
+                for s in seqlens:
+                    cases.append(dict(kind="prefill", mode=mode, batch=16384 // s, seqlen=s, nheads_k=hk,
+                                      causal=causal))
+    shapes = ((1, 4096), (1, 65536), (8, 16384), (128, 1024)) if quick else (
+        (1, 1024), (1, 4096), (1, 16384), (1, 65536), (8, 4096), (8, 16384), (32, 4096), (128, 1024), (128, 4096))
+    for page in (0, 16, 64):
+        for b, n in shapes:
+            cases.append(dict(kind="decode", batch=b, cache_len=n, page_size=page))
+    for page in (0, 64):
+        cases.append(dict(kind="chunked", batch=1, cache_len=12288, chunk=2048, page_size=page))
+    cases.append(dict(kind="host", batch=1, cache_len=4096, page_size=0))
+    return cases
+
+
+def case_name(c: Dict) -> str:
+    if c["kind"] == "prefill":
+        return (f"prefill {c['mode']} {'MHA' if c['nheads_k'] == 32 else 'GQA'} {'causal' if c['causal'] else 'full'} "
+                f"{c['batch']}x{c['seqlen']}")
+    page = f" P={c['page_size']}" if c.get("page_size") else " dense"
+    if c["kind"] == "chunked":
+        return f"chunked {c['chunk']} after {c['cache_len']}{page}"
+    return f"{c['kind']} {c['batch']}x{c['cache_len']}{page}"
+
+
+def _measure(cases: List[Dict]) -> Dict[str, float]:
+    """Run in a process whose `kernels` is the tree under test: ms (host: us) per case."""
+    import torch
+
+    from kernels import flash_attn_func, flash_attn_with_kvcache
+
+    from . import measure
+    from .grids import ChunkedShape, DecodeShape
+    from .inputs import chunked_state, dense_state, generator, paged_state, randn
+
+    dev = torch.device("cuda")
+    dtype = torch.bfloat16
+    out: Dict[str, float] = {}
+    for c in cases:
+        gen = generator(dev, 0)
+        if c["kind"] == "prefill":
+            b, s, hk = c["batch"], c["seqlen"], c["nheads_k"]
+            q = randn((b, s, 32, 128), dtype, dev, gen)
+            k, v = randn((b, s, hk, 128), dtype, dev, gen), randn((b, s, hk, 128), dtype, dev, gen)
+            if c["mode"] == "fwd":
+                def fn(q=q, k=k, v=v, causal=c["causal"]):
+                    return flash_attn_func(q, k, v, causal=causal)
+            else:
+                leaves = [t.requires_grad_() for t in (q, k, v)]
+                dout = torch.randn_like(q)
+
+                def fn(leaves=leaves, dout=dout, causal=c["causal"]):
+                    return torch.autograd.grad(flash_attn_func(*leaves, causal=causal), leaves, dout)
+            out[case_name(c)] = measure.time_fn(fn, warmup=5, rep=30, flush_l2=True)["median_ms"]
+            continue
+        if c["kind"] == "chunked":
+            shape = ChunkedShape(c["batch"], c["cache_len"], c["chunk"], 32, 8, 128)
+            st = chunked_state(shape, dtype, dev, gen, kind="paged" if c["page_size"] else "dense",
+                                page_size=c["page_size"])
+            table = {"block_table": st.block_table} if c["page_size"] else {}
+
+            def fn(st=st, table=table):
+                return flash_attn_with_kvcache(st.q, st.k_cache, st.v_cache, st.k, st.v, cache_seqlens=st.seqlens,
+                                               causal=True, **table)
+            out[case_name(c)] = measure.time_fn(fn, warmup=5, rep=30, flush_l2=True, hide_host=True)["median_ms"]
+            continue
+        shape = DecodeShape(c["batch"], c["cache_len"], 32, 8, 128)
+        kv_bytes = measure.decode_kv_bytes(shape.batch * shape.cache_len, 8, 128, dtype)
+        copies = max(1, min(32, -(-2 * measure.l2_cache_bytes() // kv_bytes)))
+        make: Callable = ((lambda g: paged_state(shape, dtype, dev, g, page_size=c["page_size"]))
+                          if c["page_size"] else (lambda g: dense_state(shape, dtype, dev, g)))
+        states = [make(generator(dev, i)) for i in range(copies)]
+
+        def step(st):
+            table = {"block_table": st.block_table} if c["page_size"] else {}
+            return flash_attn_with_kvcache(st.q, st.k_cache, st.v_cache, st.k, st.v, cache_seqlens=st.seqlens,
+                                           **table)
+        if c["kind"] == "host":
+            out[case_name(c)] = measure.host_overhead_us(lambda: step(states[0]), calls=2000)["host_us"]
+        else:
+            repeat = -(-measure.GRAPH_MIN_CALLS // copies)
+            out[case_name(c)] = measure.time_cuda_graph(lambda: [step(st) for st in states], rep=100,
+                                                        repeat=repeat) / copies
+        states = []
+        torch.cuda.empty_cache()
+    return out
+
+
+def _worker(tree: str, quick: bool) -> int:
+    sys.path.insert(0, tree)  # this tree's kernels first; benchmarks resolves to the harness's checkout
+    import kernels
+
+    if Path(kernels.__file__).resolve().parents[1] != Path(tree).resolve():
+        raise RuntimeError(f"imported {kernels.__file__}, not the kernels of {tree}")
+    print("AB-RESULT " + json.dumps(_measure(_cases(quick))), flush=True)
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.ab", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base", required=True, help="checkout whose kernels/ is the baseline")
+    ap.add_argument("--new", default=str(HERE), help="checkout whose kernels/ is measured against it")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="fewer shapes")
+    ap.add_argument("--out", default=None, help="folder for ab.json (raw numbers) and ab.txt (the table)")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return _worker(args.worker, args.quick)
+    trees = {"base": str(Path(args.base).resolve()), "new": str(Path(args.new).resolve())}
+    runs: Dict[str, List[Dict[str, float]]] = {"base": [], "new": []}
+    env = dict(os.environ, PYTHONPATH=str(HERE))
+    for r in range(args.rounds):
+        order = ("base", "new") if r % 2 == 0 else ("new", "base")
+        for which in order:
+            cmd = [sys.executable, "-m", "benchmarks.ab", "--base", trees["base"], "--worker", trees[which]]
+            cmd += ["--quick"] if args.quick else []
+            proc = subprocess.run(cmd, cwd=trees[which], env=env, capture_output=True, text=True)
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("AB-RESULT ")]
+            if proc.returncode or not lines:
+                print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
+                raise RuntimeError(f"{which} worker failed (round {r})")
+            runs[which].append(json.loads(lines[-1][len("AB-RESULT "):]))
+            print(f"round {r} {which} done", flush=True)
+    rows = []
+    for name in runs["base"][0]:
+        base = statistics.median(run[name] for run in runs["base"])
+        new = statistics.median(run[name] for run in runs["new"])
+        spread = max(run[name] for run in runs["base"]) / min(run[name] for run in runs["base"]) - 1
+        rows.append((name, base, new, new / base, spread))
+    unit = lambda name: "us" if name.startswith("host") else "ms"  # noqa: E731
+    import datetime
+
+    import torch
+    import triton
+
+    env = (f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
+           f"{datetime.date.today().isoformat()}; base {trees['base']}, new {trees['new']}; {args.rounds} rounds, "
+           f"median per tree; base spread = max / min - 1 over the base rounds")
+    lines = [env, f"{'case':<44} {'base':>10} {'new':>10} {'new/base':>9} {'base spread':>12}"]
+    for name, base, new, ratio, spread in rows:
+        lines.append(f"{name:<44} {base:>8.4f}{unit(name):>2} {new:>8.4f}{unit(name):>2} {ratio:>9.3f} {spread:>11.1%}")
+    ratios = [r[3] for r in rows]
+    lines.append(f"new/base over {len(rows)} cases: median {statistics.median(ratios):.3f}, "
+                 f"min {min(ratios):.3f}, max {max(ratios):.3f}")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "ab.txt").write_text(text + "\n")
+        (out / "ab.json").write_text(json.dumps({"trees": trees, "runs": runs}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
