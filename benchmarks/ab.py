@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -148,13 +147,12 @@ def main(argv=None) -> int:
         return _worker(args.worker, args.quick)
     trees = {"base": str(Path(args.base).resolve()), "new": str(Path(args.new).resolve())}
     runs: Dict[str, List[Dict[str, float]]] = {"base": [], "new": []}
-    env = dict(os.environ, PYTHONPATH=str(HERE))
     for r in range(args.rounds):
         order = ("base", "new") if r % 2 == 0 else ("new", "base")
         for which in order:
             cmd = [sys.executable, "-m", "benchmarks.ab", "--base", trees["base"], "--worker", trees[which]]
             cmd += ["--quick"] if args.quick else []
-            proc = subprocess.run(cmd, cwd=trees[which], env=env, capture_output=True, text=True)
+            proc = subprocess.run(cmd, cwd=HERE, capture_output=True, text=True)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("AB-RESULT ")]
             if proc.returncode or not lines:
                 print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)

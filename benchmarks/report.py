@@ -373,9 +373,12 @@ def plot_decode(df, figures_dir: PathLike = "figures", log: Callable[[str], None
 def decode_splits_table(df):
     """K+V GB/s (graph replay) of ours per num_splits ('heuristic (n)' for num_splits=0, n the splits it
     launched) and SDPA's, by GPU, dtype and cache length."""
+    import pandas as pd
+
     df = _ok(normalize(df, "decode_splits"))
     config = []
-    for impl, ns, used in zip(df["impl"], df.get("num_splits", math.nan), df.get("splits_used", math.nan)):
+    missing = pd.Series(math.nan, index=df.index)
+    for impl, ns, used in zip(df["impl"], df.get("num_splits", missing), df.get("splits_used", missing)):
         if impl != "ours":
             config.append(str(LABELS.get(impl, impl)))
         else:

@@ -14,6 +14,7 @@ kernels/decode.py's replays of repeated calls.
 from __future__ import annotations
 
 import inspect
+import operator
 import os
 from typing import Any, Dict, Hashable, Optional, Sequence, Tuple
 
@@ -55,11 +56,12 @@ class LaunchCache:
     """Launch a `@triton.jit` kernel straight through its compiled handle after the first launch.
 
     A compiled kernel is stored under `key_of`: the caller's key, plus what the arguments themselves
-    show -- every constexpr's value (the options' compiled part, tiles, flags), which other arguments
-    are None (Triton compiles those out) -- and the launch options. So no constexpr can be
-    left out of a key by hand. The caller's key must hold what the values do not show: the tensors'
-    shapes and strides (every integer argument derives from them), dtypes, the 16-byte alignment of
-    each pointer, and the device. A hit is then the very kernel Triton's dispatcher would pick,
+    show, as Triton's dispatcher specialises on it -- every constexpr's value (the options' compiled
+    part, tiles, flags), which other arguments are None (compiled out), each integer's class (1, a
+    multiple of 16, past 32 bits) -- and the launch options. So no constexpr and no integer argument
+    can be left out of a key by hand. The caller's key must hold what the values do not show: each
+    tensor's dtype and 16-byte alignment, and the device (the callers pass their tensors' shapes,
+    strides and dtypes too). A hit is then the very kernel Triton's dispatcher would pick,
     launched with the same arguments; a miss (or key None) goes through the dispatcher, which compiles
     if needed, and stores the compiled kernel. Off under the interpreter, with KERNELS_FAST_LAUNCH=0,
     and while Triton launch hooks are installed (profilers see every launch).
@@ -77,6 +79,7 @@ class LaunchCache:
         self.defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
         self.constexprs = tuple(i for i, p in enumerate(params) if _is_constexpr(p.annotation))
         self.values = tuple(i for i, p in enumerate(params) if i not in self.constexprs)
+        self._get_constexprs, self._get_values = _getter(self.constexprs), _getter(self.values)
 
     def positional(self, args: Sequence[Any], kwargs: Optional[Dict[str, Any]]) -> list:
         """The kernel's full argument list, in parameter order, of a launch with `args` and `kwargs`."""
@@ -88,8 +91,9 @@ class LaunchCache:
     def key_of(self, key: Hashable, full: Sequence[Any], num_warps: int, num_stages: int, launch_pdl: bool,
                maxnreg: Optional[int]) -> Hashable:
         """The cache key of a launch with the positional arguments `full` (see the class docstring)."""
-        return (key, tuple([full[i] for i in self.constexprs]), tuple([full[i] is None for i in self.values]),
-                num_warps, num_stages, launch_pdl, maxnreg)
+        classes = tuple([None if v is None else 0 if type(v) is not int else
+                         (v == 1) + 2 * (v % 16 == 0) + 4 * (not -2**31 <= v < 2**31) for v in self._get_values(full)])
+        return key, self._get_constexprs(full), classes, num_warps, num_stages, launch_pdl, maxnreg
 
     def __call__(self, key: Optional[Hashable], grid: Tuple[int, int, int], args: Sequence[Any], num_warps: int,
                  num_stages: int = 1, kwargs: Optional[Dict[str, Any]] = None, device_index: int = 0,
@@ -157,6 +161,13 @@ class DirectLaunch:
 
     def launch(self, grid: Tuple[int, int, int], stream: int, args: Sequence[Any]) -> None:
         self._launch(grid[0], grid[1], grid[2], stream, *self._head, *args)
+
+
+def _getter(indices: Tuple[int, ...]):
+    """A function returning the tuple of a list's items at `indices` (operator.itemgetter, always a tuple)."""
+    if len(indices) > 1:
+        return operator.itemgetter(*indices)
+    return lambda full: tuple(full[i] for i in indices)
 
 
 def _is_constexpr(annotation) -> bool:

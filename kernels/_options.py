@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import functools
 import math
-import numbers
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
@@ -82,8 +81,10 @@ def _resolve_scale(softmax_scale, head_dim: int) -> float:
         return head_dim**-0.5
     try:
         scale = float(softmax_scale)
-    except (TypeError, ValueError):
+    except TypeError:
         raise TypeError(f"Expected softmax_scale to be a number or None, got {type(softmax_scale).__name__}.") from None
+    except ValueError:
+        raise ValueError(f"Expected softmax_scale to be a finite positive number, got {softmax_scale!r}.") from None
     if not (scale > 0.0 and math.isfinite(scale)):
         raise ValueError(f"Expected softmax_scale to be a finite positive number, got {softmax_scale}.")
     return scale
@@ -97,10 +98,11 @@ def _cached_options(head_dim: int, softmax_scale: Optional[float], causal: bool)
 def attn_options(head_dim: int, softmax_scale=None, causal=False) -> AttnOptions:
     """Validated `AttnOptions` (softmax_scale None: head_dim ** -0.5; it must be finite and positive).
 
-    Options of plain Python values are cached, so a decode loop builds each one once. The head dim
-    itself is checked by the public functions (kernels/_utils.py `_validate_head_dim`).
+    Options are cached by value, so a decode loop builds each one once (a tensor softmax_scale is
+    read when the options are built). The head dim itself is checked by the public functions
+    (kernels/_utils.py `_validate_head_dim`).
     """
-    causal = bool(causal)
-    if type(softmax_scale) in (float, int, type(None)) and isinstance(head_dim, numbers.Integral):
-        return _cached_options(int(head_dim), softmax_scale, causal)
-    return AttnOptions(int(head_dim), _resolve_scale(softmax_scale, int(head_dim)), causal)
+    causal, head_dim = bool(causal), int(head_dim)
+    if type(softmax_scale) not in (float, int, type(None)):  # a numpy scalar, a 0-d tensor: its value now
+        softmax_scale = _resolve_scale(softmax_scale, head_dim)
+    return _cached_options(head_dim, softmax_scale, causal)

@@ -8,12 +8,14 @@ can. The full path: the validation of a call's tensors per signature (shapes, st
 devices: `_signature`; values and pointers are still checked every call), the launch plan per shape
 (`_plan`), the int -> tensor conversion of cache_seqlens, and the compiled kernels, launched through
 their C launchers without Triton's per-call dispatch (`LaunchCache`, kernels/_launch.py, keyed by
-the signature, the plan, the flags and the inputs' 16-byte alignment: what Triton specialises on). A
-call that repeats a validated one -- same signature, cache_seqlens (and block_table) already on the
-GPU with the same layout, the same scale, flags and num_splits -- replays it (`_Replay`): the
-recorded argument lists of its decode and combine launches get this call's pointers and go straight
-to the C launchers; a pointer that is not 16-byte aligned (the kernels were compiled for aligned
-ones), another current device or installed launch hooks send the call down the full path instead.
+the signature and the inputs' 16-byte alignment, plus what the arguments show: every constexpr, the
+integers' classes, the launch options). A call that repeats a validated one -- same signature,
+cache_seqlens (and block_table) already on the GPU with the same layout, the same compiled options
+(`options.compiled`), num_splits and return_softmax_lse -- replays it (`_Replay`): the recorded
+argument lists of its decode and combine launches get this call's pointers and runtime options
+(`options.runtime`, e.g. its softmax_scale) and go straight to the C launchers; a pointer that is
+not 16-byte aligned (the kernels were compiled for aligned ones), another current device or
+installed launch hooks send the call down the full path instead.
 Lengths given as an int or on the CPU are checked on the host every call, so those calls are never
 replayed. What a replay still does: the signature, the output allocation, the two launches. The
 split scratch (partial outputs and their LSEs) is one fp32 buffer per (device, stream, thread),

@@ -424,7 +424,7 @@ def test_fast_launch_reuses_kernel_only_for_the_same_key(monkeypatch):
     assert cache.names == ["X", "n", "Y", "m", "BLOCK"] and cache.constexprs == (4,)
     first = cache("a", (4, 2, 1), (x, 2), num_warps=4)
     assert first == cache.key_of("a", [x, 2, None, 7, 16], 4, 1, False, None) == (
-        "a", (16,), (False, False, True, False), 4, 1, False, None)
+        "a", (16,), (0, 0, None, 0), 4, 1, False, None)  # tensor, int class, None, int class
     again = cache("a", (4, 2, 1), (x, 3), num_warps=4, kwargs={"m": 9, "BLOCK": 16}, device_index=1)
     assert again == first
     assert [entry[0] for entry in launches] == ["dispatch", "fast"]
@@ -437,8 +437,12 @@ def test_fast_launch_reuses_kernel_only_for_the_same_key(monkeypatch):
     ]
     assert len({first, *others}) == 5
     assert [entry[0] for entry in launches[2:]] == ["dispatch"] * 4
-    assert cache("a", (2, 1, 1), (x, 1), num_warps=4, kwargs={"BLOCK": 32}) == others[0]
-    assert launches[-1] == ("fast", (2, 1, 1), 1000, (x.data_ptr(), 1, None, 7, 32))
+    assert cache("a", (2, 1, 1), (x, 5), num_warps=4, kwargs={"BLOCK": 32}) == others[0]
+    assert launches[-1] == ("fast", (2, 1, 1), 1000, (x.data_ptr(), 5, None, 7, 32))
+    # integers Triton specialises on (1, multiples of 16, past 32 bits) are other kernels
+    assert len({others[0], *(cache("a", (2, 1, 1), (x, n), num_warps=4, kwargs={"BLOCK": 32})
+                             for n in (1, 16, 2**31))}) == 4
+    assert [entry[0] for entry in launches[-3:]] == ["dispatch"] * 3
     monkeypatch.setattr(launch, "launch_hooks_active", lambda: True)  # a profiler sees every launch
     cache("a", (4, 2, 1), (x, 2), num_warps=4)
     assert launches[-1][0] == "dispatch"

@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 FLAT_DIRS = ("scripts", "notebooks", "tests")
 PACKAGES = ("kernels", "benchmarks")
 # What kernels/ may import besides itself: the standard library and these.
-KERNELS_MAY_IMPORT = {"torch", "triton", "numpy", "pandas", "matplotlib"}
+KERNELS_MAY_IMPORT = {"torch", "triton", "numpy", "pandas"}
 
 
 def _module_name(path: Path) -> str:
@@ -114,8 +114,8 @@ def test_no_import_circles():
 
 
 def test_kernels_imports_only_the_library():
-    """kernels/ imports only kernels/, the standard library, torch, triton, numpy (and pandas / matplotlib
-    for optional tables): never the benchmark harness, the notebooks' helpers, scripts or tests."""
+    """kernels/ imports only kernels/, the standard library, torch, triton, numpy (and pandas for the
+    serving engine's optional tables): never the benchmark harness, the notebooks' helpers, scripts or tests."""
     graph = import_graph()
     stdlib = set(sys.stdlib_module_names) | {"__future__"}
     bad = {}

@@ -134,3 +134,34 @@ def test_no_stale_launch_is_reused(field, path):
             for b, (ref, same) in enumerate(refs):
                 ok, err, bound = check_close(out[b:b + 1], ref, same)
                 assert ok, f"{field}={getattr(opts, field)!r}: request {b} rel err {err:.2e} > {bound:.2e}"
+
+
+def test_integer_classes_keep_launches_apart():
+    """Launch keys tell integers apart as Triton's dispatcher does (1, a multiple of 16, past 32 bits), so a
+    kernel compiled for NUM_SPLITS = 16 is never reused for 12; and decode with 16 effective splits, then
+    with fewer, both equal the unsplit result."""
+    launch = decode_module._launch_combine
+    position = launch.names.index("NUM_SPLITS")
+
+    def key(n):
+        full = [None if i in launch.constexprs else 7 for i in range(len(launch.names))]
+        full[position] = n
+        return launch.key_of("sig", full, 4, 1, False, None)
+
+    assert key(16) != key(12) and key(12) == key(10) and key(1) != key(10) and key(2**31) != key(10)
+    d, nheads, nheads_k = 32, 4, 2
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    block_n = decode_module._plan(1, 1, nheads, nheads_k, d, 4096, torch.float16, torch.device(DEVICE), 1).block_n
+    cache = 32 * block_n  # 32 key blocks: 16 splits of 2 blocks, or 11 of 3
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=DEVICE).to(torch.float16)
+
+    q, k_cache, v_cache = randn(1, 1, nheads, d), randn(1, cache, nheads_k, d), randn(1, cache, nheads_k, d)
+    lens = torch.tensor([cache - 5], dtype=torch.int32, device=DEVICE)
+    out = {ns: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, num_splits=ns) for ns in (16, 12, 1)}
+    used = {ns: decode_module._plan(1, 1, nheads, nheads_k, d, cache, torch.float16, torch.device(DEVICE),
+                                    ns).num_splits for ns in (16, 12)}
+    assert used == {16: 16, 12: 11}
+    for ns in (16, 12):
+        assert (out[ns] - out[1]).abs().max().item() < 2e-3, f"num_splits={ns} differs from the unsplit result"
