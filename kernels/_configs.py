@@ -2,9 +2,10 @@
 
 Configs are picked by a table, not by `triton.autotune`: a fixed choice per (GPU class, head dim,
 dtype, causal) compiles once, never re-tunes while shapes change (so CUDA graphs and serving loops
-stay stable), and keeps test compilation cheap. The tables were measured on an H200 (see
-results/ and benchmarks/tune_prefill.py); GPUs with less shared memory per block than Hopper (the
-L4 has 99 KB) get tiles that fit it. Under the interpreter one small config is used.
+stay stable), and keeps test compilation cheap. The Hopper tables come from sweeps on an H200
+(benchmarks/tune_prefill.py, benchmarks/tune_decode.py; what won and by how much: docs/perf-notes.md);
+GPUs with less shared memory per block than Hopper (the L4 has 99 KB) get tiles that fit it. Under
+the interpreter one small config is used.
 """
 
 from __future__ import annotations
@@ -43,10 +44,9 @@ class AttnConfig:
 INTERPRETER_CONFIG = AttnConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
 
 # Hopper (H100/H200, 227 KB smem), 2-byte dtypes, tensor-descriptor loads. key: head_dim_pad.
-# D=128 was swept on an H200 (benchmarks/tune_prefill.py, results/nvidia-h200/tune_fwd.csv):
-# (128, 64, 4 warps, 2 stages) won causal and not; the pointer path without descriptors reached
-# only ~100 TFLOP/s there. Other head dims follow the same shape, with 8 warps at D=256 so the
-# [128, 256] fp32 accumulator fits in registers.
+# D=128 is the winner of an H200 sweep (benchmarks/tune_prefill.py), causal and not; tensor descriptors
+# because the pointer path is several times slower on Hopper (docs/perf-notes.md, Prefill). Other head
+# dims follow the same shape, with 8 warps at D=256 so the [128, 256] fp32 accumulator fits in registers.
 _HOPPER_FWD = {
     16: AttnConfig(128, 64, 4, 3, True),
     32: AttnConfig(128, 64, 4, 3, True),
@@ -133,13 +133,10 @@ DECODE_MAX_SPLITS = 64
 DECODE_FULL_GRID = 0.8  # this many programs per SM or more: no split (flash-attn's rule)
 DECODE_PAGED_WAVES = 2  # a paged cache's splits fill this many programs per SM (see decode_num_splits)
 DECODE_PAGED_WAVE_MIN_BLOCKS = 4  # ... but the splits past one wave's count keep this many blocks each
-# A paged cache's decode runs at most this many pipeline stages (the dense config's 4 on Hopper). On an
-# H200 (bf16, 32:8 heads, D = 128, BLOCK_N 64, 4 warps, random block tables, CUDA-graph timing) 3 stages
-# beat 4 for P = 16 at 11 of 11 shapes from batch 1 x 1024 to batch 128 x 4096 (e.g. 26.5 vs 28.2 us at
-# batch 1 x 16384), and for P = 64 / 256 at 12 of 13 (batch 1 x 4096: 12.9 vs 13.6 us, batch 8 x 1024:
-# 16.0 vs 17.5 us; batch 128 x 4096: 514 vs 503 us the other way); BLOCK_N 16 or 32 (one page per block,
-# or two, for P = 16) was slower than either (results/nvidia-h200/decode_ab_stop12.log). The dense cache
-# keeps 4: there 3 stages won at some shapes and lost at others (batch 1 x 1024, 8 x 16384, 128 x 4096).
+# A paged cache's decode runs at most this many pipeline stages (the dense config's 4 on Hopper): at 3 the
+# kernel's shared memory fits 3 programs per SM instead of 2, and it runs faster at split and one-wave
+# shapes; smaller key blocks (BLOCK_N 16 or 32 for P = 16) are slower than either. The dense cache keeps
+# 4: there 3 stages win at some shapes and lose at others (docs/perf-notes.md, Paged decode, "Plans").
 DECODE_PAGED_STAGES = 3
 # ... except in a deep grid: unsplit, with at least DECODE_DEEP_GRID programs per SM (more than one wave of
 # the capped kernel, see decode_paged_tiles), where a cache of at least DECODE_DEEP_MIN_BLOCKS key blocks per
@@ -151,23 +148,15 @@ DECODE_GATHER_MAX_PAGES = 4  # physical_blocks in kernels/_jit.py looks up one e
 # A split of at most this many BLOCK_N blocks streams them all through one masked loop instead of an
 # unmasked loop plus a masked one for its ragged tail (see [Note] One loop for short splits in
 # kernels/decode_kernels.py); pools that gather a key block from several pages (P % BLOCK_N != 0) only up to the
-# second count. On an H200 (bf16, 32:8 heads, D = 128, append, L_b = n - 1, CUDA-graph timing;
-# results/nvidia-h200/decode_ab_stop14.log) one loop was faster for splits of 1-32 blocks at every shape
-# of batch 1-128 x 1024-65536 for the dense cache and P = 64 / 256 (by 0.1-1.7 us at batch 1-8, up to
-# 5.6 us at batch 128 x 1024), and for P = 16 up to 16 blocks (batch 128 x 1024 aside: 157.8 / 141.7
-# against 142.0 / 147.7 us, noise); slower for P = 16 at 32 blocks (batch 1 x 65536: 71.1 against 70.2
-# us) and for dense splits of 64-128 blocks one program per SM (batch 1 x 65536: 67.4 against 66.6 us,
-# 8 x 16384: 127.3 against 124.5).
+# second count. Both counts are where one loop stops being faster on an H200 (docs/perf-notes.md, Decode,
+# "One loop for short splits").
 DECODE_ONE_LOOP_MAX_BLOCKS = 32
 DECODE_ONE_LOOP_MAX_BLOCKS_GATHER = 16
 DECODE_PDL = os.environ.get("KERNELS_PDL", "1") not in ("0", "")  # read once, at import (see decode_use_pdl)
 
 # Hopper (227 KB smem): K and V tiles of 2-byte dtypes, num_stages deep. key: head_dim_pad.
-# D=128 swept on an H200 (benchmarks/tune_decode.py -> results/nvidia-h200/tune_decode.csv: BLOCK_N 32/64/128
-# x 4/8 warps x 2-6 stages x split counts, bf16, 32 q / 8 KV heads, CUDA-graph timing): (64, 4 warps,
-# 4 stages) was the fastest at batch 1 x 16384/32768 and batch 8 x 16384, within 1% of the fastest at
-# batch 1 x 65536 and batch 32 x 4096, and 5% behind (BLOCK_N 32, 3 stages) at batch 1 x 4096, a
-# 13-us launch-bound step. The other head dims are not swept.
+# D=128 is the pick of an H200 sweep (benchmarks/tune_decode.py; docs/perf-notes.md, Decode, "Config"): the
+# fastest, or within 1% of it, at the bandwidth-bound shapes. The other head dims are not swept.
 _HOPPER_DECODE = {
     16: DecodeConfig(128, 4, 4),
     32: DecodeConfig(128, 4, 4),
@@ -214,29 +203,17 @@ def decode_num_splits(programs: int, seqlen_cache: int, block_n: int, device: to
     kernel stay fixed while a generation loop runs. flash-attn's rule for when: no split once the programs fill the SMs
     (DECODE_FULL_GRID). How many: the most splits that still run in one wave, SMs // programs, with
     every split at least DECODE_MIN_BLOCKS_PER_SPLIT blocks of BLOCK_N keys and at most
-    DECODE_MAX_SPLITS splits. Measured on an H200 (results/nvidia-h200/tune_decode.csv: batch 1 and
-    8, 8 KV heads, caches of 4096 to 65536, the Hopper config): one full wave (16 splits at batch 1,
-    2 at batch 8) was the best split count or within 2% of it at every shape; a second, partial
-    wave costs more than the shorter splits save (the old wave-efficiency rule's 15 splits at batch 1
-    ran 2-4% slower). Short caches split down to one block per split: at batch 1 x 1024 (bf16, 32:8
-    heads, D = 128, append, 16 steps per CUDA graph) 16 one-block splits took 8.1 us against 11.6 us
-    for the 4 four-block splits of the earlier rule (a split must stream >= 4 blocks).
+    DECODE_MAX_SPLITS splits. Why one full wave: a second, partial wave costs more than the shorter
+    splits save. Why down to one block per split: at short caches one-block splits beat fewer, longer
+    ones (the timings behind both: docs/perf-notes.md, Decode, "Split count").
 
     Paged caches fill DECODE_PAGED_WAVES programs per SM instead of one (both rules count the SMs
     times the waves: no split from 0.8 of that, else as many splits as fit in it). Their pages lie
     anywhere in the pool, so a program's loads wait longer than on a dense cache's one stream, and
-    twice the programs in flight hide it: on an H200 (bf16, 32:8 heads, D = 128, append, random
-    block tables, CUDA-graph timing; results/nvidia-h200/decode_replay_pdl_paged_ab.log) twice
-    the dense split count took batch 8 x 65536 from 621 / 558 / 547 us to 500 / 510 / 509 us for
-    P = 16 / 64 / 256 (dense 497) and batch 1 x 65536 from 86.0 / 76.4 / 75.0 to 72.8 / 71.8 / 71.6
-    us (dense 69.5), while three or four times it was slower than twice at every shape tried (a
-    partial third wave); on the dense cache itself a second wave changed nothing (70.3 against 69.5
-    us at batch 1 x 65536). The splits past the first wave's count keep at least
-    DECODE_PAGED_WAVE_MIN_BLOCKS blocks each: for short splits the second wave costs more than it
-    hides (results/nvidia-h200/decode_ab_stop13.log, run 1: at batch 1 x 4096, 64 blocks, 16 splits
-    of 4 blocks against 32 of 2 took 12.2-12.3 against 12.8 us for P = 64 and 256 and 13.0 against
-    13.3 for P = 16, dense 11.7), while batch 1 x 16384 keeps its 32 splits of 8 blocks (24.3 us
-    against 25.2 at 16 splits for P = 64).
+    twice the programs in flight hide it; three or four times as many run a partial third wave and
+    are slower than two, and the dense cache gains nothing from a second wave. The splits past the
+    first wave's count keep at least DECODE_PAGED_WAVE_MIN_BLOCKS blocks each: for shorter splits the
+    second wave costs more than it hides (timings: docs/perf-notes.md, Paged decode, "Plans").
     """
     sm_count = planning_sm_count(device)
     slots = sm_count * (DECODE_PAGED_WAVES if paged else 1)  # programs the splits may fill
@@ -262,24 +239,13 @@ def decode_paged_tiles(config: DecodeConfig, page_size: int, programs: int, num_
     Why: the capped kernel fits 3 programs per SM (70-75 KB of shared memory at D = 64 / 128, against
     102 KB at 4 stages, which fits 2; registers capped by `decode_max_registers` where the grid needs
     more than 2 per SM), which helps split and short grids; a grid of more programs than that runs
-    in waves, and the measured cliff just past one wave fits a short last wave of long programs
-    leaving the memory system idle. On an H200 (bf16, 32:8 heads, append, random block
-    tables, CUDA-graph timing; results/nvidia-h200/decode_ab_stop16.log, runs 2-4), paged / dense:
-    - The threshold: at batch 48 (384 programs, one wave of the capped kernel on 132 SMs) the cap
-      ran 0.85-0.92 at batch 48 x 4096 (dense, 2 per SM, runs a half second wave); at batch 56 (448
-      programs) it ran 1.20-1.33 at D = 64 and 1.31 for P = 16 at D = 128, against 1.00-1.05 at 4 stages.
-    - D = 64, P = 64 / 256 at 4 stages against 3: batch 64 x 4096 1.05 / 1.02 against 1.19 / 1.19,
-      128 x 16384 1.03 / 1.02 against 1.10 / 1.11, 128 x 65536 1.02 / 1.01 against 1.12 / 1.11;
-      but batch 128 x 1024 (8 blocks) 1.09 / 1.03 against 1.01 / 0.98, and batch 32 (256
-      programs, one wave either way) 1.00-1.04 against 0.98-1.03.
-    - D = 64, P = 16 (8 pages per BLOCK_N 128 block, a per-row gather): BLOCK_N 64 at 4 stages ran
-      batch 64 x 4096 1.03, 128 x 1024 1.04, 128 x 4096 1.03, where BLOCK_N 128 at 3 stages ran 1.29,
-      1.10, 1.07 and at 4 stages 1.11, -, 1.12; at batch 1-32 (split, or one wave) BLOCK_N 64 was
-      8-14% slower than 128 at 6 of 8 shapes.
-    - D = 128 (BLOCK_N 64), P = 16 at 4 stages against 3: batch 64 x 4096 1.03 against 1.23, 128 x
-      65536 1.03 against 1.11; P = 64 / 256 within 2% either way; batch 128 x 1024 (16 blocks)
-      1.07 against 1.02 for P = 16, and at the 32-block threshold (batch 128 x 2048) P = 16 went from
-      1.05 to 1.07 while P = 64 / 256 went from 1.03 to 1.01.
+    in waves, and a short last wave of long programs leaves the memory system idle: just past one
+    wave of the capped kernel the 4-stage plan is the faster one. Short caches (fewer than
+    DECODE_DEEP_MIN_BLOCKS blocks) keep the cap, where the capped plan stays the faster one. A block
+    of 8 pages (P = 16 at BLOCK_N 128) is a per-row gather; halved to 4 pages it takes one lookup per page
+    (see [Note] BLOCK_N vs page size in kernels/decode_kernels.py), faster in deep grids though
+    slower at split and one-wave shapes, which keep BLOCK_N. The timings behind each threshold:
+    docs/perf-notes.md, Paged decode, "Plans".
     """
     block_n, stages = config.block_n, min(config.num_stages, DECODE_PAGED_STAGES)
     sm_count = planning_sm_count(device)
@@ -303,10 +269,10 @@ def decode_max_registers(num_warps: int, num_stages: int, paged: bool, programs:
 
     A paged plan of at most DECODE_PAGED_STAGES stages takes 70-75 KB of shared memory on Hopper
     (D <= 128), so 3 programs fit in an SM's 228 KB, but ptxas left to itself gives the unsplit kernel
-    178-186 registers per thread (sm_90, one new token; the offline compiles of [Note] Paged pipelining
-    missed the 1 that Triton specialises seqlen_q = 1 to), and 3 x 128 threads x 178 > 65536: 2 programs
-    per SM. A grid of more than 2 programs per SM (`programs` counts every split) then ran a second wave
-    or a larger one. Capped at 65536 / (3 x 32 x num_warps) = 168 (4 warps) the kernel compiles without
+    178-186 registers per thread (sm_90, one new token, with Triton specialising seqlen_q = 1 to a
+    constant), and 3 x 128 threads x 178 > 65536: 2 programs per SM. A grid of more than 2 programs per
+    SM (`programs` counts every split) then runs a second wave or a larger one. Capped at
+    65536 / (3 x 32 x num_warps) = 168 (4 warps) the kernel compiles without
     spills (sm_90, cuobjdump: no stack) and 3 programs share an SM again. Split and short grids (at most
     2 programs per SM) are left uncapped: there the registers limit nothing; so are plans whose cap would
     fall below DECODE_MIN_REGISTER_CAP (8 warps and more; none on Hopper's table).
@@ -318,7 +284,7 @@ def decode_max_registers(num_warps: int, num_stages: int, paged: bool, programs:
         return None
     per_thread = DECODE_REGISTERS_PER_SM // (DECODE_CAPPED_PROGRAMS_PER_SM * 32 * num_warps) // 8 * 8
     # ptxas allocates registers in groups of 8 per thread; a cap far below what the kernel wants (8 warps: 80)
-    # would spill, and no such plan was measured: those keep their registers
+    # would spill: those plans keep their registers
     return per_thread if per_thread >= DECODE_MIN_REGISTER_CAP else None
 
 

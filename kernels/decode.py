@@ -20,17 +20,15 @@ Lengths given as an int or on the CPU are checked on the host every call, so tho
 replayed. What a replay still does: the signature, the output allocation, the two launches. The
 split scratch (partial outputs and their LSEs) is one fp32 buffer per (device, stream, thread),
 reused by that thread's next call on that stream (stream order makes that safe), allocated afresh
-while a CUDA graph is captured and for every call above 64 MiB. Measured on an H200 (batch 1 x 4096,
-append, device lengths, median CPU time of an eager call without syncs): 20-22 us replayed against
-38 us on the full path and 26 us for SDPA in the same run
-(results/nvidia-h200/decode_replay_pdl_paged_ab.log).
+while a CUDA graph is captured and for every call above 64 MiB. Host time of a replayed call
+against the full path and SDPA: docs/perf-notes.md, Host overhead and replays.
 
 [Note] Combine launch. With a split, the combine kernel is launched with programmatic dependent
 launch on Hopper and newer (`decode_use_pdl`, kernels/_configs.py): every decode program signals at
 its start that dependents may launch (`gdc_launch_dependents`), so once all of them run the combine
 grid is launched too, and its programs wait in `gdc_wait` until the decode grid has finished and its
-writes are visible. The combine's launch latency overlaps the decode grid: 0.5-1.2 us per step at
-batch 1-8 on an H200 (e.g. batch 1 x 16384: 24.7 -> 24.1 us). Without PDL (sm_89, the interpreter,
+writes are visible. The combine's launch latency overlaps the decode grid (what it saves:
+docs/perf-notes.md, Decode, "Combine launch (PDL)"). Without PDL (sm_89, the interpreter,
 KERNELS_PDL=0 at import) both instructions are compiled out and the launches are ordinary ones.
 
 [Note] Chunked prefill. A call with many new tokens per request (seqlen_q >= 128, num_splits=0)
@@ -46,11 +44,9 @@ for dense caches and for pools whose page size is a multiple of BLOCK_N. Two lau
 host syncs, so a chunk step can be captured in a CUDA graph too. When (`_chunked_prefill_pays`):
 at least 128 new tokens, below which the decode kernel's GQA read-once wins, and a prefill grid
 (query blocks x batch x heads) of at least 0.8 x the SM count, since the prefill kernel does not
-split the keys and a small grid leaves SMs idle where the decode kernel splits. Measured on an H200
-(benchmarks/tune_decode.py; results/nvidia-h200/tune_decode.csv, rows chunked_*: append + causal over
-4096 cached keys, 32:8 heads, D = 128, CUDA-graph replay; decode kernel / prefill path): batch 1,
-256 new tokens (64 programs) 61 / 98 us, 512 tokens (128 programs) 125 / 104 us; batch 8, 64
-tokens 111 / 152 us, 128 tokens 218 / 158 us.
+split the keys and a small grid leaves SMs idle where the decode kernel splits. Both thresholds sit
+where the two paths cross over on an H200 (benchmarks/tune_decode.py; docs/perf-notes.md, Chunked
+prefill, "Dispatch").
 
 [Note] Lengths on the device. cache_seqlens is read by the kernel, clamped to [0, N_CACHE]: a bad
 device length can give wrong results but never a read or write outside the buffers; appends past
@@ -162,11 +158,9 @@ def _early_new(append: bool, paged: bool, page_size: int, block_n: int, num_spli
     """Whether the last split loads its first chunk of new rows at its start (EARLY_NEW, see
     [Note] Fused append in kernels/decode_kernels.py): dense caches, pools of whole key blocks per
     page (P % BLOCK_N == 0), and pools that gather a key block from several pages (P = 16, 48 at
-    BLOCK_N 64) when the cache is split. Unsplit, the gathering kernel keeps the late loads: the
-    early tiles take it from 157 to 240 registers per thread (sm_90), and at batch 128 x 1024
-    (P = 16, D = 128, no split) it ran 147 against 140 us on an H200, while split shapes gained up to
-    0.6 us (batch 1 x 1024 8.3 -> 7.7 us, 1 x 4096 13.0 -> 12.4; D = 64, P = 16 and 64: 0.4-1.0 us at
-    batch 1-8; results/nvidia-h200/decode_ab_stop13.log, run 3)."""
+    BLOCK_N 64) when the cache is split. Unsplit, the gathering kernel keeps the late loads: there
+    the early tiles' extra registers per thread cost more than the round trip they save, while split
+    shapes gain (docs/perf-notes.md, Decode, "Early new row")."""
     return append and (not paged or page_size % block_n == 0 or num_splits > 1)
 
 
@@ -476,7 +470,7 @@ class _Replay(NamedTuple):
 
 _REPLAYS: dict = {}  # `_replay_key` -> _Replay
 _REPLAYS_MAX = 1024
-# the current CUDA device's index: torch.cuda.current_device() without its Python wrapper (0.17 vs 0.32 us)
+# the current CUDA device's index: torch.cuda.current_device() without its Python wrapper (about half the cost)
 _current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 
 

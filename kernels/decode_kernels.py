@@ -47,16 +47,13 @@ its own page, so an append crossing page boundaries writes each row to its own p
 may share pages they only read (prefix sharing), but a page appended into must be one request's.
 The last split streams its share of the cached keys like every other split, then the new rows, so
 it ends last; loading those rows only then (and, paged, their table entries) would add a memory
-round trip or two at the end of the grid. With EARLY_NEW (dense caches and pools whose pages hold
-whole key blocks, P % BLOCK_N == 0: `_early_new`) it loads the first BLOCK_NEW new rows and their
-page entries at its start, under the cached keys' loads (the other splits' loads of them are fully
-masked). Measured on an H200 (bf16, 32:8 heads, D = 128, one new token, CUDA-graph replay;
-results/nvidia-h200/decode_ab_stop13.log, run 1): dense batch 1 x 16384 23.8 -> 22.7 us, 1 x 65536
-69.8 -> 66.7, 8 x 4096 39.4 -> 37.8, 128 x 1024 137.8 -> 133.5; P = 64 and 256 from 0.2 us slower
-(batch 1 x 65536) to 5.7 us faster (128 x 1024). Pools that gather a key block from several pages
-(P = 16, 48) load early only when split: unsplit, the early tiles' registers (157 -> 240 per
-thread) cost more than the round trip (run 3 of that log). The cost on sm_90: 168 registers
-instead of 144 for the dense kernel with an append, 4 KB more shared memory.
+round trip or two at the end of the grid. With EARLY_NEW (`_early_new` in kernels/decode.py: dense
+caches, pools whose pages hold whole key blocks, P % BLOCK_N == 0, and split pools that gather a
+key block from several pages) it loads the first BLOCK_NEW new rows and their page entries at its
+start, under the cached keys' loads (the other splits' loads of them are fully masked). The early
+tiles cost registers and a little shared memory; an unsplit gathering kernel (P = 16, 48) keeps the
+late loads, since there the extra registers cost more than the round trip they save (timings and
+register counts: docs/perf-notes.md, Decode, "Early new row").
 
 [Note] One loop for short splits. A split streams its whole blocks through an unmasked loop, then
 its ragged tail (the last cached keys when L_b is not a multiple of BLOCK_N, and without an append
@@ -65,11 +62,8 @@ tail's tiles are requested only when the first loop is done: one memory round tr
 no other work hides when the splits are short and there is one program per SM. With ONE_LOOP
 (`_one_loop`: splits of at most DECODE_ONE_LOOP_MAX_BLOCKS blocks, kernels/_configs.py) every block
 takes the masked loop, so the tail comes through the same pipeline; the masks cost a little per
-block, which long splits pay more often than the round trip they save. Measured on an H200 (bf16,
-32:8 heads, D = 128, one new token, L_b = n - 1, CUDA-graph replay;
-results/nvidia-h200/decode_ab_stop14.log): dense batch 1 x 4096 11.7 -> 10.7 us, 1 x 16384 22.7 ->
-22.1, 128 x 1024 132.6 -> 129.9; P = 64 batch 1 x 4096 12.2 -> 10.6, 1 x 16384 24.3 -> 22.8; but
-dense batch 1 x 65536 (64 blocks per split) 66.6 -> 67.4, so long splits keep the two loops.
+block, which long splits pay more often than the round trip they save, so long splits keep the two
+loops (where the crossover lies on Hopper: docs/perf-notes.md, Decode, "One loop for short splits").
 
 [Note] Empty KV splits. The split size is a fixed multiple of BLOCK_N computed from the allocated
 N_CACHE and num_splits, never from the current lengths (they live on the device). A split
@@ -84,11 +78,10 @@ are masked (token t sees new keys 0..t); without one, the last M - 1 cached keys
 [Note] Paged caches. Logical key j of request b lives in row j % P of physical block
 Block_table[b, j // P]; `kv_row_offsets` / `kv_block_offsets` (kernels/_jit.py) turn (block,
 row) into an int64 offset with the pool's block and row strides, so pool views with any strides
-work (see [Note] Paged address arithmetic). Paging is a constexpr: with PAGED=False the paging arguments are
-passed as None (Triton makes them constexprs) and every paged branch is compiled out, so the dense
-kernel is the very code it was before paging existed (its TTGIR and PTX for sm_90 were compared
-identical, line info aside). The grid, the splits and the heuristic see a paged request as a dense
-one of N_CACHE = max_blocks_per_seq * P keys.
+work (see [Note] Paged address arithmetic). Paging is a constexpr: with PAGED=False the paging
+arguments are passed as None (Triton makes them constexprs) and every paged branch is compiled out,
+so the dense kernel carries none of the paging code. The grid, the splits and the heuristic see a
+paged request as a dense one of N_CACHE = max_blocks_per_seq * P keys.
 
 [Note] BLOCK_N vs page size. A key block of BLOCK_N rows may span several pages (P < BLOCK_N) or a
 page several key blocks (P >= BLOCK_N). Rather than tie BLOCK_N to P (48 would force BLOCK_N = 16,
@@ -96,18 +89,14 @@ P = 8 a block of 8 rows, too small for `tl.dot`, and a decode tuned at BLOCK_N =
 tuning), the kernel keeps the dense BLOCK_N and finds each key's physical row (`physical_blocks`):
 - P % BLOCK_N == 0 (e.g. 64 and 256 at BLOCK_N 64): key blocks start at multiples of BLOCK_N
   (splits are whole blocks), so a block lies in one page: one table entry per block, a scalar load.
-- BLOCK_N % P == 0 with at most 4 pages per block (P = 16 and 32 at BLOCK_N 64; 32 and 64 at
-  BLOCK_N 128): one entry per page, broadcast over the page's rows (`tl.reshape` of a [pages, P]
-  broadcast). Per-key entries (below) would cost each thread a table load per row it holds (8 at
-  D = 128, twice since the K and the V tile each re-derive them) where this costs one per page: on
-  sm_90, P = 16 went from 241 to 192 registers and from 16 to 4 table loads per thread in the loop,
-  and on an H200 (bf16, 32:8 heads, append, CUDA-graph replay; results/nvidia-h200/
-  decode_ab_stop14.log, run 4) P = 16 at D = 128 took 11.3 against 12.0 us at batch 1 x 4096, 14.6
-  against 15.5 at 8 x 1024 and 128.4 against 132.8 at 32 x 4096, faster at every shape, and P = 64
-  at D = 64 (2 pages per block) 0.5-0.9 us less at batch 1-8. With 8 pages per block (P = 16 at
-  D = 64) it was slower at 6 of 11 shapes, and again (decode_ab_stop16.log, run 2) 1-3% faster at
-  batch 1 x 1024-4096 and 8 x 1024 but up to 4.5% slower elsewhere, so more pages per block keep the
-  per-key gather; an unsplit deep grid instead halves BLOCK_N to 4 pages (decode_paged_tiles).
+- BLOCK_N % P == 0 with at most DECODE_GATHER_MAX_PAGES = 4 pages per block (P = 16 and 32 at
+  BLOCK_N 64; 32 and 64 at BLOCK_N 128): one entry per page, broadcast over the page's rows
+  (`tl.reshape` of a [pages, P] broadcast). Per-key entries (below) would cost each thread a table
+  load per row it holds (8 at D = 128, twice since the K and the V tile each re-derive them) where
+  this costs one per page, and more registers. With 8 pages per block (P = 16 at D = 64) the
+  per-page form is not reliably faster on Hopper, so such blocks keep the per-key gather; an unsplit
+  deep grid instead halves BLOCK_N to 4 pages (decode_paged_tiles). Timings: docs/perf-notes.md,
+  Paged decode, "Page lookups per key block".
 - otherwise (P = 48 and P <= 8 at BLOCK_N 64, P = 16 at BLOCK_N 128): each key gathers its own
   table entry (BLOCK_N int32 loads from one cached table row, as vLLM's paged attention does); rows
   are still loaded whole, so a K/V row is as coalesced as in the dense cache (a row of one KV head is
@@ -120,27 +109,17 @@ see [Note] Paged pipelining), later ones by N_b.
 
 [Note] Paged address arithmetic. A key's offset is block * stride_b (64 bits: pools pass 2^31
 elements) plus its row inside the page times stride_n, which is below (P - 1) * stride_n and so
-computed in 32 bits: the int64 multiplies and adds per row were most of the loop's integer work
-(offline sm_90, split, append, one loop: 618 instructions per iteration for P = 16 at D = 64 against
-428 dense, 316 of them integer address arithmetic). `kv_block_offsets` also writes the in-page row
-from the key block's alignment (start_n is a multiple of BLOCK_N): start_n % P + offs_n when a page
-holds whole blocks, offs_n % P, the same for every block, when a block holds whole pages. The loop
-body went to 453 instructions at P = 16 / D = 64, 407 at P = 64 / D = 64 and 401-412 at D = 128.
-Interleaved on an H200 (results/nvidia-h200/decode_ab_stop17.log, runs 1-2) P = 16 at D = 64 went
-from 1.07-1.10 of dense to 1.00-1.05 at batch 1 / 8 / 32 x 1024-4096, and P = 64 / 256 gained up to
-5.5% at split shapes. Not kept: hoisting the rest of the offset out of the loop too (the
-page-holds-blocks case as a scalar plus a loop-invariant vector, and the same for the dense path):
-fewer instructions (dense D = 128: 389 -> 334) but 1-11% slower at D = 128 split shapes (dense batch
-1 x 16384: 24.6 against 22.1 us). The same change left the unsplit 3-stage kernel at 178-186 registers
-(as compiled on the device, with seqlen_q = 1 a constexpr), 2 programs per SM instead of the 3 its
-shared memory allows (the earlier kernel's registers on the device were not read; its 0.84 of dense at
-batch 40 x 4096 fits 3 per SM): P = 64 at D = 64, batch 128 x 1024 went from 1.006 to 1.051 of dense,
-and off the grid, batch 40 / 48 x 4096 at D = 128, P = 16 from 0.84 / 0.92 to 1.12 / 1.05. The register
-cap of `decode_max_registers` (kernels/_configs.py, see [Note] Paged pipelining) took them back to 1.009
-and 0.86 / 0.91 (results/nvidia-h200/decode_ab_stop18.log, run 3). A
-pool whose page rows lie 2^31 / (P - 1) elements apart or more (a permuted (P, num_blocks, ...)
-buffer) would overflow the 32-bit in-page offset; the host sees it from the strides (`wide_pages`)
-and compiles such calls with WIDE_PAGES, 64-bit in-page offsets.
+computed in 32 bits: int64 multiplies and adds per row would be most of the loop's integer work.
+`kv_block_offsets` also writes the in-page row from the key block's alignment (start_n is a multiple
+of BLOCK_N): start_n % P + offs_n when a page holds whole blocks, offs_n % P, the same for every
+block, when a block holds whole pages. The rest of the offset stays in the loop: hoisting it (a
+scalar plus a loop-invariant vector) takes fewer instructions but runs slower at split shapes on
+Hopper (instruction counts and timings: docs/perf-notes.md, Paged decode, "In-page offsets in 32
+bits"). The unsplit 3-stage kernel's registers are capped so that 3 programs share an SM
+(`decode_max_registers`, kernels/_configs.py; see [Note] Paged pipelining). A pool whose page rows
+lie 2^31 / (P - 1) elements apart or more (a permuted (P, num_blocks, ...) buffer) would overflow
+the 32-bit in-page offset; the host sees it from the strides (`wide_pages`) and compiles such calls
+with WIDE_PAGES, 64-bit in-page offsets.
 
 [Note] Paged pipelining. Triton's software pipeliner gives each load that feeds a `tl.dot` a
 latency of (num_stages - 1) // (indirection level + 1) iterations (AssignLatencies.cpp). Looking
@@ -154,53 +133,32 @@ sm_90 TTGIR/PTX). The table load does not get a free iteration, though: the pipe
 tile num_stages - 1 iterations ahead, and for it re-derives that block's page lookup inside the
 iteration, a plain load (an L1 hit after a split's first block) that the tile's cp.async waits for;
 the loop-carried value only hands the first block to the next loop (sm_90 TTGIR at 3 stages).
-(Fetching two blocks ahead instead, through two loop-carried values, made the pipeliner give up:
-the tiles became plain loads. The natural form, the lookup in its own tile's iteration, at 5 or 7
-stages, lets the pipeliner stage the table entries too, by cp.async two iterations before their
-tiles, but was slower at 27 of 30 shape / page-size points on an H200, by up to 2.5 us:
-results/nvidia-h200/decode_ab_stop13.log, run 2.)
+The other forms lose: fetching two blocks ahead, through two loop-carried values, makes the
+pipeliner give up (the tiles become plain loads); the lookup in its own tile's iteration, at 5 or 7
+stages, lets the pipeliner stage the table entries too (cp.async two iterations before their
+tiles) but runs slower on Hopper (docs/perf-notes.md, Paged decode, "Pipelining the page lookup").
 The split's first lookup is bounded by the capacity N_CACHE rather than by L_b, so it can be issued
 with the length's load instead of after it (entries past the request's pages are clamped and never
-used; on its own this measured no change at P = 64 / 256). It also comes before the query load in
-the source: the query tile reaches the dot's layout through shared memory, behind a barrier that
-waits for the tile to arrive, and ptxas keeps later loads after that barrier (sm_90 SASS), so a
-lookup placed after the query load was issued one memory round trip late. Interleaved on an H200
-(decode_ab_stop15.log, run 1) the move made P = 16 0.1-0.6 us faster at 6 of 11 shapes (batch 1 x
-1024 7.23 -> 7.11 us, 1 x 65536 68.55 -> 68.16, 128 x 1024 133.0 -> 132.4; 0.3% slower at 32 / 128 x
-4096) and moved P = 64 / 256 by less than 0.2 us at most shapes; issuing the last split's early
-new-row loads before the query too gained nothing more.
-Paged caches run at most DECODE_PAGED_STAGES = 3 pipeline stages, against the dense config's 4,
-which measured faster at almost every split or one-wave shape (kernels/_configs.py); an unsplit grid
-of more programs than the 3-stage kernel fits at once (3 per SM) keeps the config's stages, and
-halves a BLOCK_N that would gather 8 pages (P = 16 at D <= 64), see decode_paged_tiles. Offline
-sm_90 compiles (bf16, D = 128, the Hopper config, split, causal, with an append; cuobjdump
--res-usage; before the 32-bit in-page offsets of 2f0d92a) show no spills: the dense kernel uses 168
-registers with two loops and 184 with ONE_LOOP (109 without an append) and 106 KB of shared memory
-for its 4 stages, the paged kernel 242-243 with two loops (P = 16 / 64, the early append) and
-192 / 243 with ONE_LOOP, and 74 KB for its 3. Those compiles passed seqlen_q as a plain integer;
-Triton specialises the 1 of a decode step to a constant, and so compiled on the device the unsplit
-3-stage paged kernel of 2f0d92a takes 178-186 registers (D = 64 / 128, one new token; 70-75 KB), too
-many for 3 programs of 4 warps in an SM's 65536 registers. So a stage-capped paged plan in a grid of
-more than 2 programs per SM is compiled with Triton's maxnreg = 168 (`decode_max_registers`; no
-spills on sm_90) and 3 programs share an SM, as their shared memory allows.
-What the pipeline does not hide is the scatter itself: with one program
-per SM (the dense split rule) a paged request streamed 8-21% slower than a dense one at batch 1-8
-(P = 16: 621 against 497 us at batch 8 x 65536), so paged caches split over two programs per SM when
-the splits stay long enough (DECODE_PAGED_WAVES, DECODE_PAGED_WAVE_MIN_BLOCKS in
-kernels/_configs.py). Timed on an H200 (bf16, 32:8 heads, random block tables) in the 219a0ab grid
-(results/nvidia-h200/bench_decode.csv, 16 shapes of batch 1-128 x 1024-65536 per head dim),
-paged / dense was at most 1.029 for P = 64 and 1.028 for P = 256 at D = 128, 1.041 and 1.032 at
-D = 64; P = 16 at most 1.046 at D = 64 and, at D = 128, 1.054 at batch 1 x 16384, the one point above 1.05 (1.066 /
-1.063 in the 8aeb96e / c1c3755 grids): not occupancy (its split grid needs 2 programs per SM). A sorted block table
-ran it at 1.040 (the pages' scatter); the rest is not the 4-page gather: on one sorted pool the P = 64 addressing
-inside this kernel ran 23.52 against 22.95 us; L1 prefetches of the table, 16-byte lookups and BLOCK_N 32 gained
-nothing; the point measures 1.044-1.065 from process to process (decode_ab_stop18.log, run 2;
-decode_ab_stop19.log). On the very same pool (sorted) the P = 64 kernel, reading it as 64-row pages, runs
-1.004-1.010 of dense against 1.037-1.043: the cost is this kernel's code, not memory; per-key or scalar lookups,
-loop-variant in-page rows, packed KV heads and 4 page tiles per key block were no faster with an append
-(decode_ab_stop21.log), and TMA page tiles (tensor descriptors) were slower at every shape (for P = 64 at 11 of 12;
-decode_ab_stop22.log). Earlier grids' dense batch 1 x 1024 was
-the process's first CUDA-graph timing, which reads ~0.35 us fast (decode_ab_stop15.log, runs 2-3; now discarded).
+used). It also comes before the query load in the source: the query tile reaches the dot's layout
+through shared memory, behind a barrier that waits for the tile to arrive, and ptxas keeps later
+loads after that barrier (sm_90 SASS), so a lookup placed after the query load would be issued one
+memory round trip late.
+Paged caches run at most DECODE_PAGED_STAGES = 3 pipeline stages, against the dense config's 4 on
+Hopper: at 3 stages the kernel's shared memory fits 3 programs per SM instead of 2, faster at split
+and one-wave shapes (docs/perf-notes.md, Paged decode, "Plans"). An unsplit grid of more programs
+than the 3-stage kernel fits at once (3 per SM) keeps the config's stages, and halves a BLOCK_N that
+would gather 8 pages (P = 16 at D <= 64), see decode_paged_tiles. Compiled on the device (Triton
+specialises the seqlen_q = 1 of a decode step to a constant) the unsplit 3-stage paged kernel takes
+more registers than 3 programs of 4 warps can share in an SM's 65536, so a stage-capped paged plan
+in a grid of more than 2 programs per SM is compiled with Triton's maxnreg = 168
+(`decode_max_registers`; no spills on sm_90) and 3 programs share an SM, as their shared memory
+allows.
+What the pipeline does not hide is the scatter itself: with one program per SM (the dense split
+rule) a paged request streams markedly slower than a dense one at small batches, so paged caches
+split over two programs per SM when the splits stay long enough (DECODE_PAGED_WAVES,
+DECODE_PAGED_WAVE_MIN_BLOCKS in kernels/_configs.py). Paged against dense step time over the H200
+grid, its one point above 5% (P = 16 at D = 128, batch 1 x 16384) and the causes ruled out for it:
+docs/perf-notes.md, Paged decode.
 
 [Note] Bad block-table entries. A CPU block_table is checked on the host (ValueError for an entry
 outside [0, NUM_BLOCKS) among those the call uses). A device block_table cannot be checked without
@@ -492,9 +450,8 @@ def combine_kernel(
     lse_parts = tl.load(Lse_part + row * NUM_SPLITS + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
     # Empty splits' outputs are not read. Every split does write its partial (zeros for an empty one), so
     # the outputs could be loaded together with the LSEs, but then ptxas spreads those loads among the
-    # merge's arithmetic, one round trip after another: 1.4-2.2 us more per step at batch 1 on an H200
-    # (16 splits; results/nvidia-h200/decode_ab_stop12.log, run 1). Masked by the LSEs, they all issue
-    # at once when the LSEs land.
+    # merge's arithmetic, one round trip after another, a slower step (docs/perf-notes.md, Decode, "What
+    # remains of a batch 1 x 16384 step"). Masked by the LSEs, they all issue at once when the LSEs land.
     nonempty = lse_parts != float("-inf")
     o_parts = tl.load(Out_part + (row * NUM_SPLITS + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
                       mask=nonempty[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)  # [SPLITS_PAD, D_PAD]

@@ -29,8 +29,8 @@ strides, tiles are loaded through device-side tensor descriptors (TMA) bounded b
 head)'s [rows, D] slice, so out-of-range rows and padded head dims read as zero without masks;
 descriptors need a scratch allocator, which `_ensure_tma_allocator` installs unless the user set
 one. Elsewhere (older GPUs, the interpreter, fp32, unaligned views) tiles are loaded through masked
-pointers. On an H200 the pointer path reached only ~100 TFLOP/s against ~520 for descriptors
-(results/nvidia-h200/tune_fwd.csv): unaligned views are correct there, not fast.
+pointers. On Hopper the pointer path is several times slower than the descriptor path
+(docs/perf-notes.md, Prefill): unaligned views are correct there, not fast.
 
 [Note] Causal with M != N. Query i sees key j iff j <= i + N - M (flash-attn >= 2.1). When M > N
 the first M - N rows see nothing: they output zeros and LSE = +inf (see kernels/_jit.py).
@@ -45,7 +45,7 @@ padding. Causal masks are bottom-right per sequence (diag = N - M of that sequen
 tensor-descriptor path the descriptors start at the sequence's first row with shape [its length,
 D], so each sequence keeps zero-filled bounds. LSE and Delta are (H, total_q), flash-attn's packed
 layout. Every varlen argument defaults to None / False, and with IS_VARLEN=False all varlen code
-is compiled out: the dense kernels are exactly what they were before varlen was added.
+is compiled out: the dense kernels carry none of the varlen code.
 
 [Note] Chunked prefill over a cache. flash_attn_with_kvcache hands a long chunk (see kernels/decode.py
 [Note] Chunked prefill) to the forward kernel with IS_KVCACHE=True: K and V are then a KV cache, N

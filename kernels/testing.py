@@ -36,7 +36,7 @@ FP32_AGREEMENT = (1e-5, 5e-3)
 # fp16/bf16 inputs), so they agree to fp32 rounding of the sum (~1e-6 under the interpreter). fp32
 # inputs on a GPU go through tf32, whose conversion truncates the mantissa to 10 bits: score errors
 # are biased and grow with |score|, so the LSE (dominated by the largest scores) gets a relative
-# term too (5.4e-3 measured at |lse| ~ 7 on an H200).
+# term too (5.4e-3 at |lse| ~ 7 on an H200).
 LSE_ATOL = {torch.float16: 1e-3, torch.bfloat16: 1e-3, torch.float32: 1e-4}
 LSE_FP32_GPU = (5e-3, 2e-3)  # (atol, rtol)
 
