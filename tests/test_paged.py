@@ -450,7 +450,8 @@ def test_capped_registers_compile_and_match_dense(page_size):
     out_dense = flash_attn_with_kvcache(q, k_dense, v_dense, k, v, cache_seqlens=i32(lengths))
     assert_close_to_ref(out, ref32, ref_same)
     assert_paged_equals_dense(out, out_dense, dtype, f"capped registers, page_size={page_size}, {plan}")
-    # the launch cache's keys: (caller key (signature, ...), constexpr values, None flags, warps, stages, pdl, maxnreg)
+    # the launch cache's keys: (caller key (signature, ...), constexpr values, argument classes, warps, stages,
+    # pdl, maxnreg)
     sig = decode._signature(q, k_pool, v_pool, k, v, table)
     constexpr_names = [decode._launch_decode.names[i] for i in decode._launch_decode.constexprs]
     compiled = []
