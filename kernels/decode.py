@@ -769,7 +769,7 @@ def _kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax
         sig = _signature(q, k_cache, v_cache, k, v, block_table)
     except AttributeError:  # not tensors: validation names the problem
         sig = None
-    replay_key = None
+    replay_key = options = None
     if sig is not None and not _INTERPRET:  # a repeat of a validated call: replay its launches
         try:
             options = attn_options(q.shape[-1], softmax_scale, causal)
@@ -788,7 +788,8 @@ def _kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax
                 _VALIDATED_SIGNATURES.clear()
             _VALIDATED_SIGNATURES.add(sig)
     _validate_num_splits(num_splits)
-    options = attn_options(q.shape[3], softmax_scale, causal)
+    if options is None:  # not built by the replay attempt above
+        options = attn_options(q.shape[3], softmax_scale, causal)
     seqlen_new = q.shape[1] if k is not None else 0
     if block_table is None:
         seqlens, table = _resolve_cache_seqlens(cache_seqlens, q.shape[0], seqlen_new, k_cache.shape[1], q.device), None
