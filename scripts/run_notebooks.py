@@ -5,8 +5,12 @@ does), matplotlib on the Agg backend, and TRITON_INTERPRET=1 set before anything
 when PyTorch sees no GPU. IPython-only lines (`!pip ...`, `%magic`) are skipped with a note. Outputs
 are not written back: notebooks save their figures to files themselves.
 
+With --write the notebooks run in a real Jupyter kernel instead (nbclient and ipykernel must be installed)
+and are saved in place with their outputs, as they are committed after a run on the GPU.
+
     python scripts/run_notebooks.py                  # every notebooks/*.ipynb, in name order
     python scripts/run_notebooks.py notebooks/01_gqa.ipynb --keep-going
+    python scripts/run_notebooks.py --write          # execute in Jupyter, save the outputs
 
 Exit status: 0 when every notebook ran, 1 otherwise (the failing cell's traceback is printed).
 """
@@ -26,9 +30,11 @@ from typing import List, Optional
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def _setup_environment() -> None:
-    """Headless matplotlib, and the Triton interpreter when PyTorch sees no GPU."""
-    os.environ.setdefault("MPLBACKEND", "Agg")
+def _setup_environment(jupyter: bool = False) -> None:
+    """Headless matplotlib (a Jupyter kernel keeps its inline backend, so figures become outputs), and the
+    Triton interpreter when PyTorch sees no GPU."""
+    if not jupyter:
+        os.environ.setdefault("MPLBACKEND", "Agg")
     import torch
 
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
@@ -100,23 +106,49 @@ def run_notebook(path: Path) -> bool:
     return True
 
 
+def write_notebook(path: Path) -> bool:
+    """Execute the notebook at `path` in a Jupyter kernel (nbclient) and save it in place with its outputs,
+    also when a cell fails (the traceback is then the failing cell's output); True on success."""
+    import nbformat
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError
+
+    path = path.resolve()
+    nb = nbformat.read(path, as_version=4)
+    print(f"== {path}: executing in a Jupyter kernel", flush=True)
+    start = time.perf_counter()
+    client = NotebookClient(nb, timeout=None, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}})
+    ok = True
+    try:
+        client.execute()
+    except CellExecutionError as exc:
+        print(f"!! {path.name}: {exc}", file=sys.stderr)
+        ok = False
+    finally:
+        nbformat.write(nb, path)
+    print(f"== {path.name}: {'ok' if ok else 'FAILED'} in {time.perf_counter() - start:.1f} s, saved", flush=True)
+    return ok
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Parse arguments, run the notebooks, return the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("notebooks", nargs="*", type=Path, help="notebooks to run (default: notebooks/*.ipynb)")
     parser.add_argument("--keep-going", action="store_true", help="run the remaining notebooks after a failure")
+    parser.add_argument("--write", action="store_true",
+                        help="execute in a Jupyter kernel (nbclient) and save each notebook with its outputs")
     args = parser.parse_args(argv)
 
     paths = args.notebooks or sorted((REPO_ROOT / "notebooks").glob("*.ipynb"))
     if not paths:
         print("no notebooks found under notebooks/", file=sys.stderr)
         return 1
-    _setup_environment()
+    _setup_environment(jupyter=args.write)
     print(f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}, {len(paths)} notebook(s)")
 
     failed = []
     for path in paths:
-        if not run_notebook(Path(path)):
+        if not (write_notebook if args.write else run_notebook)(Path(path)):
             failed.append(str(path))
             if not args.keep_going:
                 break
