@@ -486,7 +486,13 @@ def run_suite(suites: Sequence[str], shapes: Sequence[Any], *, peers: Optional[S
     results/<gpu>/bench_<suite>.csv with the GPU and versions (rows already measured at this commit
     are skipped). Figures are left to the notebook's own views."""
     suite.run(tuple(suites), shapes={name: list(shapes) for name in suites}, peers=peers, dtypes=dtypes,
-              figures_dir=None, flex=False)
+              figures_dir=None, flex=False, log=say)
+
+
+def say(line: str) -> None:
+    """Print one line of a benchmark run. Passed as the suite's `log`, it also turns the progress bar off:
+    the line per measurement is the progress, and a saved notebook keeps no bar redraws."""
+    print(line, flush=True)
 
 
 def bench_results(*suites: str):
