@@ -86,6 +86,9 @@ def _shape_text(suite: str, r: Mapping[str, Any]) -> str:
                 f"{'causal' if r['causal'] else 'non-causal'}")
     if suite == "decode":
         return f"B={r['batch']} L={r['cache_len']} {r['nheads']}:{r['nheads_k']} D={r['head_dim']}"
+    if suite == "decode_splits":
+        return (f"B={r['batch']} L={r['cache_len']} q={r['seqlen_q']} {r['nheads']}:{r['nheads_k']} "
+                f"D={r['head_dim']}")
     return f"B={r['batch']} L={r['cache_len']} chunk={r['chunk']} {r['nheads']}:{r['nheads_k']} D={r['head_dim']}"
 
 

@@ -334,6 +334,13 @@ def _needs_enable_gqa(nheads: int, nheads_k: int) -> Optional[str]:
     return None
 
 
+def _efficient_gqa(nheads: int, nheads_k: int) -> Optional[str]:
+    """SDPA's memory-efficient backend takes no enable_gqa (it raises "No available kernel")."""
+    if nheads != nheads_k:
+        return "SDPA's memory-efficient backend has no GQA kernel (enable_gqa runs on flash, cuDNN or math)"
+    return None
+
+
 def _sdpa_backend_fn(backend_attr: str):
     """SDPA restricted to one backend on (b, h, s, d) tensors, or a reason why this torch cannot do it."""
     try:
@@ -417,7 +424,8 @@ def prefill_peers(ctx: Context, log: Callable[[str], None] = print) -> List[Pref
         if fn is None:
             log(f"skip {LABELS[name]}: {reason}")
             continue
-        peers.append(PrefillPeer(name, "bhsd", fn, lambda s, *a: _needs_enable_gqa(s.nheads, s.nheads_k)))
+        gqa = _efficient_gqa if name == "sdpa_efficient" else _needs_enable_gqa
+        peers.append(PrefillPeer(name, "bhsd", fn, lambda s, *a, gqa=gqa: gqa(s.nheads, s.nheads_k)))
     if ctx.flex:
         reason = _flex_available()
         if reason is None:
