@@ -117,7 +117,8 @@ def write_notebook(path: Path) -> bool:
     nb = nbformat.read(path, as_version=4)
     print(f"== {path}: executing in a Jupyter kernel", flush=True)
     start = time.perf_counter()
-    client = NotebookClient(nb, timeout=None, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}})
+    client = NotebookClient(nb, timeout=None, kernel_name="python3", record_timing=False,
+                            resources={"metadata": {"path": str(path.parent)}})
     ok = True
     try:
         client.execute()
