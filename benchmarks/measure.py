@@ -295,7 +295,7 @@ def time_cuda_graph(fn: Callable[[], Any], *, rep: int = 100, repeat: int = 1) -
 
     The first graph timing of a process is measured twice and the first result dropped: on an H200
     it read about 0.35 us (5%) fast for a 6.8-us decode step, whichever kernel came first, and never
-    again in that process (results/nvidia-h200/decode_ab_stop15.log, runs 2-3).
+    again in that process (docs/perf-notes.md, "Measurement method").
     """
     global _GRAPH_TIMED
     _require_gpu("time_cuda_graph")
