@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from kernels import flash_attn_func, flash_attn_with_kvcache
 from kernels._configs import prefill_bwd_config, prefill_fwd_config
 from kernels._options import head_dim_tile
-from kernels._utils import gpu_name, has_gpu
+from kernels._utils import device_target, gpu_name, has_gpu
 from kernels.decode import _chunked_prefill_pays, _plan
 from kernels.reference import (
     attention_eager,
@@ -468,9 +468,9 @@ def prefill_config(dtype: torch.dtype, head_dim: int, causal: bool, device: torc
     """The config table's choice for our prefill kernels (kernels/_configs.py), as text."""
     try:
         pad = head_dim_tile(head_dim)
-        text = "fwd " + _cfg(prefill_fwd_config(pad, dtype, causal, device))
+        text = "fwd " + _cfg(prefill_fwd_config(pad, dtype, causal, device_target(torch.device(device))))
         if mode == "fwd_bwd":
-            kv, dq = prefill_bwd_config(pad, dtype, causal, device)
+            kv, dq = prefill_bwd_config(pad, dtype, causal, device_target(torch.device(device)))
             text += f"; bwd dkdv {_cfg(kv)} dq {_cfg(dq)}"
         return text
     except Exception as exc:  # a private detail: record it as unknown rather than fail a run
@@ -479,9 +479,8 @@ def prefill_config(dtype: torch.dtype, head_dim: int, causal: bool, device: torc
 
 def _plan_of(batch: int, seqlen_q: int, nheads: int, nheads_k: int, head_dim: int, seqlen_cache: int,
              dtype: torch.dtype, device: torch.device, page_size: int = 0, num_splits: int = 0):
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return _plan(batch, seqlen_q, nheads, nheads_k, head_dim, seqlen_cache, dtype, device, num_splits, page_size)
+    return _plan(batch, seqlen_q, nheads, nheads_k, head_dim, seqlen_cache, dtype, device_target(torch.device(device)),
+                 num_splits, page_size)
 
 
 def decode_splits_used(batch: int, seqlen_q: int, nheads: int, nheads_k: int, head_dim: int, seqlen_cache: int,
@@ -508,7 +507,7 @@ def kvcache_config(batch: int, seqlen_q: int, nheads: int, nheads_k: int, head_d
                    dtype: torch.dtype, device: torch.device, causal: bool) -> str:
     """What flash_attn_with_kvcache runs for this shape (num_splits=0): the decode plan, or, for a chunk
     that decode._chunked_prefill_pays for, an append launch then the prefill forward."""
-    if _chunked_prefill_pays(batch, seqlen_q, nheads, head_dim, dtype, causal, torch.device(device)):
+    if _chunked_prefill_pays(batch, seqlen_q, nheads, head_dim, dtype, causal, device_target(torch.device(device))):
         return "append + prefill " + prefill_config(dtype, head_dim, causal, device, "fwd")
     return "decode " + decode_config(batch, seqlen_q, nheads, nheads_k, head_dim, seqlen_cache, dtype, device)
 

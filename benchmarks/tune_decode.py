@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from kernels import _configs, decode, flash_attn_with_kvcache
 from kernels._launch import LaunchCache
+from kernels._utils import device_target
 from kernels.reference import attention_ref
 from kernels.testing import rel_err
 
@@ -108,7 +109,7 @@ def main() -> int:
                 except Exception as e:  # out of resources etc.
                     print(f"  FAIL {cfg} splits={ns}: {type(e).__name__}: {str(e)[:100]}", flush=True)
                     continue
-                plan = decode._plan(B, 1, H, HK, D, L, torch.bfloat16, q.device, ns)
+                plan = decode._plan(B, 1, H, HK, D, L, torch.bfloat16, device_target(q.device), ns)
                 tbps = nbytes / ms / 1e9
                 rows.append(make_row(kernel="ours", batch=B, seqlen_cache=L, block_n=cfg.block_n,
                                      num_warps=cfg.num_warps, num_stages=cfg.num_stages, num_splits=ns,

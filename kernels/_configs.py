@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from ._utils import device_capability, device_sm_count, device_smem_bytes, is_interpreter
+from ._utils import Target
 
 HOPPER_SMEM = 200 * 1024  # a device with at least this much smem per block gets the big-tile table
 
@@ -55,7 +55,7 @@ _HOPPER_FWD = {
     256: AttnConfig(128, 64, 8, 2, True),
 }
 
-# Ampere/Ada and other GPUs with ~100 KB smem per block (Colab's L4): tiles that fit.
+# Ampere/Ada with 99 KB or more smem per block (A10, Colab's L4, A100): tiles that fit.
 _SMALL_SMEM_FWD = {
     16: AttnConfig(128, 64, 4, 3),
     32: AttnConfig(128, 64, 4, 3),
@@ -63,19 +63,40 @@ _SMALL_SMEM_FWD = {
     128: AttnConfig(128, 64, 8, 2),
     256: AttnConfig(64, 32, 4, 2),
 }
+# Turing (T4: 64 KB per block, no bf16): the largest tiles whose compile fits it.
+_TINY_SMEM_FWD = {
+    16: AttnConfig(128, 64, 4, 3),
+    32: AttnConfig(128, 64, 4, 3),
+    64: AttnConfig(64, 64, 4, 2),
+    128: AttnConfig(64, 32, 4, 2),
+    256: AttnConfig(32, 16, 4, 1),
+}
+SMALL_SMEM = 96 * 1024  # a device with less smem per block than this (T4) gets the tiny tables
+
+# The kernels' shared memory for each config is checked by compiling it for every card in
+# kernels._utils.TARGETS (tests/test_config_fitness.py); fp32, rarely used, gets one small config per class.
 
 
-def prefill_fwd_config(head_dim_pad: int, dtype: torch.dtype, causal: bool, device: torch.device) -> AttnConfig:
-    """Tile config for the prefill forward kernel on `device`."""
-    if is_interpreter() or device.type != "cuda":
+def is_hopper_class(target: Target) -> bool:
+    """Hopper or newer with Hopper's shared memory: the big-tile tables and tensor descriptors."""
+    return target.capability[0] >= 9 and target.smem_per_block >= HOPPER_SMEM
+
+
+def _table(target: Target, hopper: dict, small: dict, tiny: dict) -> dict:
+    if is_hopper_class(target):
+        return hopper
+    return small if target.smem_per_block >= SMALL_SMEM else tiny
+
+
+def prefill_fwd_config(head_dim_pad: int, dtype: torch.dtype, causal: bool, target: Optional[Target]) -> AttnConfig:
+    """Tile config for the prefill forward kernel on `target` (None: the interpreter's)."""
+    if target is None:
         return INTERPRETER_CONFIG
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if dtype == torch.float32:  # 4-byte tiles: halve what a 2-byte config would stage
-        return AttnConfig(64, 32, 4, 2)
-    major, _ = device_capability(index)
-    if major >= 9 and device_smem_bytes(index) >= HOPPER_SMEM:
-        return _HOPPER_FWD[head_dim_pad]
-    return _SMALL_SMEM_FWD[head_dim_pad]
+    if dtype == torch.float32:  # 4-byte tiles: about half what a 2-byte config would stage
+        if is_hopper_class(target) or (target.smem_per_block >= SMALL_SMEM and head_dim_pad <= 128):
+            return AttnConfig(64, 32, 4, 2)
+        return AttnConfig(32, 32, 4, 1) if head_dim_pad <= 128 else AttnConfig(16, 16, 4, 1)
+    return _table(target, _HOPPER_FWD, _SMALL_SMEM_FWD, _TINY_SMEM_FWD)[head_dim_pad]
 
 
 # Backward: (dK/dV config, dQ config). dK/dV programs own BLOCK_N keys and stream queries in
@@ -94,21 +115,36 @@ _SMALL_SMEM_BWD = {
     128: (AttnConfig(32, 64, 4, 2), AttnConfig(64, 32, 4, 2)),
     256: (AttnConfig(16, 32, 4, 1), AttnConfig(32, 16, 4, 1)),
 }
+_TINY_SMEM_BWD = {
+    16: (AttnConfig(32, 64, 4, 2), AttnConfig(64, 32, 4, 2)),
+    32: (AttnConfig(32, 64, 4, 2), AttnConfig(64, 32, 4, 2)),
+    64: (AttnConfig(32, 64, 4, 2), AttnConfig(64, 32, 4, 2)),
+    128: (AttnConfig(32, 32, 4, 2), AttnConfig(32, 32, 4, 2)),
+    256: (AttnConfig(16, 16, 4, 1), AttnConfig(16, 16, 4, 1)),
+}
+
+
+def prefill_bwd_unsupported(head_dim_pad: int, dtype: torch.dtype, target: Optional[Target]) -> Optional[str]:
+    """Why the backward cannot run on `target` at all (no config fits its shared memory), or None."""
+    if target is not None and dtype == torch.float32 and head_dim_pad > 128 and target.smem_per_block < SMALL_SMEM:
+        return (f"the float32 backward at head dim > 128 needs more shared memory per block than {target.name} "
+                f"has ({target.smem_per_block // 1024} KB): use float16 there")
+    return None
 
 
 def prefill_bwd_config(
-    head_dim_pad: int, dtype: torch.dtype, causal: bool, device: torch.device
+    head_dim_pad: int, dtype: torch.dtype, causal: bool, target: Optional[Target]
 ) -> tuple[AttnConfig, AttnConfig]:
-    """(dK/dV config, dQ config) for the prefill backward kernels on `device`."""
-    if is_interpreter() or device.type != "cuda":
+    """(dK/dV config, dQ config) for the prefill backward kernels on `target` (None: the interpreter's)."""
+    if target is None:
         return INTERPRETER_CONFIG, INTERPRETER_CONFIG
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    major, _ = device_capability(index)
-    big = major >= 9 and device_smem_bytes(index) >= HOPPER_SMEM
     if dtype == torch.float32:
-        return (AttnConfig(32, 64, 4, 1), AttnConfig(64, 32, 4, 1)) if big else (
-            AttnConfig(16, 32, 4, 1), AttnConfig(32, 16, 4, 1))
-    return (_HOPPER_BWD if big else _SMALL_SMEM_BWD)[head_dim_pad]
+        if is_hopper_class(target):
+            return AttnConfig(32, 64, 4, 1), AttnConfig(64, 32, 4, 1)
+        if head_dim_pad <= 128:
+            return AttnConfig(16, 32, 4, 1), AttnConfig(32, 16, 4, 1)
+        return AttnConfig(16, 16, 4, 1), AttnConfig(16, 16, 4, 1)  # D = 256: K, V and dK, dV stay resident
+    return _table(target, _HOPPER_BWD, _SMALL_SMEM_BWD, _TINY_SMEM_BWD)[head_dim_pad]
 
 
 # --------------------------------------------------------------------------------------------
@@ -174,27 +210,74 @@ _SMALL_SMEM_DECODE = {
 }
 
 
-def decode_config(head_dim_pad: int, dtype: torch.dtype, device: torch.device) -> DecodeConfig:
-    """Tile config for the decode kernel on `device` (one small config under the interpreter)."""
-    if is_interpreter() or device.type != "cuda":
+def decode_config(head_dim_pad: int, dtype: torch.dtype, target: Optional[Target]) -> DecodeConfig:
+    """Tile config for the decode kernel on `target` (None: the interpreter's one small config)."""
+    if target is None:
         return INTERPRETER_DECODE_CONFIG
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    major, _ = device_capability(index)
-    big = major >= 9 and device_smem_bytes(index) >= HOPPER_SMEM
-    config = (_HOPPER_DECODE if big else _SMALL_SMEM_DECODE)[head_dim_pad]
+    config = (_HOPPER_DECODE if is_hopper_class(target) else _SMALL_SMEM_DECODE)[head_dim_pad]
     if dtype == torch.float32:  # 4-byte tiles: halve the keys per stage
         config = DecodeConfig(max(16, config.block_n // 2), config.num_warps, config.num_stages)
     return config
 
 
-def planning_sm_count(device: torch.device) -> int:
-    """The SM count the launch heuristics plan for: the device's, or INTERPRETER_SM_COUNT without a GPU."""
-    if is_interpreter() or device.type != "cuda":
-        return INTERPRETER_SM_COUNT
-    return device_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+# Beyond its tiles the decode kernel stages a little for layout conversions: 4.5 KB at D = 256 on sm_89
+# and nothing on sm_90 by Triton's allocation (tests/test_config_fitness.py compiles every plan per card).
+DECODE_SMEM_SLACK = 8 * 1024
+DECODE_SMEM_SLACK_HOPPER = 1024
 
 
-def decode_num_splits(programs: int, seqlen_cache: int, block_n: int, device: torch.device,
+def decode_smem_bytes(head_dim_pad: int, itemsize: int, block_h: int, block_n: int, num_stages: int,
+                      block_new: int, target: Target) -> int:
+    """Shared memory a decode program needs on `target`: its query tile (BLOCK_H rows), `num_stages` K and
+    V tiles of BLOCK_N keys, the new rows' K and V tiles (BLOCK_NEW; 0 without an append), plus slack."""
+    slack = DECODE_SMEM_SLACK_HOPPER if target.capability[0] >= 9 else DECODE_SMEM_SLACK
+    return itemsize * head_dim_pad * (block_h + 2 * num_stages * block_n + 2 * block_new) + slack
+
+
+def decode_fit(head_dim_pad: int, itemsize: int, block_h: int, block_n: int, num_stages: int, block_new: int,
+               target: Optional[Target]) -> tuple[int, int, int, int]:
+    """(BLOCK_H, BLOCK_N, stages, BLOCK_NEW) shrunk until `decode_smem_bytes` fits the target's shared
+    memory per block: first the stages (down to 2), then the new rows' tile, then the query rows per
+    program (more row blocks), then the key block. Many query rows (speculative verification over a big
+    GQA group) and wide heads are what outgrow a card; a one-token step at D <= 128 keeps its config's
+    tiles on every card with 99 KB per block or more (a T4's 64 KB takes fewer stages or keys)."""
+    if target is None:
+        return block_h, block_n, num_stages, block_new
+    while (decode_smem_bytes(head_dim_pad, itemsize, block_h, block_n, num_stages, block_new, target)
+           > target.smem_per_block):
+        if num_stages > 2:
+            num_stages -= 1
+        elif block_new > 16:
+            block_new //= 2
+        elif block_h > 16:
+            block_h //= 2
+        elif block_n > 16:
+            block_n //= 2
+        elif num_stages > 1:
+            num_stages -= 1
+        else:
+            break
+    return block_h, block_n, num_stages, block_new
+
+
+def decode_unsupported(head_dim_pad: int, itemsize: int, append: bool, target: Optional[Target]) -> Optional[str]:
+    """Why no decode tile fits the target's shared memory (even 16 rows, 16 keys, one stage), or None."""
+    if target is None:
+        return None
+    least = decode_smem_bytes(head_dim_pad, itemsize, 16, 16, 1, 16 if append else 0, target)
+    if least <= target.smem_per_block:
+        return None
+    what = f"{8 * itemsize}-bit decode at head dim {head_dim_pad}" + (" with an append" if append else "")
+    return (f"the {what} needs more shared memory per block than {target.name} has "
+            f"({target.smem_per_block // 1024} KB): use float16 there")
+
+
+def planning_sm_count(target: Optional[Target]) -> int:
+    """The SM count the launch heuristics plan for: the target's, or INTERPRETER_SM_COUNT without one."""
+    return INTERPRETER_SM_COUNT if target is None else target.sm_count
+
+
+def decode_num_splits(programs: int, seqlen_cache: int, block_n: int, target: Optional[Target],
                       paged: bool = False) -> int:
     """num_splits=0 heuristic: how many chunks to split each request's cache into.
 
@@ -215,7 +298,7 @@ def decode_num_splits(programs: int, seqlen_cache: int, block_n: int, device: to
     first wave's count keep at least DECODE_PAGED_WAVE_MIN_BLOCKS blocks each: for shorter splits the
     second wave costs more than it hides (timings: docs/perf-notes.md, Paged decode, "Plans").
     """
-    sm_count = planning_sm_count(device)
+    sm_count = planning_sm_count(target)
     slots = sm_count * (DECODE_PAGED_WAVES if paged else 1)  # programs the splits may fill
     programs = max(programs, 1)
     if programs >= DECODE_FULL_GRID * slots:
@@ -229,7 +312,7 @@ def decode_num_splits(programs: int, seqlen_cache: int, block_n: int, device: to
 
 
 def decode_paged_tiles(config: DecodeConfig, page_size: int, programs: int, num_splits: int, seqlen_cache: int,
-                       device: torch.device) -> tuple[int, int]:
+                       target: Optional[Target]) -> tuple[int, int]:
     """(BLOCK_N, pipeline stages) of a paged cache's decode plan: the config's BLOCK_N and at most
     DECODE_PAGED_STAGES stages, except in a deep grid (one split per request and at least
     DECODE_DEEP_GRID programs per SM), where a key block of more than DECODE_GATHER_MAX_PAGES pages halves
@@ -248,7 +331,7 @@ def decode_paged_tiles(config: DecodeConfig, page_size: int, programs: int, num_
     docs/perf-notes.md, Paged decode, "Plans".
     """
     block_n, stages = config.block_n, min(config.num_stages, DECODE_PAGED_STAGES)
-    sm_count = planning_sm_count(device)
+    sm_count = planning_sm_count(target)
     if num_splits > 1 or programs < DECODE_DEEP_GRID * sm_count:
         return block_n, stages
     if block_n % page_size == 0 and block_n // page_size > DECODE_GATHER_MAX_PAGES:
@@ -263,7 +346,7 @@ DECODE_CAPPED_PROGRAMS_PER_SM = 3  # programs of a stage-capped paged plan that 
 DECODE_MIN_REGISTER_CAP = 128  # decode_max_registers caps no lower than this
 
 
-def decode_max_registers(num_warps: int, num_stages: int, paged: bool, programs: int, device: torch.device
+def decode_max_registers(num_warps: int, num_stages: int, paged: bool, programs: int, target: Optional[Target]
                          ) -> Optional[int]:
     """Registers per thread to cap the decode kernel at (Triton's `maxnreg`), or None for no cap.
 
@@ -277,10 +360,9 @@ def decode_max_registers(num_warps: int, num_stages: int, paged: bool, programs:
     2 programs per SM) are left uncapped: there the registers limit nothing; so are plans whose cap would
     fall below DECODE_MIN_REGISTER_CAP (8 warps and more; none on Hopper's table).
     """
-    if not paged or num_stages > DECODE_PAGED_STAGES or is_interpreter() or device.type != "cuda":
+    if not paged or num_stages > DECODE_PAGED_STAGES or target is None:
         return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if device_smem_bytes(index) < HOPPER_SMEM or programs <= 2 * planning_sm_count(device):
+    if target.smem_per_block < HOPPER_SMEM or programs <= 2 * planning_sm_count(target):
         return None
     per_thread = DECODE_REGISTERS_PER_SM // (DECODE_CAPPED_PROGRAMS_PER_SM * 32 * num_warps) // 8 * 8
     # ptxas allocates registers in groups of 8 per thread; a cap far below what the kernel wants (8 warps: 80)
@@ -288,12 +370,9 @@ def decode_max_registers(num_warps: int, num_stages: int, paged: bool, programs:
     return per_thread if per_thread >= DECODE_MIN_REGISTER_CAP else None
 
 
-def decode_use_pdl(device: torch.device) -> bool:
+def decode_use_pdl(target: Optional[Target]) -> bool:
     """Whether the split merge is launched with programmatic dependent launch (PDL): the combine
     kernel's programs start while the decode grid runs and wait in `griddepcontrol.wait` for its
     results, hiding the second launch's latency. Hopper and newer only (sm_90+: `griddepcontrol`);
     off under the interpreter and with KERNELS_PDL=0 in the environment at import (DECODE_PDL)."""
-    if is_interpreter() or device.type != "cuda" or not DECODE_PDL:
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return device_capability(index)[0] >= 9
+    return target is not None and DECODE_PDL and target.capability[0] >= 9

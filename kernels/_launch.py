@@ -13,16 +13,17 @@ kernels/decode.py's replays of repeated calls.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import operator
 import os
-from typing import Any, Dict, Hashable, Optional, Sequence, Tuple
+from typing import Any, Dict, Hashable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
-from ._utils import is_interpreter
+from ._utils import Target, is_interpreter, planning_for
 
 
 def _hook_active(hook) -> bool:
@@ -98,7 +99,12 @@ class LaunchCache:
     def __call__(self, key: Optional[Hashable], grid: Tuple[int, int, int], args: Sequence[Any], num_warps: int,
                  num_stages: int = 1, kwargs: Optional[Dict[str, Any]] = None, device_index: int = 0,
                  launch_pdl: bool = False, maxnreg: Optional[int] = None) -> Optional[Hashable]:
-        """Launch; returns the cache key the kernel is stored under (None when the fast path is off)."""
+        """Launch; returns the cache key the kernel is stored under (None when the fast path is off).
+        Inside `recording`, the launch is recorded instead and nothing runs."""
+        if _RECORDS is not None:
+            _RECORDS.append(LaunchRecord(self.fn, tuple(grid), self.positional(args, kwargs), num_warps, num_stages,
+                                         launch_pdl, maxnreg))
+            return None
         if key is None or not self.enabled:
             self._dispatch(grid, args, kwargs, num_warps, num_stages, launch_pdl, maxnreg)
             return None
@@ -147,6 +153,41 @@ class LaunchCache:
         if entry is None or not self.enabled or launch_hooks_active():
             return None
         return entry[2]
+
+
+class LaunchRecord(NamedTuple):
+    """One launch that `recording` kept from running: the kernel, its grid, its full argument list in
+    parameter order (constexprs included) and its launch options."""
+
+    fn: Any
+    grid: Tuple[int, ...]
+    args: List[Any]
+    num_warps: int
+    num_stages: int
+    launch_pdl: bool
+    maxnreg: Optional[int]
+
+
+_RECORDS: Optional[List[LaunchRecord]] = None  # set inside `recording`
+
+
+@contextlib.contextmanager
+def recording(target: Target) -> Iterator[List[LaunchRecord]]:
+    """Plan every call in this block for `target` (`_utils.planning_for`) and record each kernel launch
+    instead of running it: yields the list the `LaunchRecord`s are appended to. Calls still validate,
+    allocate and return their outputs, unwritten. What the config-fitness test compiles for each card."""
+    global _RECORDS
+    previous, _RECORDS = _RECORDS, []
+    try:
+        with planning_for(target):
+            yield _RECORDS
+    finally:
+        _RECORDS = previous
+
+
+def recording_active() -> bool:
+    """True inside `recording`: launches are recorded, nothing runs (callers skip their replays)."""
+    return _RECORDS is not None
 
 
 class DirectLaunch:

@@ -7,10 +7,12 @@ and is cached per device.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import platform
-from typing import Optional
+from dataclasses import dataclass
+from typing import Iterator, Optional, Tuple
 
 import torch
 
@@ -56,6 +58,63 @@ def device_smem_bytes(index: int) -> int:
 def device_sm_count(index: int) -> int:
     """Number of streaming multiprocessors of CUDA device `index`, cached."""
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the config tables need to know about a GPU: its compute capability, the shared memory one
+    block may opt in to (bytes), and its SM count. `device_target` reads one off a device; `TARGETS`
+    describes the cards users bring, so the selection can be asked about a card that is not here."""
+
+    name: str
+    capability: Tuple[int, int]
+    smem_per_block: int
+    sm_count: int
+
+    @property
+    def arch(self) -> int:
+        """The capability as Triton's target names it (sm_89 -> 89)."""
+        return 10 * self.capability[0] + self.capability[1]
+
+
+# The cards the configs are proven to fit (tests/test_config_fitness.py compiles every config for each).
+TARGETS = {
+    "T4": Target("T4", (7, 5), 64 * 1024, 40),
+    "A100": Target("A100", (8, 0), 163 * 1024, 108),
+    "A10": Target("A10", (8, 6), 99 * 1024, 72),
+    "L4": Target("L4", (8, 9), 99 * 1024, 58),
+    "H100": Target("H100", (9, 0), 227 * 1024, 132),
+}
+
+_PLANNED_TARGET: Optional[Target] = None  # set by `planning_for`: every device plans for this card
+
+
+@contextlib.contextmanager
+def planning_for(target: Target) -> Iterator[Target]:
+    """Within this block every call plans its launches for `target` whatever device its tensors are on
+    (see `_launch.recording`, which also keeps the launches from running)."""
+    global _PLANNED_TARGET
+    previous, _PLANNED_TARGET = _PLANNED_TARGET, target
+    try:
+        yield target
+    finally:
+        _PLANNED_TARGET = previous
+
+
+def device_target(device: torch.device) -> Optional[Target]:
+    """The `Target` launches on `device` are planned for: the card `planning_for` names, else the CUDA
+    device's own description; None for the interpreter's one small config (CPU tensors)."""
+    if _PLANNED_TARGET is not None:
+        return _PLANNED_TARGET
+    if is_interpreter() or device.type != "cuda":
+        return None
+    return _cuda_target(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_target(index: int) -> Target:
+    return Target(torch.cuda.get_device_name(index), device_capability(index), device_smem_bytes(index),
+                  device_sm_count(index))
 
 
 def gpu_name() -> str:
@@ -114,11 +173,18 @@ def _validate_dtypes(**tensors: Optional[torch.Tensor]) -> torch.dtype:
             )
     if first.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"Expected dtype float16, bfloat16 or float32, got {first.dtype}.")
-    if first.dtype == torch.bfloat16 and is_interpreter():
-        raise NotImplementedError(
-            "bfloat16 is not supported under the Triton interpreter (TRITON_INTERPRET=1): its tl.dot "
-            "gives wrong results for bf16 inputs. Use float16/float32 on the CPU; bf16 runs on a GPU."
-        )
+    if first.dtype == torch.bfloat16:
+        target = device_target(first.device)
+        if target is None and is_interpreter():  # the interpreter would run it (planning_for a card runs nothing)
+            raise NotImplementedError(
+                "bfloat16 is not supported under the Triton interpreter (TRITON_INTERPRET=1): its tl.dot "
+                "gives wrong results for bf16 inputs. Use float16/float32 on the CPU; bf16 runs on a GPU."
+            )
+        if target is not None and target.capability < (8, 0):
+            raise NotImplementedError(
+                f"bfloat16 needs a GPU of compute capability 8.0 or newer (Ampere); {target.name} is "
+                f"{target.capability[0]}.{target.capability[1]}. Use float16 there."
+            )
     return first.dtype
 
 

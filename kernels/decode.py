@@ -70,23 +70,28 @@ import triton
 from ._configs import (
     DECODE_ONE_LOOP_MAX_BLOCKS,
     DECODE_ONE_LOOP_MAX_BLOCKS_GATHER,
+    DecodeConfig,
     decode_config,
+    decode_fit,
     decode_max_registers,
     decode_num_splits,
     decode_paged_tiles,
+    decode_unsupported,
     decode_use_pdl,
     planning_sm_count,
     prefill_fwd_config,
 )
 from ._jit import wide_pages
-from ._launch import DirectLaunch, LaunchCache, launch_hooks_active
+from ._launch import DirectLaunch, LaunchCache, launch_hooks_active, recording_active
 from ._options import AttnOptions, attn_options, head_dim_tile
 from ._utils import (
+    Target,
     _validate_devices,
     _validate_dtypes,
     _validate_head_dim,
     _validate_heads,
     _validate_tensor,
+    device_target,
     is_interpreter,
 )
 from .decode_kernels import append_kernel, combine_kernel, decode_kernel
@@ -126,31 +131,42 @@ class _Plan(NamedTuple):
 
 @functools.lru_cache(maxsize=512)
 def _plan(batch: int, seqlen_q: int, nheads: int, nheads_k: int, head_dim: int, seqlen_cache: int,
-          dtype: torch.dtype, device: torch.device, num_splits: int, page_size: int = 0) -> _Plan:
-    """The launch plan; page_size 0 for a dense cache, else the pool's page size (seqlen_cache is then
-    a request's capacity, max_blocks_per_seq * page_size)."""
+          dtype: torch.dtype, target: Optional[Target], num_splits: int, page_size: int = 0,
+          append: bool = False) -> _Plan:
+    """The launch plan on `target` (`device_target`; None: the interpreter); page_size 0 for a dense
+    cache, else the pool's page size (seqlen_cache is then a request's capacity, max_blocks_per_seq *
+    page_size); append: the call writes seqlen_q new rows (their K/V tiles take shared memory too).
+    Tiles are shrunk to the target's shared memory first (`decode_fit`); the paged plan below only
+    lowers stages or BLOCK_N, so it fits too."""
     head_dim_pad = head_dim_tile(head_dim)
-    config = decode_config(head_dim_pad, dtype, device)
-    block_n, num_stages = config.block_n, config.num_stages
+    reason = decode_unsupported(head_dim_pad, dtype.itemsize, append, target)
+    if reason is not None:  # before any launch
+        raise NotImplementedError(f"Cannot run flash_attn_with_kvcache here: {reason}.")
+    config = decode_config(head_dim_pad, dtype, target)
     rows = (nheads // nheads_k) * seqlen_q
     block_h = min(max(16, triton.next_power_of_2(rows)), max(16, config.max_rows))
+    block_new = min(config.block_n, max(16, triton.next_power_of_2(seqlen_q)))
+    block_h, block_n, num_stages, block_new = decode_fit(
+        head_dim_pad, dtype.itemsize, block_h, config.block_n, config.num_stages, block_new if append else 0, target)
+    block_new = block_new or min(block_n, max(16, triton.next_power_of_2(seqlen_q)))  # unused without an append
+    config = DecodeConfig(block_n, config.num_warps, num_stages, config.max_rows)
     row_blocks = triton.cdiv(rows, block_h)
     programs = batch * nheads_k * row_blocks
     if num_splits == 0:
-        num_splits = decode_num_splits(programs, seqlen_cache, block_n, device, page_size > 0)
+        num_splits = decode_num_splits(programs, seqlen_cache, block_n, target, page_size > 0)
     if page_size:  # [Note] Paged pipelining (decode_kernels.py): an unsplit grid may change BLOCK_N, never the splits
-        block_n, num_stages = decode_paged_tiles(config, page_size, programs, num_splits, seqlen_cache, device)
+        block_n, num_stages = decode_paged_tiles(config, page_size, programs, num_splits, seqlen_cache, target)
     blocks_total = triton.cdiv(seqlen_cache, block_n)
     num_splits = max(1, min(num_splits, blocks_total))  # more splits than blocks would all be empty
     blocks_per_split = triton.cdiv(max(blocks_total, 1), num_splits)
     num_splits = triton.cdiv(max(blocks_total, 1), blocks_per_split)
-    block_new = min(block_n, max(16, triton.next_power_of_2(seqlen_q)))
+    block_new = min(block_new, block_n)
     return _Plan(
         head_dim_pad=head_dim_pad, block_h=block_h, block_n=block_n, block_new=block_new,
         num_warps=config.num_warps, num_stages=num_stages, num_splits=num_splits,
         split_n=blocks_per_split * block_n, grid=(programs, num_splits),
-        splits_pad=max(2, triton.next_power_of_2(num_splits)), pdl=num_splits > 1 and decode_use_pdl(device),
-        max_registers=decode_max_registers(config.num_warps, num_stages, page_size > 0, programs * num_splits, device),
+        splits_pad=max(2, triton.next_power_of_2(num_splits)), pdl=num_splits > 1 and decode_use_pdl(target),
+        max_registers=decode_max_registers(config.num_warps, num_stages, page_size > 0, programs * num_splits, target),
     )
 
 
@@ -328,7 +344,7 @@ def _validate_kvcache_inputs(q, k_cache, v_cache, k, v, paged: bool = False) -> 
     if (k is None) != (v is None):
         raise ValueError("Expected k and v to be both given (append, then attend) or both None (attend only).")
     if k is not None:
-        layout = "(batch, seqlen_q, nheads_k, headdim)"
+        layout = "(batch, seqlen_new, nheads_k, headdim)"
         _validate_tensor("k", k, 4, layout)
         _validate_tensor("v", v, 4, layout)
     _validate_dtypes(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v)
@@ -350,13 +366,16 @@ def _validate_kvcache_inputs(q, k_cache, v_cache, k, v, paged: bool = False) -> 
     _validate_head_dim(head_dim)
     _validate_heads(nheads, k_cache.shape[2])
     if k is not None:
-        expected = (batch, seqlen_q, k_cache.shape[2], head_dim)
-        for name, t in (("k", k), ("v", v)):
-            if tuple(t.shape) != expected:
-                raise ValueError(
-                    f"Expected {name} of shape (batch, seqlen_q, nheads_k, headdim) = {expected}, got "
-                    f"{tuple(t.shape)}; the new tokens' count must equal seqlen_q."
-                )
+        if k.shape != v.shape:
+            raise ValueError(f"Expected k and v to have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}.")
+        seqlen_new = k.shape[1]
+        expected = (batch, seqlen_new, k_cache.shape[2], head_dim)
+        if tuple(k.shape) != expected or not 1 <= seqlen_new <= seqlen_q:
+            raise ValueError(
+                f"Expected k and v of shape (batch, seqlen_new, nheads_k, headdim) = (batch={batch}, "
+                f"1 <= seqlen_new <= seqlen_q={seqlen_q}, nheads_k={k_cache.shape[2]}, headdim={head_dim}), got "
+                f"{tuple(k.shape)}."
+            )
 
 
 _VALIDATED_SIGNATURES: set = set()  # `_signature`s of CUDA calls whose tensors passed _validate_kvcache_inputs
@@ -386,21 +405,21 @@ def _aligned(*tensors: torch.Tensor) -> int:
 
 
 def _chunked_prefill_pays(batch: int, seqlen_q: int, nheads: int, head_dim: int, dtype: torch.dtype, causal: bool,
-                          device: torch.device) -> bool:
+                          target: Optional[Target]) -> bool:
     """Whether a num_splits=0 call runs the prefill path (see [Note] Chunked prefill): at least
     CHUNKED_PREFILL_MIN_SEQLEN_Q new tokens per request, and enough (query block, batch, head)
     programs for the prefill grid to fill CHUNKED_PREFILL_MIN_WAVE of the SMs (the prefill kernel
     does not split the keys, so a smaller grid leaves SMs idle while the decode kernel would split)."""
     if seqlen_q < CHUNKED_PREFILL_MIN_SEQLEN_Q:
         return False
-    return _prefill_programs_fill(batch, seqlen_q, nheads, head_dim, dtype, causal, device)
+    return _prefill_programs_fill(batch, seqlen_q, nheads, head_dim, dtype, causal, target)
 
 
 @functools.lru_cache(maxsize=256)
 def _prefill_programs_fill(batch: int, seqlen_q: int, nheads: int, head_dim: int, dtype: torch.dtype, causal: bool,
-                           device: torch.device) -> bool:
-    block_m = prefill_fwd_config(head_dim_tile(head_dim), dtype, causal, device).block_m
-    sm_count = planning_sm_count(device)
+                           target: Optional[Target]) -> bool:
+    block_m = prefill_fwd_config(head_dim_tile(head_dim), dtype, causal, target).block_m
+    sm_count = planning_sm_count(target)
     return triton.cdiv(seqlen_q, block_m) * batch * nheads >= CHUNKED_PREFILL_MIN_WAVE * sm_count
 
 
@@ -578,8 +597,9 @@ def _flash_attn_with_kvcache_launch(
     append = k is not None
     if sig is None:
         sig = _signature(q, k_cache, v_cache, k, v, block_table)
+    target = device_target(device)
     if batch > 0 and num_splits == 0 and _chunked_prefill_pays(batch, seqlen_q, nheads, head_dim, q.dtype,
-                                                               options.causal, device):
+                                                               options.causal, target):
         # Kernels specialise on shapes and strides (sig) and on 16-byte pointer alignment; the table
         # on the device may be a copy of the caller's, with its own stride.
         key = (sig, _aligned(q, k_cache, v_cache, k if append else q, v if append else q, cache_seqlens,
@@ -589,15 +609,15 @@ def _flash_attn_with_kvcache_launch(
         with ctx:
             if append:
                 _launch_append(k_cache, v_cache, k, v, cache_seqlens, block_table, options, key)
-            out, lse = _flash_attn_kvcache_forward(q, k_cache, v_cache, cache_seqlens, append, block_table, options,
-                                                   launch_key=key)
+            out, lse = _flash_attn_kvcache_forward(q, k_cache, v_cache, cache_seqlens, k.shape[1] if append else 0,
+                                                   block_table, options, launch_key=key)
         return out, (lse if return_softmax_lse else None)
 
     seqlen_cache, nheads_k = k_cache.shape[1], k_cache.shape[2]
     if block_table is not None:  # the logical capacity of a request; k_cache.shape[1] is the page size
         seqlen_cache = block_table.shape[1] * k_cache.shape[1]
-    plan = _plan(batch, seqlen_q, nheads, nheads_k, head_dim, seqlen_cache, q.dtype, device, num_splits,
-                 k_cache.shape[1] if block_table is not None else 0)
+    plan = _plan(batch, seqlen_q, nheads, nheads_k, head_dim, seqlen_cache, q.dtype, target, num_splits,
+                 k_cache.shape[1] if block_table is not None else 0, append)
 
     out = torch.empty_like(q, memory_format=torch.contiguous_format)  # (batch, seqlen_q, nheads, head_dim)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=device) if return_softmax_lse else None
@@ -636,7 +656,7 @@ def _flash_attn_with_kvcache_launch(
     decode_args = (
         q, k_cache, v_cache, k_arg, v_arg, cache_seqlens, out, lse_arg, out_part, lse_part,
         *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *k_arg.stride()[:3], *v_arg.stride()[:3],
-        nheads_k, nheads // nheads_k, seqlen_q, seqlen_cache, plan.split_n,
+        nheads_k, nheads // nheads_k, seqlen_q, k.shape[1] if append else 0, seqlen_cache, plan.split_n,
     )
     decode_kwargs = dict(
         **options.runtime, Block_table=paging[0], stride_btb=paging[1], NUM_BLOCKS=paging[2], **options.constexprs,
@@ -704,14 +724,16 @@ def flash_attn_with_kvcache(
             Paged (block_table given): pools (num_blocks, page_size, nheads_k, headdim), e.g. also a
             (num_blocks, nheads_k, page_size, headdim) pool passed as .transpose(1, 2). Any
             page_size >= 1 (see [Note] Paged caches in kernels/decode_kernels.py).
-        k, v: optional (batch, seqlen_q, nheads_k, headdim): the new tokens' keys and values. They
-            are written into k_cache / v_cache in place at (logical) rows [cache_seqlens[b],
-            cache_seqlens[b] + seqlen_q) and attended over in the same launch. Both or neither. In a
-            paged cache each new row goes to its own page slot, so an append may cross pages.
+        k, v: optional (batch, seqlen_new, nheads_k, headdim), 1 <= seqlen_new <= seqlen_q: the new
+            tokens' keys and values. They are written into k_cache / v_cache in place at (logical) rows
+            [cache_seqlens[b], cache_seqlens[b] + seqlen_new) and attended over in the same launch; the
+            queries are the last seqlen_q positions of the cache_seqlens[b] + seqlen_new keys (causal:
+            bottom-right), so seqlen_new < seqlen_q verifies draft tokens with a partial append. Both or
+            neither. In a paged cache each new row goes to its own page slot, so an append may cross pages.
         cache_seqlens: each request's cache length before this call: an int (the same for every
             request) or an int32 tensor of shape (batch,), on q's device or on the CPU (checked on
             the host, then copied: use a device tensor inside a CUDA graph). It is never modified
-            (advance it yourself, e.g. cache_seqlens += seqlen_q, or use KVCache / PagedKVCache).
+            (advance it yourself, e.g. cache_seqlens += seqlen_new, or use KVCache / PagedKVCache).
             Overflow: lengths known on the host (an int, a CPU tensor) are checked, and an append
             that would pass seqlen_cache (paged: max_blocks_per_seq * page_size) raises ValueError.
             A tensor on the GPU cannot be checked without a host sync: the caller is responsible
@@ -770,7 +792,8 @@ def _kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax
     except AttributeError:  # not tensors: validation names the problem
         sig = None
     replay_key = options = None
-    if sig is not None and not _INTERPRET:  # a repeat of a validated call: replay its launches
+    fast = not _INTERPRET and not recording_active()  # replays and skipped validation: compiled runs only
+    if sig is not None and fast:  # a repeat of a validated call: replay its launches
         try:
             options = attn_options(q.shape[-1], softmax_scale, causal)
             replay_key = _replay_key(sig, cache_seqlens, options, num_splits, return_softmax_lse)
@@ -781,16 +804,16 @@ def _kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax
             result = _replay(replay, q, k_cache, v_cache, k, v, cache_seqlens, block_table, options)
             if result is not None:
                 return result if return_softmax_lse else result[0]
-    if not validated and (sig is None or _INTERPRET or sig not in _VALIDATED_SIGNATURES):
+    if not validated and (sig is None or not fast or sig not in _VALIDATED_SIGNATURES):
         _validate_kvcache_inputs(q, k_cache, v_cache, k, v, block_table is not None)
-        if sig is not None and q.device.type == "cuda" and not _INTERPRET:
+        if sig is not None and q.device.type == "cuda" and fast:
             if len(_VALIDATED_SIGNATURES) >= 4096:  # shapes churn: start over rather than grow without bound
                 _VALIDATED_SIGNATURES.clear()
             _VALIDATED_SIGNATURES.add(sig)
     _validate_num_splits(num_splits)
     if options is None:  # not built by the replay attempt above
         options = attn_options(q.shape[3], softmax_scale, causal)
-    seqlen_new = q.shape[1] if k is not None else 0
+    seqlen_new = k.shape[1] if k is not None else 0
     if block_table is None:
         seqlens, table = _resolve_cache_seqlens(cache_seqlens, q.shape[0], seqlen_new, k_cache.shape[1], q.device), None
     else:

@@ -21,10 +21,10 @@ The streaming softmax and the masks are the prefill kernel's (`online_softmax`, 
 `finalize`), so prefill and decode cannot drift apart.
 
 Notation:
-    B batch, H q heads, H_KV KV heads, G = H // H_KV, M = seqlen_q (new tokens), D = head dim,
-    D_PAD = next power of two >= D, N_CACHE = a request's capacity (dense: the allocated
-    seqlen_cache; paged: max_blocks_per_seq * P), L_b = cache_seqlens[b], N_b = L_b + M keys seen
-    when appending (L_b without k/v). Paged: P = page_size, NUM_BLOCKS = blocks in the pool,
+    B batch, H q heads, H_KV KV heads, G = H // H_KV, M = seqlen_q (query tokens), M_NEW = seqlen_new
+    (appended tokens, 1 <= M_NEW <= M; 0 without k/v), D = head dim, D_PAD = next power of two >= D,
+    N_CACHE = a request's capacity (dense: the allocated seqlen_cache; paged: max_blocks_per_seq * P),
+    L_b = cache_seqlens[b], N_b = L_b + M_NEW keys seen. Paged: P = page_size, NUM_BLOCKS = blocks in the pool,
     Block_table (B, max_blocks_per_seq) int32.
     A program's query rows are r = g * M + t for g in [0, G) (q head h = kv_head * G + g) and t in
     [0, M) (the token), head-major; BLOCK_H >= 16 rows per program, several row blocks when G * M
@@ -72,8 +72,9 @@ weight 0 in the merge). A request whose splits are all empty (L_b = 0, no append
 LSE = +inf.
 
 [Note] Causal with seqlen_q > 1. Bottom-right aligned over the N_b keys: token t sees key j iff
-j <= t + N_b - M. With an append every cached key is visible to every token and only the new keys
-are masked (token t sees new keys 0..t); without one, the last M - 1 cached keys are masked per row.
+j <= t + N_b - M. With a full append (M_NEW = M) every cached key is visible to every token and only
+the new keys are masked (token t sees new keys 0..t); with a partial one or none, cached keys are masked too
+(the last M - M_NEW - 1 for token 0, one fewer for each later token).
 
 [Note] Paged caches. Logical key j of request b lives in row j % P of physical block
 Block_table[b, j // P]; `kv_row_offsets` / `kv_block_offsets` (kernels/_jit.py) turn (block,
@@ -266,7 +267,7 @@ def decode_kernel(
     stride_vb, stride_vn, stride_vh,
     stride_knb, stride_knm, stride_knh,
     stride_vnb, stride_vnm, stride_vnh,
-    H_KV, GROUP, M, N_CACHE, SPLIT_N, softmax_scale,
+    H_KV, GROUP, M, M_NEW, N_CACHE, SPLIT_N, softmax_scale,
     Block_table, stride_btb, NUM_BLOCKS,  # paged only; None (compiled out) for a dense cache
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_NEW: tl.constexpr,
@@ -299,8 +300,8 @@ def decode_kernel(
 
     # -- this request's lengths, read on the device and clamped to the buffer ---------------------
     seqlen = tl.minimum(tl.maximum(tl.load(Cache_seqlens + off_b), 0), N_CACHE)  # L_b
-    if APPEND:
-        n_total = seqlen + M
+    if APPEND:  # M_NEW <= M new keys; the M queries are the last M of the n_total keys' positions
+        n_total = seqlen + M_NEW
     else:
         n_total = seqlen
     row_limit = offs_t + (n_total - M)  # [BLOCK_H] last key each row may see (causal)
@@ -334,9 +335,9 @@ def decode_kernel(
         offs_u = tl.arange(0, BLOCK_NEW)  # [BLOCK_NEW]
         kn_head = K_new + off_b * stride_knb + off_hk * stride_knh
         vn_head = V_new + off_b * stride_vnb + off_hk * stride_vnh
-        n_write = tl.minimum(M, N_CACHE - seqlen)  # new rows that fit in the buffer
+        n_write = tl.minimum(M_NEW, N_CACHE - seqlen)  # new rows that fit in the buffer
         if EARLY_NEW:
-            m_early = tl.where(split == num_splits - 1, M, 0)  # the other splits load nothing
+            m_early = tl.where(split == num_splits - 1, M_NEW, 0)  # the other splits load nothing
             kn0 = load_rows(kn_head + offs_u[:, None].to(tl.int64) * stride_knm + offs_d[None, :],
                             offs_u, m_early, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)  # [BLOCK_NEW, D_PAD]
             vn0 = load_rows(vn_head + offs_u[:, None].to(tl.int64) * stride_vnm + offs_d[None, :],
@@ -394,22 +395,22 @@ def decode_kernel(
                 p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, True)
                 acc = tl.dot(p.to(vn0.dtype), vn0, acc)
                 if pid_rb == 0:  # one row block writes the cache
-                    store_new_rows(k_head, v_head, kn0, vn0, offs_u, pages0, seqlen, M, n_write, NUM_BLOCKS, off_b,
+                    store_new_rows(k_head, v_head, kn0, vn0, offs_u, pages0, seqlen, M_NEW, n_write, NUM_BLOCKS, off_b,
                                     stride_kb, stride_kn, stride_vb, stride_vn, offs_d,
                                     HEAD_DIM, HEAD_DIM_PAD, PAGED, PAGE_SIZE, WIDE_PAGES)
-            for start_u in tl.range(BLOCK_NEW if EARLY_NEW else 0, M, BLOCK_NEW):
+            for start_u in tl.range(BLOCK_NEW if EARLY_NEW else 0, M_NEW, BLOCK_NEW):
                 us = start_u + offs_u
                 kn = load_rows(kn_head + us[:, None].to(tl.int64) * stride_knm + offs_d[None, :],
-                               us, M, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)  # [BLOCK_NEW, D_PAD]
+                               us, M_NEW, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)  # [BLOCK_NEW, D_PAD]
                 qk = tl.dot(q, tl.trans(kn))  # [BLOCK_H, BLOCK_NEW]
                 qk = mask_scores(qk, seqlen + us, n_total, row_limit, IS_CAUSAL)
                 p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, True)
                 vn = load_rows(vn_head + us[:, None].to(tl.int64) * stride_vnm + offs_d[None, :],
-                               us, M, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+                               us, M_NEW, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
                 acc = tl.dot(p.to(vn.dtype), vn, acc)
                 if pid_rb == 0:  # one row block writes the cache
                     pages = new_row_pages(table, seqlen, us, n_write, PAGED, PAGE_SIZE)
-                    store_new_rows(k_head, v_head, kn, vn, us, pages, seqlen, M, n_write, NUM_BLOCKS, off_b,
+                    store_new_rows(k_head, v_head, kn, vn, us, pages, seqlen, M_NEW, n_write, NUM_BLOCKS, off_b,
                                     stride_kb, stride_kn, stride_vb, stride_vn, offs_d,
                                     HEAD_DIM, HEAD_DIM_PAD, PAGED, PAGE_SIZE, WIDE_PAGES)
 

@@ -15,7 +15,7 @@ from typing import Optional, Tuple, Union
 import torch
 import triton
 
-from ._configs import AttnConfig, prefill_bwd_config, prefill_fwd_config
+from ._configs import AttnConfig, prefill_bwd_config, prefill_bwd_unsupported, prefill_fwd_config
 from ._jit import wide_pages
 from ._launch import LaunchCache
 from ._options import AttnOptions, attn_options
@@ -29,8 +29,7 @@ from ._utils import (
     _validate_heads,
     _validate_max_seqlen,
     _validate_tensor,
-    device_capability,
-    is_interpreter,
+    device_target,
 )
 from .prefill_kernels import bwd_dkdv_kernel, bwd_dq_kernel, bwd_preprocess_kernel, fwd_kernel
 
@@ -60,12 +59,13 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
 
 
 def _use_tma(requested: bool, *tensors: torch.Tensor) -> bool:
-    """Tensor-descriptor loads: requested by the config, on a Hopper-or-newer GPU, 2-byte dtypes, aligned."""
+    """Tensor-descriptor loads: requested by the config, planned for a Hopper-or-newer GPU, 2-byte dtypes,
+    aligned."""
     q = tensors[0]
-    if not requested or q.device.type != "cuda" or is_interpreter() or q.element_size() != 2:
+    if not requested or q.element_size() != 2:
         return False
-    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    return device_capability(index)[0] >= 9 and _tma_ok(*tensors)
+    target = device_target(q.device)
+    return target is not None and target.capability[0] >= 9 and _tma_ok(*tensors)
 
 
 def _validate_qkv(q, k, v) -> None:
@@ -96,7 +96,12 @@ def _on_device(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
 
 
-_launch_fwd = LaunchCache(fwd_kernel)  # the cache mode's fast launch (chunked prefill)
+# Every launch goes through a LaunchCache: the cache mode's (chunked prefill) with a key, for the fast
+# launch; the others with key None, i.e. through Triton's dispatcher (and into `_launch.recording`).
+_launch_fwd = LaunchCache(fwd_kernel)
+_launch_bwd_preprocess = LaunchCache(bwd_preprocess_kernel)
+_launch_bwd_dkdv = LaunchCache(bwd_dkdv_kernel)
+_launch_bwd_dq = LaunchCache(bwd_dq_kernel)
 
 
 def _launch_forward(q, k, v, out, lse, batch, seqlen_q, seqlen_k, options: AttnOptions, config, extra, *,
@@ -112,7 +117,7 @@ def _launch_forward(q, k, v, out, lse, batch, seqlen_q, seqlen_k, options: AttnO
     """
     nheads, nheads_k = q.shape[-2], k.shape[-2]
     if config is None:
-        config = prefill_fwd_config(options.head_dim_pad, q.dtype, options.causal, q.device)
+        config = prefill_fwd_config(options.head_dim_pad, q.dtype, options.causal, device_target(q.device))
     if use_tma is None:
         use_tma = _use_tma(config.use_tma, q, k, v, out)
     if use_tma:
@@ -128,18 +133,19 @@ def _launch_forward(q, k, v, out, lse, batch, seqlen_q, seqlen_k, options: AttnO
                   USE_TMA=use_tma, **extra)
     device_index = q.device.index if q.device.index is not None else 0
     with _on_device(q):
-        if launch_key is None:
-            fwd_kernel[grid](*args, **kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
-        else:
-            _launch_fwd(launch_key, grid, args, config.num_warps, config.num_stages, kwargs, device_index)
+        _launch_fwd(launch_key, grid, args, config.num_warps, config.num_stages, kwargs, device_index)
 
 
 def _launch_backward(dout, q, k, v, out, lse, dq, dk, dv, delta, batch, seqlen_q, seqlen_k, options: AttnOptions,
                      configs, varlen):
     """Launch the three backward kernels; `varlen` as in _launch_forward."""
     nheads, nheads_k = q.shape[-2], k.shape[-2]
+    target = device_target(q.device)
+    reason = prefill_bwd_unsupported(options.head_dim_pad, q.dtype, target)
+    if reason is not None:  # before any backward launch
+        raise NotImplementedError(f"Cannot run the attention backward here: {reason}.")
     if configs is None:
-        configs = prefill_bwd_config(options.head_dim_pad, q.dtype, options.causal, q.device)
+        configs = prefill_bwd_config(options.head_dim_pad, q.dtype, options.causal, target)
     cfg_kv, cfg_q = configs
     use_tma = _use_tma(cfg_kv.use_tma, q, k, v, dout)
     if use_tma:
@@ -148,27 +154,27 @@ def _launch_backward(dout, q, k, v, out, lse, dq, dk, dv, delta, batch, seqlen_q
     varlen_pre = {key: val for key, val in varlen.items() if key != "Cu_seqlens_k"}  # preprocess reads no keys
     q_s, k_s, v_s, do_s = (_row_strides(t, packed) for t in (q, k, v, dout))
     attention = dict(**options.runtime, **options.constexprs, USE_TMA=use_tma, **varlen)
+    device_index = q.device.index if q.device.index is not None else 0
     with _on_device(q):
-        bwd_preprocess_kernel[(triton.cdiv(seqlen_q, 64), batch * nheads)](
-            out, dout, delta,
-            *_row_strides(out, packed), *do_s,
-            nheads, seqlen_q,
-            **options.tile, BLOCK_M=64,
-            **varlen_pre,
+        _launch_bwd_preprocess(  # Triton's default 4 warps and 3 stages
+            None, (triton.cdiv(seqlen_q, 64), batch * nheads, 1),
+            (out, dout, delta, *_row_strides(out, packed), *do_s, nheads, seqlen_q), 4, 3,
+            dict(**options.tile, BLOCK_M=64, **varlen_pre), device_index,
         )
-        bwd_dkdv_kernel[(triton.cdiv(seqlen_k, cfg_kv.block_n), batch * nheads_k)](
-            q, k, v, dout, lse, delta, dk, dv,
-            *q_s, *k_s, *v_s, *do_s, *_row_strides(dk, packed), *_row_strides(dv, packed),
-            nheads, seqlen_q, seqlen_k, nheads // nheads_k,
-            BLOCK_M=cfg_kv.block_m, BLOCK_N=cfg_kv.block_n, **attention,
-            num_warps=cfg_kv.num_warps, num_stages=cfg_kv.num_stages,
+        _launch_bwd_dkdv(
+            None, (triton.cdiv(seqlen_k, cfg_kv.block_n), batch * nheads_k, 1),
+            (q, k, v, dout, lse, delta, dk, dv,
+             *q_s, *k_s, *v_s, *do_s, *_row_strides(dk, packed), *_row_strides(dv, packed),
+             nheads, seqlen_q, seqlen_k, nheads // nheads_k),
+            cfg_kv.num_warps, cfg_kv.num_stages,
+            dict(BLOCK_M=cfg_kv.block_m, BLOCK_N=cfg_kv.block_n, **attention), device_index,
         )
-        bwd_dq_kernel[(triton.cdiv(seqlen_q, cfg_q.block_m), batch * nheads)](
-            q, k, v, dout, lse, delta, dq,
-            *q_s, *k_s, *v_s, *do_s, *_row_strides(dq, packed),
-            nheads, seqlen_q, seqlen_k, nheads // nheads_k,
-            BLOCK_M=cfg_q.block_m, BLOCK_N=cfg_q.block_n, **attention,
-            num_warps=cfg_q.num_warps, num_stages=cfg_q.num_stages,
+        _launch_bwd_dq(
+            None, (triton.cdiv(seqlen_q, cfg_q.block_m), batch * nheads, 1),
+            (q, k, v, dout, lse, delta, dq,
+             *q_s, *k_s, *v_s, *do_s, *_row_strides(dq, packed), nheads, seqlen_q, seqlen_k, nheads // nheads_k),
+            cfg_q.num_warps, cfg_q.num_stages,
+            dict(BLOCK_M=cfg_q.block_m, BLOCK_N=cfg_q.block_n, **attention), device_index,
         )
 
 
@@ -196,28 +202,31 @@ def _flash_attn_kvcache_forward(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     cache_seqlens: torch.Tensor,
-    appended: bool,
+    seqlen_new: int,
     block_table: Optional[torch.Tensor],
     options: AttnOptions,
     config: Optional[AttnConfig] = None,
     launch_key=None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Chunked prefill (see [Note] Chunked prefill over a cache in kernels/prefill_kernels.py): q
-    (B, M, H, D) attends over each request's cached keys, cache_seqlens[b] of them plus, when
-    `appended`, the M keys just written after them. The cache is dense (B, S, H_KV, D) or, with
+    (B, M, H, D) attends over each request's cached keys, cache_seqlens[b] of them plus the
+    `seqlen_new` (<= M; 0 for none) keys just written after them, the queries aligned to the last M key
+    positions. The cache is dense (B, S, H_KV, D) or, with
     block_table (B, max_blocks) int32, a paged pool (NUM_BLOCKS, P, H_KV, D). Inputs are validated
     (kernels.decode does it; its `launch_key` holds the inputs' signature and alignment, see
     _launch_forward); returns (out (B, M, H, D), lse (B, H, M) float32)."""
     batch, seqlen_q, nheads, head_dim = q.shape
     if config is None:
-        config = prefill_fwd_config(options.head_dim_pad, q.dtype, options.causal, q.device)
+        config = prefill_fwd_config(options.head_dim_pad, q.dtype, options.causal, device_target(q.device))
     out = torch.empty((batch, seqlen_q, nheads, head_dim), dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         lse.fill_(float("inf"))
         return out, lse
     use_tma = _use_tma(config.use_tma, q, k_cache, v_cache, out)
-    cache_args = dict(Cache_seqlens=cache_seqlens, IS_KVCACHE=True, KV_APPEND=appended)
+    cache_args = dict(Cache_seqlens=cache_seqlens, IS_KVCACHE=True, KV_APPEND=seqlen_new > 0)
+    if seqlen_new:
+        cache_args["N_NEW"] = seqlen_new
     if block_table is None:
         capacity = k_cache.shape[1]
         k_strides, v_strides = k_cache.stride()[:3], v_cache.stride()[:3]

@@ -108,7 +108,7 @@ def fwd_kernel(
     IS_CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
     Cu_seqlens_q=None, Cu_seqlens_k=None, stride_lseh=None, IS_VARLEN: tl.constexpr = False,
     Cache_seqlens=None, Block_table=None, stride_btb=None, NUM_BLOCKS=None, stride_kblk=None, stride_vblk=None,
-    IS_KVCACHE: tl.constexpr = False, KV_APPEND: tl.constexpr = False, PAGED: tl.constexpr = False,
+    N_NEW=None, IS_KVCACHE: tl.constexpr = False, KV_APPEND: tl.constexpr = False, PAGED: tl.constexpr = False,
     PAGE_SIZE: tl.constexpr = 1, WIDE_PAGES: tl.constexpr = False,
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
@@ -137,8 +137,8 @@ def fwd_kernel(
         Lse += q_start  # Lse is (H, total_q)
     if IS_KVCACHE:  # K/V are a cache: N is its capacity, the request's key count lives on the device
         n_cached = tl.minimum(tl.maximum(tl.load(Cache_seqlens + off_b), 0), N)
-        if KV_APPEND:  # the chunk's own keys were appended at [n_cached, n_cached + M) just before
-            N = tl.minimum(n_cached + M, N)
+        if KV_APPEND:  # N_NEW <= M new keys were appended at [n_cached, n_cached + N_NEW) just before
+            N = tl.minimum(n_cached + N_NEW, N)
         else:
             N = n_cached
 

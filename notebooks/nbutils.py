@@ -38,6 +38,7 @@ from benchmarks.grids import LABELS
 from kernels import KVCache, PagedKVCache, flash_attn_func, flash_attn_with_kvcache
 from kernels._configs import prefill_fwd_config
 from kernels._options import head_dim_tile
+from kernels._utils import device_target
 from kernels.reference import attention_padded_keys_ref, attention_ref, attention_sdpa
 from kernels.serving import ServingEngine, check_attention
 from kernels.testing import agreement_tolerance, check_lse, error_bound, rel_err
@@ -181,7 +182,7 @@ def make_inputs(
 
 def kernel_block_n(head_dim: int, dtype: torch.dtype, device, causal: bool = False) -> int:
     """BLOCK_N (keys per tile) the prefill forward kernel uses for this head dim, dtype and device."""
-    return prefill_fwd_config(head_dim_tile(head_dim), dtype, causal, torch.device(device)).block_n
+    return prefill_fwd_config(head_dim_tile(head_dim), dtype, causal, device_target(torch.device(device))).block_n
 
 
 def copies_during(fn: Callable[[], Any]) -> Optional[List[str]]:

@@ -135,7 +135,7 @@ def _decode_specs(configs, arch: int):
                 part = "*fp32" if split else f"*{dt}"  # unsplit, the launcher passes `out` for the scratch
                 types = {**{p: f"*{dt}" for p in ("Q", "K_cache", "V_cache", "K_new", "V_new", "Out")},
                          "Cache_seqlens": "*i32", "Lse": f"*{dt}", "Out_part": part, "Lse_part": part,
-                         "H_KV": "i32", "GROUP": "i32", "M": "i32", "N_CACHE": "i32",
+                         "H_KV": "i32", "GROUP": "i32", "M": "i32", "M_NEW": "i32", "N_CACHE": "i32",
                          "SPLIT_N": "i32:D",  # a multiple of BLOCK_N
                          "softmax_scale": "fp32"}
                 consts = {"HEAD_DIM": d, "HEAD_DIM_PAD": d, "BLOCK_H": block_h, "BLOCK_N": cfg.block_n,

@@ -25,6 +25,7 @@ from helpers import (
     references,
 )
 from kernels import decode, flash_attn_func, flash_attn_with_kvcache
+from kernels._utils import device_target
 from kernels.testing import agreement_tolerance
 
 DTYPES = [torch.float16] + ([torch.bfloat16] if ON_GPU else [torch.float32])
@@ -180,8 +181,9 @@ def test_dispatch_needs_enough_tokens_and_a_full_grid(monkeypatch):
 
     monkeypatch.setattr(decode, "_flash_attn_kvcache_forward", recording_forward)
     dtype, head_dim = torch.float16, HEAD_DIM
-    sm_count = decode.planning_sm_count(torch.device(DEVICE))
-    block_m = decode.prefill_fwd_config(head_dim, dtype, True, DEVICE).block_m
+    target = device_target(torch.device(DEVICE))
+    sm_count = decode.planning_sm_count(target)
+    block_m = decode.prefill_fwd_config(head_dim, dtype, True, target).block_m
     threshold = decode.CHUNKED_PREFILL_MIN_SEQLEN_Q
     # one query block per head: the grid is batch x nheads programs
     small_heads = 1

@@ -171,6 +171,69 @@ def test_seqlen_q_causal_bottom_right(seqlen_q, group, append, dtype):
         assert_lse_close(lse, ref_lse, dtype, msg=msg)
 
 
+@pytest.mark.parametrize("path", ["decode", "prefill"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("seqlen_q,seqlen_new", [(4, 1), (9, 3), (5, 5)])
+def test_partial_append(seqlen_q, seqlen_new, causal, path, monkeypatch):
+    """flash-attn's seqlen_new <= seqlen_q (speculative verification with a partial append): the new
+    tokens' k/v go to rows [L_b, L_b + seqlen_new) and nothing else changes; the queries are aligned to
+    the last seqlen_q of the L_b + seqlen_new keys (causal bottom-right), on the decode kernel (split
+    and not) and on the chunked-prefill path."""
+    from kernels import decode
+
+    lengths = [0, 3, 40, 100] if INTERPRET else [0, 3, 400, 2040]
+    seqlen_cache = 110 if INTERPRET else 2048
+    batch, nheads, nheads_k, dtype = len(lengths), NHEADS, NHEADS // 2, torch.float16
+    q, k_cache, v_cache, _, _ = make_decode_inputs(batch, seqlen_cache, seqlen_q, nheads, nheads_k, HEAD_DIM, dtype,
+                                                   append=False)
+    k, v = (randn(batch, seqlen_new, nheads_k, HEAD_DIM, dtype=dtype) for _ in range(2))
+    ref32, ref_lse, ref_same = per_request_references(q, k_cache, v_cache, k, v, lengths, causal=causal)
+    k_exp, v_exp = expected_caches(k_cache, v_cache, k, v, lengths)
+    if path == "prefill":
+        monkeypatch.setattr(decode, "_chunked_prefill_pays", lambda *args: True)
+    for num_splits in ((1, 3) if path == "decode" else (0,)):
+        k_run, v_run = k_cache.clone(), v_cache.clone()
+        out, lse = flash_attn_with_kvcache(q, k_run, v_run, k, v, cache_seqlens=torch.tensor(lengths, dtype=torch.int32,
+                                           device=DEVICE), causal=causal, num_splits=num_splits,
+                                           return_softmax_lse=True)
+        msg = f"(seqlen_q={seqlen_q}, seqlen_new={seqlen_new}, causal={causal}, {path}, num_splits={num_splits})"
+        assert_close_to_ref(out, ref32, ref_same, msg=msg)
+        assert_lse_close(lse, ref_lse, dtype, msg=msg)
+        assert torch.equal(k_run, k_exp) and torch.equal(v_run, v_exp), f"wrong cache rows {msg}"
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("seqlen_q", [16, 64, 128] if ON_GPU else [16, 40])
+def test_wide_heads_many_query_rows(seqlen_q, paged):
+    """Head dim 256 with many query rows per program (seqlen_q x a group of 4) and an append: the plan's
+    tiles shrink to the GPU's shared memory (kernels._configs.decode_fit) and the result still matches,
+    on the decode kernel (split and not) and, through num_splits=0 at 128 new tokens, its dispatch."""
+    lengths = [0, 37, 90] if INTERPRET else [0, 37, 900]
+    capacity = 160 if INTERPRET else 1152
+    dtype, nheads, nheads_k, head_dim = torch.float16, 8, 2, 256
+    batch = len(lengths)
+    q, k_cache, v_cache, k, v = make_decode_inputs(batch, capacity, seqlen_q, nheads, nheads_k, head_dim, dtype)
+    ref32, ref_lse, ref_same = per_request_references(q, k_cache, v_cache, k, v, lengths, causal=True)
+    k_exp, v_exp = expected_caches(k_cache, v_cache, k, v, lengths)
+    page_size = 16
+    for num_splits in (0, 1):
+        k_run, v_run = k_cache.clone(), v_cache.clone()
+        kwargs = dict(cache_seqlens=torch.tensor(lengths, dtype=torch.int32, device=DEVICE), causal=True,
+                      num_splits=num_splits, return_softmax_lse=True)
+        if paged:  # the dense caches cut into pages, request b's pages in order
+            pages = capacity // page_size
+            table = torch.arange(batch * pages, dtype=torch.int32, device=DEVICE).view(batch, pages)
+            k_pool = k_run.reshape(batch * pages, page_size, nheads_k, head_dim)
+            v_pool = v_run.reshape(batch * pages, page_size, nheads_k, head_dim)
+            out, lse = flash_attn_with_kvcache(q, k_pool, v_pool, k, v, block_table=table, **kwargs)
+        else:
+            out, lse = flash_attn_with_kvcache(q, k_run, v_run, k, v, **kwargs)
+        msg = f"(seqlen_q={seqlen_q}, paged={paged}, num_splits={num_splits})"
+        assert_close_to_ref(out, ref32, ref_same, msg=msg)
+        assert_lse_close(lse, ref_lse, dtype, msg=msg)
+        assert torch.equal(k_run, k_exp) and torch.equal(v_run, v_exp), f"wrong cache rows {msg}"
+
+
 def test_many_row_blocks():
     """More query rows per KV head than one program holds (MQA x seqlen_q = 96 rows) still match."""
     lengths = [0, 7, 50]
@@ -353,7 +416,9 @@ def _bad_inputs():
         ("q rank", dict(q=q[0]), ValueError, "4 dims"),
         ("dtype mismatch", dict(k_cache=kc.float()), ValueError, "one dtype"),
         ("k without v", dict(v=None), ValueError, "both"),
-        ("k shape", dict(k=t(2, 2, 2, d), v=t(2, 2, 2, d)), ValueError, "seqlen_q"),
+        ("k longer than q", dict(k=t(2, 2, 2, d), v=t(2, 2, 2, d)), ValueError, "seqlen_new <= seqlen_q"),
+        ("k heads", dict(k=t(2, 1, 1, d), v=t(2, 1, 1, d)), ValueError, "nheads_k=2"),
+        ("k and v shapes differ", dict(v=t(2, 1, 1, d)), ValueError, "same shape"),
         ("cache shapes differ", dict(v_cache=t(2, 15, 2, d)), ValueError, "same shape"),
         ("cache batch", dict(k_cache=t(3, 16, 2, d), v_cache=t(3, 16, 2, d)), ValueError, "batch"),
         ("head dims differ", dict(k_cache=t(2, 16, 2, 16), v_cache=t(2, 16, 2, 16)), ValueError, "head dim"),

@@ -17,6 +17,7 @@ from helpers import DEVICE, ON_GPU
 from kernels import decode as decode_module
 from kernels import flash_attn_with_kvcache
 from kernels._options import AttnOptions, attn_options
+from kernels._utils import device_target
 from kernels.reference import attention_ref
 from kernels.testing import check_close
 
@@ -95,7 +96,8 @@ def _kvcache_call(opts: AttnOptions, path: str, seed: int):
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
     (batch, m, nheads), nheads_k, cache = PATHS[path], 2, 300 + PATHS[path][1]
     d, dtype = opts.head_dim, torch.float16
-    assert decode_module._chunked_prefill_pays(batch, m, nheads, d, dtype, opts.causal, DEVICE) == (path == "chunked")
+    assert decode_module._chunked_prefill_pays(batch, m, nheads, d, dtype, opts.causal,
+                                                  device_target(torch.device(DEVICE))) == (path == "chunked")
 
     def randn(*shape):
         return torch.randn(*shape, generator=gen, device=DEVICE).to(dtype)
@@ -151,7 +153,8 @@ def test_integer_classes_keep_launches_apart():
     assert key(16) != key(12) and key(12) == key(10) and key(1) != key(10) and key(2**31) != key(10)
     d, nheads, nheads_k = 32, 4, 2
     gen = torch.Generator(device=DEVICE).manual_seed(0)
-    block_n = decode_module._plan(1, 1, nheads, nheads_k, d, 4096, torch.float16, torch.device(DEVICE), 1).block_n
+    block_n = decode_module._plan(1, 1, nheads, nheads_k, d, 4096, torch.float16, device_target(torch.device(DEVICE)),
+                                  1).block_n
     cache = 32 * block_n  # 32 key blocks: 16 splits of 2 blocks, or 11 of 3
 
     def randn(*shape):
@@ -160,8 +163,8 @@ def test_integer_classes_keep_launches_apart():
     q, k_cache, v_cache = randn(1, 1, nheads, d), randn(1, cache, nheads_k, d), randn(1, cache, nheads_k, d)
     lens = torch.tensor([cache - 5], dtype=torch.int32, device=DEVICE)
     out = {ns: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, num_splits=ns) for ns in (16, 12, 1)}
-    used = {ns: decode_module._plan(1, 1, nheads, nheads_k, d, cache, torch.float16, torch.device(DEVICE),
-                                    ns).num_splits for ns in (16, 12)}
+    used = {ns: decode_module._plan(1, 1, nheads, nheads_k, d, cache, torch.float16,
+                                    device_target(torch.device(DEVICE)), ns).num_splits for ns in (16, 12)}
     assert used == {16: 16, 12: 11}
     for ns in (16, 12):
         assert (out[ns] - out[1]).abs().max().item() < 2e-3, f"num_splits={ns} differs from the unsplit result"

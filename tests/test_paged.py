@@ -29,6 +29,7 @@ from helpers import (
 from kernels import PagedKVCache, PoolExhaustedError, flash_attn_with_kvcache, rel_err
 from kernels._jit import wide_pages
 from kernels._options import attn_options
+from kernels._utils import device_target
 from kernels.decode import _flash_attn_with_kvcache_launch
 from kernels.testing import agreement_tolerance
 
@@ -154,10 +155,11 @@ def test_deep_grid_equals_dense_and_reference(page_size):
     nheads, nheads_k, head_dim = 8, 2, 64
     sms = device_sm_count(torch.cuda.current_device()) if ON_GPU else INTERPRETER_SM_COUNT
     batch = -(-DECODE_DEEP_GRID * sms // nheads_k)
-    plan = decode._plan(batch, 1, nheads, nheads_k, head_dim, 64 * page_size, dtype, torch.device(DEVICE), 0, 0)
+    target = device_target(torch.device(DEVICE))
+    plan = decode._plan(batch, 1, nheads, nheads_k, head_dim, 64 * page_size, dtype, target, 0, 0)
     max_blocks = -(-DECODE_DEEP_MIN_BLOCKS * plan.block_n // page_size)  # a long enough cache
-    paged_plan = decode._plan(batch, 1, nheads, nheads_k, head_dim, max_blocks * page_size, dtype,
-                              torch.device(DEVICE), 0, page_size)
+    paged_plan = decode._plan(batch, 1, nheads, nheads_k, head_dim, max_blocks * page_size, dtype, target, 0,
+                              page_size)
     assert paged_plan.num_splits == 1 and paged_plan.num_stages == plan.num_stages
     k_pool, v_pool, table, k_dense, v_dense = make_paged_cache(batch, max_blocks, page_size, nheads_k, head_dim, dtype)
     capacity = max_blocks * page_size
@@ -296,11 +298,11 @@ def test_one_loop_and_two_loops_match_the_reference(monkeypatch, one_loop, page_
 def test_split_heuristic_fills_more_programs_for_paged_caches():
     """num_splits=0 (kernels._configs.decode_num_splits): a paged cache's splits fill DECODE_PAGED_WAVES
     programs per SM, a dense cache's one, and neither splits once the programs fill 0.8 of that."""
-    from kernels._configs import DECODE_MAX_SPLITS, DECODE_PAGED_WAVES, INTERPRETER_SM_COUNT, decode_num_splits
-    from kernels._utils import device_sm_count
+    from kernels._configs import DECODE_MAX_SPLITS, DECODE_PAGED_WAVES, decode_num_splits, planning_sm_count
+    from kernels._utils import device_target
 
-    device = torch.device(DEVICE)
-    sms = device_sm_count(torch.cuda.current_device()) if ON_GPU else INTERPRETER_SM_COUNT
+    device = device_target(torch.device(DEVICE))  # the target the heuristic plans for here
+    sms = planning_sm_count(device)
     capacity, block_n = 1 << 20, 64  # long enough that no split is capped by the block count
     programs = max(1, sms // 8)
     assert decode_num_splits(programs, capacity, block_n, device) == min(DECODE_MAX_SPLITS, sms // programs)
@@ -314,11 +316,11 @@ def test_split_heuristic_fills_more_programs_for_paged_caches():
 def test_split_heuristic_keeps_a_second_wave_of_splits_long():
     """Past one wave's count, a paged cache's splits keep DECODE_PAGED_WAVE_MIN_BLOCKS blocks each: a
     long cache takes the full second wave, a shorter one part of it, a short one the dense count."""
-    from kernels._configs import DECODE_PAGED_WAVE_MIN_BLOCKS, INTERPRETER_SM_COUNT, decode_num_splits
-    from kernels._utils import device_sm_count
+    from kernels._configs import DECODE_PAGED_WAVE_MIN_BLOCKS, decode_num_splits, planning_sm_count
+    from kernels._utils import device_target
 
-    device = torch.device(DEVICE)
-    sms = device_sm_count(torch.cuda.current_device()) if ON_GPU else INTERPRETER_SM_COUNT
+    device = device_target(torch.device(DEVICE))  # the target the heuristic plans for here
+    sms = planning_sm_count(device)
     block_n, programs = 64, max(1, sms // 8)
     one = decode_num_splits(programs, 1 << 20, block_n, device)
     two = decode_num_splits(programs, 1 << 20, block_n, device, paged=True)
@@ -342,7 +344,7 @@ def test_paged_caches_cap_the_pipeline_stages(monkeypatch):
     decode._plan.cache_clear()
     try:
         def stages(page_size):
-            return decode._plan(1, 1, 8, 2, 128, 4096, torch.float16, torch.device(DEVICE), 0, page_size).num_stages
+            return decode._plan(1, 1, 8, 2, 128, 4096, torch.float16, None, 0, page_size).num_stages
 
         assert stages(0) == deep.num_stages
         assert stages(16) == stages(64) == DECODE_PAGED_STAGES
@@ -364,7 +366,7 @@ def test_deep_paged_grids_keep_the_config_stages_and_split_wide_gathers():
         decode_paged_tiles,
     )
 
-    device = torch.device("cpu")  # the SM count is INTERPRETER_SM_COUNT: no GPU query
+    device = None  # the interpreter's target: INTERPRETER_SM_COUNT SMs
     sms = _configs.INTERPRETER_SM_COUNT
     cfg = DecodeConfig(128, 4, DECODE_PAGED_STAGES + 1)
     capped = DECODE_PAGED_STAGES
@@ -406,23 +408,19 @@ def test_register_cap_only_where_registers_would_cut_occupancy(monkeypatch):
     Hopper-sized SM, is capped at 65536 / (3 x 32 x warps) registers rounded down to 8 (unless that is
     below DECODE_MIN_REGISTER_CAP); dense plans, deeper plans, grids of at most 2 programs per SM and
     small-smem GPUs get no cap."""
-    from kernels import _configs
-    from kernels._configs import DECODE_PAGED_STAGES, HOPPER_SMEM, decode_max_registers
+    from kernels._configs import DECODE_PAGED_STAGES, decode_max_registers
+    from kernels._utils import TARGETS
 
-    monkeypatch.setattr(_configs, "is_interpreter", lambda: False)
-    monkeypatch.setattr(_configs, "planning_sm_count", lambda device: 132)
-    smem = {"bytes": HOPPER_SMEM + 27 * 1024}
-    monkeypatch.setattr(_configs, "device_smem_bytes", lambda index: smem["bytes"])
-    cuda = torch.device("cuda", 0)  # an explicit index: no device query
+    hopper = TARGETS["H100"]
+    assert hopper.sm_count == 132
     s = DECODE_PAGED_STAGES
-    assert decode_max_registers(4, s, True, 2 * 132 + 1, cuda) == 168
-    assert decode_max_registers(8, s, True, 2 * 132 + 1, cuda) is None  # 80 would spill: no cap
-    assert decode_max_registers(4, s, True, 2 * 132, cuda) is None  # 2 per SM: registers limit nothing
-    assert decode_max_registers(4, s + 1, True, 1000, cuda) is None  # deeper: shared memory holds 2
-    assert decode_max_registers(4, s, False, 1000, cuda) is None  # dense
-    assert decode_max_registers(4, s, True, 1000, torch.device("cpu")) is None
-    smem["bytes"] = 99 * 1024  # an L4
-    assert decode_max_registers(4, s, True, 1000, cuda) is None
+    assert decode_max_registers(4, s, True, 2 * 132 + 1, hopper) == 168
+    assert decode_max_registers(8, s, True, 2 * 132 + 1, hopper) is None  # 80 would spill: no cap
+    assert decode_max_registers(4, s, True, 2 * 132, hopper) is None  # 2 per SM: registers limit nothing
+    assert decode_max_registers(4, s + 1, True, 1000, hopper) is None  # deeper: shared memory holds 2
+    assert decode_max_registers(4, s, False, 1000, hopper) is None  # dense
+    assert decode_max_registers(4, s, True, 1000, None) is None  # the interpreter
+    assert decode_max_registers(4, s, True, 1000, TARGETS["L4"]) is None  # small shared memory
 
 
 @pytest.mark.gpu
@@ -436,8 +434,8 @@ def test_capped_registers_compile_and_match_dense(page_size):
     dtype, nheads, nheads_k, head_dim = torch.bfloat16, 32, 8, 128
     batch = -(-(2 * device_sm_count(torch.cuda.current_device()) + 1) // nheads_k)
     max_blocks = 1024 // page_size
-    plan = decode._plan(batch, 1, nheads, nheads_k, head_dim, max_blocks * page_size, dtype, torch.device(DEVICE), 0,
-                        page_size)
+    plan = decode._plan(batch, 1, nheads, nheads_k, head_dim, max_blocks * page_size, dtype,
+                        device_target(torch.device(DEVICE)), 0, page_size)
     if plan.max_registers is None:
         pytest.skip(f"no register cap on this GPU ({plan})")
     assert plan.num_splits == 1
@@ -906,3 +904,28 @@ def test_paged_kvcache_decode_takes_no_pages_on_bad_input():
     with pytest.raises(ValueError, match="dtype"):
         cache.decode(q, k_bad, k_bad, slots=[slot])
     assert cache.num_free_blocks == 8 and cache.pages(slot) == [] and cache.seqlens[slot] == 0
+
+
+@pytest.mark.parametrize("path", ["decode", "prefill"])
+@pytest.mark.parametrize("page_size", [16, 5])
+def test_partial_append_paged(page_size, path, monkeypatch):
+    """seqlen_new < seqlen_q into a paged pool: the seqlen_new new rows land page by page at each
+    request's length (crossing pages), the queries align to the last seqlen_q of L_b + seqlen_new keys."""
+    from kernels import decode
+
+    lengths = [0, 13, 37]
+    seqlen_q, seqlen_new, dtype = 6, 2, torch.float16
+    batch, nheads, nheads_k, head_dim = len(lengths), NHEADS, 2, HEAD_DIM
+    max_blocks = (max(lengths) + seqlen_new) // page_size + 1
+    k_pool, v_pool, table, k_dense, v_dense = make_paged_cache(batch, max_blocks, page_size, nheads_k, head_dim, dtype)
+    q, _, _ = new_tokens(batch, seqlen_q, nheads, nheads_k, head_dim, dtype)
+    _, k, v = new_tokens(batch, seqlen_new, nheads, nheads_k, head_dim, dtype)
+    ref32, _, ref_same = per_request_references(q, k_dense, v_dense, k, v, lengths, causal=True)
+    k_exp, v_exp = expected_pools(k_pool, v_pool, table, k, v, lengths)
+    if path == "prefill":
+        monkeypatch.setattr(decode, "_chunked_prefill_pays", lambda *args: True)
+    kp, vp = k_pool.clone(), v_pool.clone()
+    out = flash_attn_with_kvcache(q, kp, vp, k, v, cache_seqlens=i32(lengths), block_table=table, causal=True,
+                                  num_splits=1 if path == "decode" else 0)
+    assert_close_to_ref(out, ref32, ref_same, msg=f"{path}, page_size={page_size}")
+    assert torch.equal(kp, k_exp) and torch.equal(vp, v_exp), f"{path}: wrong cache rows"

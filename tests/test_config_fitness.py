@@ -1,0 +1,174 @@
+"""Every launch the config selection can choose fits the shared memory of the card it is chosen for.
+
+For each card users bring (kernels._utils.TARGETS: T4, A100, A10, L4, H100/H200) the public functions
+are called under `kernels._launch.recording`, which plans each call for that card and records its
+launches instead of running them, across what changes the choice: head dim, dtype, causal, packed
+(varlen) or not, forward and backward, and for the KV-cache path the query rows per program
+(seqlen_q x group size), dense or paged with several page sizes, append or not, split or not, and
+grids deep enough to change a paged plan. One launch of each tile class (`cross_compile.tile_key`: all
+but the integer and alignment specialisations) is cross-compiled for the card's architecture
+(tests/cross_compile.py: Triton without a GPU) and its shared memory compared with the card's limit.
+bf16 plans must equal fp16 ones (same bytes per element; compiled once, as fp16); where no tile fits
+(a T4's fp32 backward above head dim 128, its fp32 decode with an append at 256) the call must say so
+before launching, and a card without bf16 (T4) must refuse bf16 before any launch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from typing import Dict, List, Tuple
+
+import pytest
+import torch
+
+import cross_compile
+from helpers import DEVICE
+from kernels import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+from kernels._configs import decode_unsupported, prefill_bwd_unsupported
+from kernels._launch import recording
+from kernels._utils import TARGETS, Target
+from kernels.decode import _chunked_prefill_pays
+
+# KERNELS_FITNESS=full compiles every head-dim tile for every card; by default (CI) the two largest, whose
+# tiles need the most shared memory: a smaller head dim gets the same or smaller tiles from every table.
+FULL = os.environ.get("KERNELS_FITNESS", "") == "full"
+HEAD_DIMS = (16, 32, 64, 128, 256) if FULL else (128, 256)
+SEQLEN_Q = (1, 4, 16, 64, 128)  # rows per program = seqlen_q x group: 1 .. 1024
+GROUPS = (1, 8)
+PAGE_SIZES = (16, 64, 256)
+DEEP_BATCH = 100  # x 4 KV heads: more than DECODE_DEEP_GRID programs per SM on every card
+
+
+def _empty(*shape, dtype):
+    return torch.empty(*shape, dtype=dtype, device=DEVICE)
+
+
+def _backward(out, dout, head_dim: int, target: Target):
+    """out.backward(dout), or, where no backward config fits the card, the error that says so."""
+    if prefill_bwd_unsupported(head_dim, out.dtype, target) is None:
+        out.backward(dout)
+    else:
+        with pytest.raises(NotImplementedError, match="needs more shared memory per block than"):
+            out.backward(dout)
+
+
+def _prefill_calls(dtype: torch.dtype, target: Target):
+    """(label, thunk) per prefill call: dense and packed, forward and backward, each head dim, causal or not."""
+    for head_dim, causal in itertools.product(HEAD_DIMS, (False, True)):
+        def dense(head_dim=head_dim, causal=causal):
+            q = _empty(1, 70, 4, head_dim, dtype=dtype).requires_grad_()
+            k = _empty(1, 90, 2, head_dim, dtype=dtype).requires_grad_()
+            v = _empty(1, 90, 2, head_dim, dtype=dtype).requires_grad_()
+            _backward(flash_attn_func(q, k, v, causal=causal), _empty(1, 70, 4, head_dim, dtype=dtype), head_dim,
+                      target)
+
+        def packed(head_dim=head_dim, causal=causal):
+            cu = torch.tensor([0, 30, 70], dtype=torch.int32, device=DEVICE)
+            q = _empty(70, 4, head_dim, dtype=dtype).requires_grad_()
+            k = _empty(70, 2, head_dim, dtype=dtype).requires_grad_()
+            v = _empty(70, 2, head_dim, dtype=dtype).requires_grad_()
+            out = flash_attn_varlen_func(q, k, v, cu, cu, 40, 40, causal=causal)
+            _backward(out, _empty(70, 4, head_dim, dtype=dtype), head_dim, target)
+
+        yield f"prefill D={head_dim} causal={causal}", dense
+        yield f"varlen D={head_dim} causal={causal}", packed
+
+
+def _kvcache_calls(dtype: torch.dtype, target: Target):
+    """(label, thunk) per flash_attn_with_kvcache call across rows per program, paging, append, splits."""
+    nheads_k, capacity = 4, 4096
+    for head_dim, seqlen_q, group, append in itertools.product(HEAD_DIMS, SEQLEN_Q, GROUPS, (False, True)):
+        nheads = nheads_k * group
+        layouts = [(None, 1, 0), (None, 1, 1)]  # (page size, batch, num_splits): dense, heuristic and unsplit
+        layouts += [(p, b, s) for p in PAGE_SIZES for b in (1, DEEP_BATCH) for s in (0, 1)]
+        for page_size, batch, num_splits in layouts:
+            def run(head_dim=head_dim, seqlen_q=seqlen_q, nheads=nheads, append=append, page_size=page_size,
+                    batch=batch, num_splits=num_splits):
+                q = _empty(batch, seqlen_q, nheads, head_dim, dtype=dtype)
+                new = [_empty(batch, seqlen_q, nheads_k, head_dim, dtype=dtype) for _ in range(2)] if append else []
+                lengths = torch.full((batch,), 7, dtype=torch.int32)  # on the host: checked, no sync
+                if page_size is None:
+                    k_cache = _empty(batch, capacity, nheads_k, head_dim, dtype=dtype)
+                    flash_attn_with_kvcache(q, k_cache, k_cache.clone(), *new, cache_seqlens=lengths, causal=True,
+                                            num_splits=num_splits)
+                else:  # a small pool: every request's table points at its first pages
+                    pool = _empty(8, page_size, nheads_k, head_dim, dtype=dtype)
+                    table = torch.zeros(batch, capacity // page_size, dtype=torch.int32, device=DEVICE)
+                    table[:, :2] = torch.tensor([1, 2], dtype=torch.int32)
+                    flash_attn_with_kvcache(q, pool, pool.clone(), *new, cache_seqlens=lengths, block_table=table,
+                                            causal=True, num_splits=num_splits)
+
+            def call(run=run, head_dim=head_dim, append=append, seqlen_q=seqlen_q, nheads=nheads, batch=batch,
+                     num_splits=num_splits):
+                prefill_path = num_splits == 0 and _chunked_prefill_pays(batch, seqlen_q, nheads, head_dim, dtype, True,
+                                                                         target)
+                if prefill_path or decode_unsupported(head_dim, dtype.itemsize, append, target) is None:
+                    run()
+                else:  # no decode tile fits the card: the call says so before launching
+                    with pytest.raises(NotImplementedError, match="needs more shared memory per block than"):
+                        run()
+
+            label = (f"kvcache D={head_dim} seqlen_q={seqlen_q} group={group} append={append} "
+                     f"page_size={page_size} batch={batch} num_splits={num_splits}")
+            yield label, call
+
+
+def _record(target: Target, dtype: torch.dtype) -> List[Tuple[str, object]]:
+    """(call label, launch record) of every launch the calls make when planned for `target`."""
+    records = []
+    for label, call in itertools.chain(_prefill_calls(dtype, target), _kvcache_calls(dtype, target)):
+        with recording(target) as launched:
+            call()
+        records.extend((label, r) for r in launched)
+    return records
+
+
+def _plan_text(record) -> tuple:
+    """A launch without its tensors' dtypes: what must be equal for fp16 and bf16."""
+    return (getattr(record.fn, "__name__", str(record.fn)), record.grid, record.num_warps, record.num_stages,
+            record.launch_pdl, record.maxnreg,
+            tuple(a if not isinstance(a, torch.Tensor) else (tuple(a.shape), a.dtype.itemsize) for a in record.args))
+
+
+@pytest.mark.parametrize("card", list(TARGETS))
+def test_every_config_fits_the_card(card):
+    target = TARGETS[card]
+    fp16 = _record(target, torch.float16)
+    records = fp16 + _record(target, torch.float32)
+    if target.capability >= (8, 0):  # bf16 plans are the fp16 plans, byte for byte
+        bf16 = _record(target, torch.bfloat16)
+        assert [(label, _plan_text(r)) for label, r in bf16] == [(label, _plan_text(r)) for label, r in fp16]
+
+    specs: Dict[str, dict] = {}
+    labels: Dict[str, str] = {}
+    for label, record in records:
+        spec = cross_compile.spec_of(record, target.arch)
+        key = cross_compile.tile_key(spec)
+        specs.setdefault(key, spec)
+        labels.setdefault(key, label)
+    results = cross_compile.shared_bytes(list(specs.values()))
+    over, failed = [], []
+    for (key, spec), result in zip(specs.items(), results):
+        what = f"{spec['name']} {spec['options']} for {labels[key]}"
+        if "error" in result:
+            failed.append(f"{what}: {result['error'][:300]}")
+        elif result["shared"] > target.smem_per_block:
+            over.append(f"{what}: {result['shared']} B > {target.smem_per_block} B")
+    print(f"{card}: {len(records)} launches, {len(specs)} tile classes compiled, largest "
+          f"{max(r.get('shared', 0) for r in results)} B of {target.smem_per_block} B")
+    assert not failed, f"{len(failed)} launches do not compile for {card}:\n" + "\n".join(failed[:20])
+    assert not over, (f"{len(over)} of {len(specs)} launches need more shared memory than {card} has:\n"
+                      + "\n".join(over[:30]))
+
+
+def test_bf16_is_refused_where_the_card_has_none():
+    """A T4 (compute capability 7.5) has no bf16: the public functions say so before anything launches."""
+    t4 = TARGETS["T4"]
+    q = _empty(1, 8, 2, 64, dtype=torch.bfloat16)
+    with recording(t4) as launched:
+        with pytest.raises(NotImplementedError, match="bfloat16 needs a GPU of compute capability 8.0"):
+            flash_attn_func(q, q, q)
+        with pytest.raises(NotImplementedError, match="bfloat16 needs a GPU of compute capability 8.0"):
+            flash_attn_with_kvcache(q[:, :1], q, q, cache_seqlens=3)
+    assert launched == []
