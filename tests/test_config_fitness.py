@@ -133,6 +133,7 @@ def _plan_text(record) -> tuple:
 
 @pytest.mark.parametrize("card", list(TARGETS))
 def test_every_config_fits_the_card(card):
+    """Each launch the selection makes for this card compiles for its architecture within its shared memory."""
     target = TARGETS[card]
     fp16 = _record(target, torch.float16)
     records = fp16 + _record(target, torch.float32)
@@ -147,6 +148,9 @@ def test_every_config_fits_the_card(card):
         key = cross_compile.tile_key(spec)
         specs.setdefault(key, spec)
         labels.setdefault(key, label)
+    kernels = {spec["name"] for spec in specs.values()}
+    assert kernels == {"fwd_kernel", "bwd_preprocess_kernel", "bwd_dkdv_kernel", "bwd_dq_kernel", "decode_kernel",
+                       "combine_kernel", "append_kernel"}, f"the calls launched only {sorted(kernels)}"
     results = cross_compile.shared_bytes(list(specs.values()))
     over, failed = [], []
     for (key, spec), result in zip(specs.items(), results):
