@@ -115,10 +115,8 @@ _SMALL_SMEM_BWD = {
     128: (AttnConfig(32, 64, 4, 2), AttnConfig(64, 32, 4, 2)),
     256: (AttnConfig(16, 32, 4, 1), AttnConfig(32, 16, 4, 1)),
 }
-_TINY_SMEM_BWD = {
-    16: (AttnConfig(32, 64, 4, 2), AttnConfig(64, 32, 4, 2)),
-    32: (AttnConfig(32, 64, 4, 2), AttnConfig(64, 32, 4, 2)),
-    64: (AttnConfig(32, 64, 4, 2), AttnConfig(64, 32, 4, 2)),
+_TINY_SMEM_BWD = {  # the 99 KB table, with smaller tiles where it outgrows a T4's 64 KB
+    **_SMALL_SMEM_BWD,
     128: (AttnConfig(32, 32, 4, 2), AttnConfig(32, 32, 4, 2)),
     256: (AttnConfig(16, 16, 4, 1), AttnConfig(16, 16, 4, 1)),
 }

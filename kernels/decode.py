@@ -145,10 +145,10 @@ def _plan(batch: int, seqlen_q: int, nheads: int, nheads_k: int, head_dim: int, 
     config = decode_config(head_dim_pad, dtype, target)
     rows = (nheads // nheads_k) * seqlen_q
     block_h = min(max(16, triton.next_power_of_2(rows)), max(16, config.max_rows))
-    block_new = min(config.block_n, max(16, triton.next_power_of_2(seqlen_q)))
-    block_h, block_n, num_stages, block_new = decode_fit(
-        head_dim_pad, dtype.itemsize, block_h, config.block_n, config.num_stages, block_new if append else 0, target)
-    block_new = block_new or min(block_n, max(16, triton.next_power_of_2(seqlen_q)))  # unused without an append
+    wanted_new = min(config.block_n, max(16, triton.next_power_of_2(seqlen_q)))
+    block_h, block_n, num_stages, fitted_new = decode_fit(
+        head_dim_pad, dtype.itemsize, block_h, config.block_n, config.num_stages, wanted_new if append else 0, target)
+    block_new = fitted_new if append else wanted_new  # unused without an append
     config = DecodeConfig(block_n, config.num_warps, num_stages, config.max_rows)
     row_blocks = triton.cdiv(rows, block_h)
     programs = batch * nheads_k * row_blocks

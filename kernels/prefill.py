@@ -20,6 +20,7 @@ from ._jit import wide_pages
 from ._launch import LaunchCache
 from ._options import AttnOptions, attn_options
 from ._utils import (
+    Target,
     _validate_cu_seqlens,
     _validate_cu_seqlens_values,
     _validate_devices,
@@ -58,14 +59,12 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
     return True
 
 
-def _use_tma(requested: bool, *tensors: torch.Tensor) -> bool:
-    """Tensor-descriptor loads: requested by the config, planned for a Hopper-or-newer GPU, 2-byte dtypes,
-    aligned."""
-    q = tensors[0]
-    if not requested or q.element_size() != 2:
+def _use_tma(requested: bool, target: Optional[Target], *tensors: torch.Tensor) -> bool:
+    """Tensor-descriptor loads: requested by the config, planned for a Hopper-or-newer GPU (`target`),
+    2-byte dtypes, aligned."""
+    if not requested or target is None or target.capability[0] < 9 or tensors[0].element_size() != 2:
         return False
-    target = device_target(q.device)
-    return target is not None and target.capability[0] >= 9 and _tma_ok(*tensors)
+    return _tma_ok(*tensors)
 
 
 def _validate_qkv(q, k, v) -> None:
@@ -116,10 +115,12 @@ def _launch_forward(q, k, v, out, lse, batch, seqlen_q, seqlen_k, options: AttnO
     longest lengths and blocks past a shorter sequence's end exit at once.
     """
     nheads, nheads_k = q.shape[-2], k.shape[-2]
-    if config is None:
-        config = prefill_fwd_config(options.head_dim_pad, q.dtype, options.causal, device_target(q.device))
-    if use_tma is None:
-        use_tma = _use_tma(config.use_tma, q, k, v, out)
+    if config is None or use_tma is None:
+        target = device_target(q.device)
+        if config is None:
+            config = prefill_fwd_config(options.head_dim_pad, q.dtype, options.causal, target)
+        if use_tma is None:
+            use_tma = _use_tma(config.use_tma, target, q, k, v, out)
     if use_tma:
         _ensure_tma_allocator()
     packed = extra.get("IS_VARLEN", False)
@@ -147,7 +148,7 @@ def _launch_backward(dout, q, k, v, out, lse, dq, dk, dv, delta, batch, seqlen_q
     if configs is None:
         configs = prefill_bwd_config(options.head_dim_pad, q.dtype, options.causal, target)
     cfg_kv, cfg_q = configs
-    use_tma = _use_tma(cfg_kv.use_tma, q, k, v, dout)
+    use_tma = _use_tma(cfg_kv.use_tma, target, q, k, v, dout)
     if use_tma:
         _ensure_tma_allocator()
     packed = bool(varlen)
@@ -216,14 +217,15 @@ def _flash_attn_kvcache_forward(
     (kernels.decode does it; its `launch_key` holds the inputs' signature and alignment, see
     _launch_forward); returns (out (B, M, H, D), lse (B, H, M) float32)."""
     batch, seqlen_q, nheads, head_dim = q.shape
+    target = device_target(q.device)
     if config is None:
-        config = prefill_fwd_config(options.head_dim_pad, q.dtype, options.causal, device_target(q.device))
+        config = prefill_fwd_config(options.head_dim_pad, q.dtype, options.causal, target)
     out = torch.empty((batch, seqlen_q, nheads, head_dim), dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         lse.fill_(float("inf"))
         return out, lse
-    use_tma = _use_tma(config.use_tma, q, k_cache, v_cache, out)
+    use_tma = _use_tma(config.use_tma, target, q, k_cache, v_cache, out)
     cache_args = dict(Cache_seqlens=cache_seqlens, IS_KVCACHE=True, KV_APPEND=seqlen_new > 0)
     if seqlen_new:
         cache_args["N_NEW"] = seqlen_new

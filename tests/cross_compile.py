@@ -11,6 +11,7 @@ Run as a script, this file is that worker: JSON specs on stdin, one JSON result 
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
@@ -36,8 +37,6 @@ def spec_of(record, arch: int) -> dict:
     from kernels._launch import _is_constexpr
 
     fn = getattr(record.fn, "fn", record.fn)  # the Python function behind the JIT (or interpreted) kernel
-    import inspect
-
     params = list(inspect.signature(fn).parameters.values())
     signature, constexprs, divisible = {}, {}, []
     for i, (param, value) in enumerate(zip(params, record.args)):
