@@ -17,7 +17,27 @@ from typing import Iterator, Optional, Tuple
 import torch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MIN_HEAD_DIM, MAX_HEAD_DIM, HEAD_DIM_MULTIPLE = 16, 256, 8
+MIN_HEAD_DIM, MAX_HEAD_DIM = 1, 256  # any head dim: the tile is padded to a power of two and masked
+
+
+# --------------------------------------------------------------------------------------------
+# Row alignment
+# --------------------------------------------------------------------------------------------
+def rows_aligned(t: torch.Tensor) -> bool:
+    """True when t's base and every outer stride are 16-byte multiples (what a tensor descriptor, and a
+    vectorised row load, needs)."""
+    size = t.element_size()
+    return t.data_ptr() % 16 == 0 and all((s * size) % 16 == 0 for s in t.stride()[:-1])
+
+
+def empty_aligned(shape, dtype: torch.dtype, device, *, zero: bool = False, aligned: bool = True) -> torch.Tensor:
+    """An uninitialised (or, with zero, zeroed) tensor of `shape`; with `aligned` its rows are 16-byte
+    multiples: for a last dim that is not, a view [..., :shape[-1]] of a buffer padded along the last dim."""
+    shape = tuple(int(n) for n in shape)
+    per_16_bytes = max(1, 16 // dtype.itemsize) if aligned else 1
+    width = -(-shape[-1] // per_16_bytes) * per_16_bytes
+    make = torch.zeros if zero else torch.empty
+    return make((*shape[:-1], width), dtype=dtype, device=device)[..., : shape[-1]]
 
 
 # --------------------------------------------------------------------------------------------
@@ -209,10 +229,9 @@ def _validate_devices(**tensors: Optional[torch.Tensor]) -> torch.device:
 
 
 def _validate_head_dim(head_dim: int) -> None:
-    if head_dim % HEAD_DIM_MULTIPLE != 0 or not (MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM):
+    if not (MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM):
         raise NotImplementedError(
-            f"Expected head_dim to be a multiple of {HEAD_DIM_MULTIPLE} between {MIN_HEAD_DIM} and "
-            f"{MAX_HEAD_DIM}, got {head_dim}."
+            f"Expected head_dim between {MIN_HEAD_DIM} and {MAX_HEAD_DIM}, got {head_dim}."
         )
 
 

@@ -714,7 +714,8 @@ def flash_attn_with_kvcache(
     launch (flash-attn's `flash_attn_with_kvcache`).
 
     Args:
-        q: (batch, seqlen_q, nheads, headdim), float16, bfloat16 or float32; seqlen_q >= 1 (1 for
+        q: (batch, seqlen_q, nheads, headdim), float16, bfloat16 or float32, any headdim in [1, 256];
+            seqlen_q >= 1 (1 for
             plain decoding, a few for speculative-decoding verification).
         k_cache, v_cache: same dtype and device as q, any strides with a contiguous last dim; no
             copies are made; beyond 2^31 elements is fine. Query head h reads KV head

@@ -26,6 +26,7 @@ from ._utils import (
     _validate_heads,
     _validate_tensor,
     default_device,
+    empty_aligned,
 )
 from .decode import (
     _check_host_lengths,
@@ -43,7 +44,8 @@ from .prefill import flash_attn_func
 class KVCache:
     """Preallocated K/V buffers plus per-request lengths, for batched autoregressive generation.
 
-    Owns k_cache / v_cache of shape (batch, max_seqlen, nheads_k, head_dim) and the lengths, kept
+    Owns k_cache / v_cache of shape (batch, max_seqlen, nheads_k, head_dim) (rows 16-byte aligned: for a
+    head dim that is not a multiple of 8 in fp16/bf16, views of wider buffers) and the lengths, kept
     twice: an int32 device tensor (what the kernel reads; advanced in place, so a decode step never
     syncs with the host and can be captured in a CUDA graph) and a host mirror (what the overflow
     checks read). Every method raises ValueError before an append could pass max_seqlen.
@@ -69,8 +71,8 @@ class KVCache:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         shape = (int(batch), int(max_seqlen), int(nheads_k), int(head_dim))
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.k_cache = empty_aligned(shape, dtype, device, zero=True)
+        self.v_cache = empty_aligned(shape, dtype, device, zero=True)
         self._seqlens = torch.zeros(int(batch), dtype=torch.int32, device=device)
         self._host = np.zeros(int(batch), dtype=np.int64)
         self.batch, self.max_seqlen, self.nheads_k, self.head_dim = shape
@@ -210,7 +212,8 @@ class PagedBatch(NamedTuple):
 class PagedKVCache:
     """A pool of fixed-size K/V pages shared by requests that come and go (PagedAttention, vLLM).
 
-    Owns the pools k_cache / v_cache of shape (num_blocks, page_size, nheads_k, head_dim), a free
+    Owns the pools k_cache / v_cache of shape (num_blocks, page_size, nheads_k, head_dim) (rows aligned
+    as in KVCache), a free
     list of their blocks, and max_batch request slots. Each slot has a row of the block table
     (max_batch, max_blocks_per_seq) (logical page i of the request -> physical block; -1 where the
     request has no page) and a length. Table and lengths are kept twice: int32 device tensors
@@ -260,8 +263,8 @@ class PagedKVCache:
         self.max_seqlen = self.max_blocks_per_seq * self.page_size
         self.dtype, self.device = dtype, device
         shape = (self.num_blocks, self.page_size, self.nheads_k, self.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.k_cache = empty_aligned(shape, dtype, device, zero=True)
+        self.v_cache = empty_aligned(shape, dtype, device, zero=True)
         self.block_table = torch.full((self.max_batch, self.max_blocks_per_seq), -1, dtype=torch.int32, device=device)
         self._seqlens = torch.zeros(self.max_batch, dtype=torch.int32, device=device)
         self._host_table = np.full((self.max_batch, self.max_blocks_per_seq), -1, dtype=np.int32)

@@ -31,6 +31,8 @@ from ._utils import (
     _validate_max_seqlen,
     _validate_tensor,
     device_target,
+    empty_aligned,
+    rows_aligned,
 )
 from .prefill_kernels import bwd_dkdv_kernel, bwd_dq_kernel, bwd_preprocess_kernel, fwd_kernel
 
@@ -50,21 +52,27 @@ def _ensure_tma_allocator() -> None:
         triton.set_allocator(_tma_allocator)
 
 
-def _tma_ok(*tensors: torch.Tensor) -> bool:
-    """Tensor descriptors need 16-byte aligned bases and 16-byte multiples for every outer stride."""
-    for t in tensors:
-        size = t.element_size()
-        if t.data_ptr() % 16 != 0 or any((s * size) % 16 != 0 for s in t.stride()[:-1]):
-            return False
-    return True
+def _tma_planned(requested: bool, target: Optional[Target], dtype: torch.dtype) -> bool:
+    """Tensor-descriptor loads: requested by the config, planned for a Hopper-or-newer GPU (`target`),
+    2-byte dtypes."""
+    return requested and target is not None and target.capability[0] >= 9 and dtype.itemsize == 2
 
 
 def _use_tma(requested: bool, target: Optional[Target], *tensors: torch.Tensor) -> bool:
-    """Tensor-descriptor loads: requested by the config, planned for a Hopper-or-newer GPU (`target`),
-    2-byte dtypes, aligned."""
-    if not requested or target is None or target.capability[0] < 9 or tensors[0].element_size() != 2:
-        return False
-    return _tma_ok(*tensors)
+    """`_tma_planned`, and every tensor's base and outer strides 16-byte aligned (what descriptors need)."""
+    return _tma_planned(requested, target, tensors[0].dtype) and all(rows_aligned(t) for t in tensors)
+
+
+def _aligned_operands(planned: bool, *tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    """Where tensor descriptors are planned, each tensor whose rows are not 16-byte aligned (a head dim
+    that is not a multiple of 8, an odd view) as a copy in an aligned buffer; the others as they are.
+
+    A descriptor cannot address such a tensor, and the pointer path that could runs ~4x slower on Hopper
+    (docs/perf-notes.md), while the copy costs one pass over the tensor.
+    """
+    if not planned:
+        return tensors
+    return tuple(t if rows_aligned(t) else empty_aligned(t.shape, t.dtype, t.device).copy_(t) for t in tensors)
 
 
 def _validate_qkv(q, k, v) -> None:
@@ -137,16 +145,20 @@ def _launch_forward(q, k, v, out, lse, batch, seqlen_q, seqlen_k, options: AttnO
         _launch_fwd(launch_key, grid, args, config.num_warps, config.num_stages, kwargs, device_index)
 
 
+def _backward_configs(options: AttnOptions, dtype: torch.dtype, target: Optional[Target],
+                      configs: Optional[Tuple[AttnConfig, AttnConfig]]) -> Tuple[AttnConfig, AttnConfig]:
+    """The backward's (dK/dV, dQ) configs; raises NotImplementedError, before any launch, where no tile fits."""
+    reason = prefill_bwd_unsupported(options.head_dim_pad, dtype, target)
+    if reason is not None:
+        raise NotImplementedError(f"Cannot run the attention backward here: {reason}.")
+    return configs if configs is not None else prefill_bwd_config(options.head_dim_pad, dtype, options.causal, target)
+
+
 def _launch_backward(dout, q, k, v, out, lse, dq, dk, dv, delta, batch, seqlen_q, seqlen_k, options: AttnOptions,
                      configs, varlen):
-    """Launch the three backward kernels; `varlen` as in _launch_forward."""
+    """Launch the three backward kernels (`configs` from _backward_configs); `varlen` as in _launch_forward."""
     nheads, nheads_k = q.shape[-2], k.shape[-2]
     target = device_target(q.device)
-    reason = prefill_bwd_unsupported(options.head_dim_pad, q.dtype, target)
-    if reason is not None:  # before any backward launch
-        raise NotImplementedError(f"Cannot run the attention backward here: {reason}.")
-    if configs is None:
-        configs = prefill_bwd_config(options.head_dim_pad, q.dtype, options.causal, target)
     cfg_kv, cfg_q = configs
     use_tma = _use_tma(cfg_kv.use_tma, target, q, k, v, dout)
     if use_tma:
@@ -189,11 +201,16 @@ def _flash_attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, optio
     """Launch the forward kernel on validated inputs; returns (out, softmax_lse)."""
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k = k.shape[1]
-    out = torch.empty((batch, seqlen_q, nheads, head_dim), dtype=q.dtype, device=q.device)
+    target = device_target(q.device)
+    if config is None:
+        config = prefill_fwd_config(options.head_dim_pad, q.dtype, options.causal, target)
+    planned = _tma_planned(config.use_tma, target, q.dtype)
+    out = empty_aligned((batch, seqlen_q, nheads, head_dim), q.dtype, q.device, aligned=planned)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         lse.fill_(float("inf"))
         return out, lse
+    q, k, v = _aligned_operands(planned, q, k, v)
     _launch_forward(q, k, v, out, lse, batch, seqlen_q, seqlen_k, options, config, {})
     return out, lse
 
@@ -220,11 +237,14 @@ def _flash_attn_kvcache_forward(
     target = device_target(q.device)
     if config is None:
         config = prefill_fwd_config(options.head_dim_pad, q.dtype, options.causal, target)
-    out = torch.empty((batch, seqlen_q, nheads, head_dim), dtype=q.dtype, device=q.device)
+    # The cache cannot be copied (KVCache and PagedKVCache align its rows); q and out follow it.
+    planned = _tma_planned(config.use_tma, target, q.dtype) and rows_aligned(k_cache) and rows_aligned(v_cache)
+    out = empty_aligned((batch, seqlen_q, nheads, head_dim), q.dtype, q.device, aligned=planned)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         lse.fill_(float("inf"))
         return out, lse
+    (q,) = _aligned_operands(planned, q)
     use_tma = _use_tma(config.use_tma, target, q, k_cache, v_cache, out)
     cache_args = dict(Cache_seqlens=cache_seqlens, IS_KVCACHE=True, KV_APPEND=seqlen_new > 0)
     if seqlen_new:
@@ -260,8 +280,11 @@ def _flash_attn_backward(
     """Launch the backward kernels; returns (dq, dk, dv) shaped like (q, k, v)."""
     batch, seqlen_q, nheads, _ = q.shape
     seqlen_k = k.shape[1]
+    target = device_target(q.device)
+    configs = _backward_configs(options, q.dtype, target, configs)
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
+    dout, q, k, v, out = _aligned_operands(_tma_planned(configs[0].use_tma, target, q.dtype), dout, q, k, v, out)
 
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
@@ -320,12 +343,17 @@ def _flash_attn_varlen_forward(
     """Launch the forward kernel on validated packed inputs; returns (out, softmax_lse (nheads, total_q))."""
     total_q, nheads, head_dim = q.shape
     batch = cu_seqlens_q.numel() - 1
-    out = torch.empty((total_q, nheads, head_dim), dtype=q.dtype, device=q.device)
+    target = device_target(q.device)
+    if config is None:
+        config = prefill_fwd_config(options.head_dim_pad, q.dtype, options.causal, target)
+    planned = _tma_planned(config.use_tma, target, q.dtype)
+    out = empty_aligned((total_q, nheads, head_dim), q.dtype, q.device, aligned=planned)
     lse = torch.empty((nheads, total_q), dtype=torch.float32, device=q.device)
     if out.numel() == 0 or batch == 0 or max_seqlen_q == 0:
         out.zero_()
         lse.fill_(float("inf"))
         return out, lse
+    q, k, v = _aligned_operands(planned, q, k, v)
     _launch_forward(q, k, v, out, lse, batch, max_seqlen_q, max_seqlen_k, options, config,
                     _varlen_args(cu_seqlens_q, cu_seqlens_k, total_q))
     return out, lse
@@ -348,8 +376,11 @@ def _flash_attn_varlen_backward(
     """Launch the backward kernels in packed mode; returns (dq, dk, dv) shaped like (q, k, v)."""
     total_q, nheads, _ = q.shape
     batch = cu_seqlens_q.numel() - 1
+    target = device_target(q.device)
+    configs = _backward_configs(options, q.dtype, target, configs)
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
+    dout, q, k, v, out = _aligned_operands(_tma_planned(configs[0].use_tma, target, q.dtype), dout, q, k, v, out)
 
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
@@ -426,8 +457,11 @@ def flash_attn_func(
             nheads must be a multiple of nheads_k: query head h uses KV head h // (nheads // nheads_k)
             (MHA: nheads_k == nheads, GQA: in between, MQA: nheads_k == 1). Any strides work as long
             as the last dim is contiguous (views of a fused QKV projection, transposed
-            (batch, nheads, seqlen, headdim) tensors); no copies are made.
-            headdim: a multiple of 8 in [16, 256].
+            (batch, nheads, seqlen, headdim) tensors); no copies are made, except on Hopper of a
+            tensor whose base or outer strides are not 16-byte multiples (tensor descriptors need
+            them; a 2-byte headdim that is not a multiple of 8 is one), and then out is a view
+            [..., :headdim] of an aligned buffer, as flash-attn's is.
+            headdim: any in [1, 256] (the kernels pad the tile to a power of two and mask the rest).
         dropout_p: must be 0.0 (dropout is not implemented).
         softmax_scale: defaults to headdim ** -0.5.
         causal: mask aligned to the bottom-right corner: query i sees key j iff
@@ -490,7 +524,7 @@ def flash_attn_varlen_func(
             [cu_seqlens_k[b], cu_seqlens_k[b + 1]).
         v: (total_k, nheads_k, headdim).
             Heads, head dims and strides as in flash_attn_func: nheads a multiple of nheads_k
-            (MHA/GQA/MQA), headdim a multiple of 8 in [16, 256], any strides with a contiguous last
+            (MHA/GQA/MQA), any headdim in [1, 256], any strides with a contiguous last
             dim (e.g. slices of a packed (total, nheads + 2 * nheads_k, headdim) QKV buffer).
         cu_seqlens_q: (batch + 1,) torch.int32 on q's device: prefix sums of the query lengths,
             cu_seqlens_q[0] == 0, non-decreasing, cu_seqlens_q[-1] == total_q. For lengths [3, 0, 5]:

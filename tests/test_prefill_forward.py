@@ -284,7 +284,8 @@ SWEEP_DTYPES = [torch.float16, torch.bfloat16] if ON_GPU else [torch.float16]
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", HEAD_DIM_SWEEP, ids=lambda d: f"d{d}")
 def test_every_head_dim(head_dim, causal, dtype):
-    """Each head dim that is a multiple of 8 in [16, 256] works (padded to a power of two inside)."""
+    """Each multiple of 8 in [16, 256] works (padded to a power of two inside); the odd head dims on
+    every path are test_head_dims.py's."""
     q, k, v = make_qkv(1, 37, 45, 2, 1, head_dim, dtype, DEVICE, "strided", seed=head_dim)
     out, lse = flash_attn_func(q, k, v, causal=causal, return_softmax_lse=True)
     ref, ref_lse, ref_same = references(q, k, v, causal=causal)

@@ -113,11 +113,11 @@ def test_bf16_under_interpreter_raises_not_implemented(monkeypatch):
 # --------------------------------------------------------------------------------------------
 # Shapes
 # --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("head_dim", [8, 20, 36, 100, 264, 512])
+@pytest.mark.parametrize("head_dim", [0, 257, 264, 512])
 def test_unsupported_head_dim_raises_not_implemented(head_dim):
-    """head dims that are not a multiple of 8 in [16, 256] raise NotImplementedError."""
+    """head dims outside [1, 256] raise NotImplementedError (every head dim inside works: test_head_dims.py)."""
     q, k, v = randn(B, M, H, head_dim), randn(B, N, H_KV, head_dim), randn(B, N, H_KV, head_dim)
-    with pytest.raises(NotImplementedError, match=f"head_dim to be a multiple of 8 between 16 and 256, got {head_dim}"):
+    with pytest.raises(NotImplementedError, match=f"head_dim between 1 and 256, got {head_dim}"):
         flash_attn_func(q, k, v)
 
 
