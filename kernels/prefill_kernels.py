@@ -30,7 +30,9 @@ head)'s [rows, D] slice, so out-of-range rows and padded head dims read as zero 
 descriptors need a scratch allocator, which `_ensure_tma_allocator` installs unless the user set
 one. Elsewhere (older GPUs, the interpreter, fp32, unaligned views) tiles are loaded through masked
 pointers. On Hopper the pointer path is several times slower than the descriptor path
-(docs/perf-notes.md, Prefill): unaligned views are correct there, not fast.
+(docs/perf-notes.md, Prefill), so the launchers copy unaligned operands into aligned buffers there
+(kernels/prefill.py `_aligned_operands`); only a chunked prefill over an unaligned cache, which
+cannot be copied, takes it.
 
 [Note] Causal with M != N. Query i sees key j iff j <= i + N - M (flash-attn >= 2.1). When M > N
 the first M - N rows see nothing: they output zeros and LSE = +inf (see kernels/_jit.py).
