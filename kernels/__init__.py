@@ -2,7 +2,9 @@
 
 Public API:
     flash_attn_func: FlashAttention-2 prefill (MHA/GQA/MQA, causal bottom-right, any strides).
-    flash_attn_varlen_func: the same kernels over sequences of different lengths packed without padding.
+    flash_attn_qkvpacked_func, flash_attn_kvpacked_func: the same over a fused QKV / KV tensor.
+    flash_attn_varlen_func: the same kernels over sequences of different lengths packed without padding
+                     (and flash_attn_varlen_qkvpacked_func, flash_attn_varlen_kvpacked_func).
     flash_attn_with_kvcache: decode over a dense or paged KV cache (fused append, per-request lengths,
                      split-KV, block_table).
     KVCache:         preallocated K/V buffers and lengths for generation (prefill, decode, reset).
@@ -10,6 +12,11 @@ Public API:
                      PoolExhaustedError when its blocks or request slots run out.
     attention_ref:   eager reference used by tests, notebooks and benchmarks.
     rel_err:         ||out - ref|| / ||ref||; kernels.testing holds the error rule built on it.
+    InputError, InputTypeError: what bad input raises, before any launch (ValueError / TypeError and
+                     RuntimeError, as flash-attn raises).
+
+The attention functions have flash-attn 2's signatures (flash_attn.flash_attn_interface), so code
+written for it runs by changing the import; our own options come after theirs, keyword-only.
 
 Layout (docs/design.md): prefill.py / decode.py / kv_cache.py / serving.py launch the @triton.jit
 kernels of prefill_kernels.py / decode_kernels.py, which share the jit helpers of _jit.py; the
@@ -18,18 +25,32 @@ options of a call travel as one _options.AttnOptions; _configs.py picks tiles pe
 
 from ._utils import default_device, env_summary, has_gpu, is_interpreter
 from .decode import flash_attn_with_kvcache
+from .errors import InputError, InputTypeError
 from .kv_cache import KVCache, PagedKVCache, PoolExhaustedError
-from .prefill import flash_attn_func, flash_attn_varlen_func
+from .prefill import (
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
+)
 from .reference import attention_ref, causal_mask
 from .testing import rel_err
 
 __all__ = [
     "flash_attn_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_kvpacked_func",
     "flash_attn_varlen_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_varlen_kvpacked_func",
     "flash_attn_with_kvcache",
     "KVCache",
     "PagedKVCache",
     "PoolExhaustedError",
+    "InputError",
+    "InputTypeError",
     "attention_ref",
     "causal_mask",
     "rel_err",

@@ -32,6 +32,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
+from .errors import InputError, InputTypeError
+
 
 def head_dim_tile(head_dim: int) -> int:
     """The head-dim tile of the kernels: the next power of two >= head_dim, at least 16 (`tl.dot`)."""
@@ -82,11 +84,13 @@ def _resolve_scale(softmax_scale, head_dim: int) -> float:
     try:
         scale = float(softmax_scale)
     except TypeError:
-        raise TypeError(f"Expected softmax_scale to be a number or None, got {type(softmax_scale).__name__}.") from None
+        raise InputTypeError(
+            f"Expected softmax_scale to be a number or None, got {type(softmax_scale).__name__}."
+        ) from None
     except ValueError:
-        raise ValueError(f"Expected softmax_scale to be a finite positive number, got {softmax_scale!r}.") from None
+        raise InputError(f"Expected softmax_scale to be a finite positive number, got {softmax_scale!r}.") from None
     if not (scale > 0.0 and math.isfinite(scale)):
-        raise ValueError(f"Expected softmax_scale to be a finite positive number, got {softmax_scale}.")
+        raise InputError(f"Expected softmax_scale to be a finite positive number, got {softmax_scale}.")
     return scale
 
 
@@ -106,3 +110,41 @@ def attn_options(head_dim: int, softmax_scale=None, causal=False) -> AttnOptions
     if type(softmax_scale) not in (float, int, type(None)):  # a numpy scalar, a 0-d tensor: its value now
         softmax_scale = _resolve_scale(softmax_scale, head_dim)
     return _cached_options(head_dim, softmax_scale, causal)
+
+
+def _window_pair(window_size) -> Tuple[int, int]:
+    """flash-attn's window_size: a pair of ints, or a 2-element tensor as its tests pass."""
+    if hasattr(window_size, "tolist"):
+        window_size = window_size.tolist()
+    try:
+        left, right = window_size
+        if int(left) != left or int(right) != right:
+            raise ValueError
+    except (TypeError, ValueError):
+        raise InputError(f"Expected window_size to be a pair of ints (left, right), got {window_size!r}.") from None
+    return int(left), int(right)
+
+
+def resolve_variants(window_size, softcap, alibi_slopes, causal: bool, seqlen_k: int) -> bool:
+    """flash-attn's variant arguments, checked before any launch; returns `causal` as they leave it.
+
+    window_size (left, right), a negative side unbounded, follows flash-attn's rules: causal means
+    right = 0, a side reaching past seqlen_k is unbounded, so (-1, -1) is no window and (-1, 0) is
+    causal. Sliding windows, softcap > 0 and alibi_slopes are not implemented yet: NotImplementedError.
+    """
+    if type(window_size) is not tuple or window_size != (-1, -1):
+        left, right = _window_pair(window_size)
+        right = 0 if causal else right
+        left = -1 if left < 0 or left >= seqlen_k else left
+        right = -1 if right < 0 or right >= seqlen_k else right
+        if left != -1 or right not in (-1, 0):
+            raise NotImplementedError(
+                f"window_size={tuple(_window_pair(window_size))} (a sliding window) is not implemented yet; "
+                "only (-1, -1) and, for causal attention, (-1, 0)."
+            )
+        causal = right == 0
+    if softcap is not None and softcap > 0.0:
+        raise NotImplementedError(f"softcap={softcap} is not implemented yet; only softcap=0.0.")
+    if alibi_slopes is not None:
+        raise NotImplementedError("alibi_slopes (ALiBi) is not implemented yet; pass None.")
+    return bool(causal)

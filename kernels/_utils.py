@@ -16,6 +16,8 @@ from typing import Iterator, Optional, Tuple
 
 import torch
 
+from .errors import InputError, InputTypeError
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 1, 256  # any head dim: the tile is padded to a power of two and masked
 
@@ -170,13 +172,13 @@ def env_summary() -> dict:
 # --------------------------------------------------------------------------------------------
 def _validate_tensor(name: str, t, ndim: int, layout: str) -> None:
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"Expected {name} to be a torch.Tensor, got {type(t).__name__}.")
+        raise InputTypeError(f"Expected {name} to be a torch.Tensor, got {type(t).__name__}.")
     if t.dim() != ndim:
-        raise ValueError(
+        raise InputError(
             f"Expected {name} to have {ndim} dims {layout}, got {t.dim()} dims with shape {tuple(t.shape)}."
         )
     if t.numel() > 0 and t.stride(-1) != 1:
-        raise ValueError(
+        raise InputError(
             f"Expected {name} to have a contiguous last dim (stride 1), got strides {tuple(t.stride())}; "
             f"call {name}.contiguous() or pass a view whose head dim is contiguous."
         )
@@ -187,12 +189,12 @@ def _validate_dtypes(**tensors: Optional[torch.Tensor]) -> torch.dtype:
     first_name, first = next(iter(named.items()))
     for name, t in named.items():
         if t.dtype != first.dtype:
-            raise ValueError(
+            raise InputError(
                 f"Expected all inputs to share one dtype, got {first_name}.dtype={first.dtype} "
                 f"and {name}.dtype={t.dtype}."
             )
     if first.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"Expected dtype float16, bfloat16 or float32, got {first.dtype}.")
+        raise InputTypeError(f"Expected dtype float16, bfloat16 or float32, got {first.dtype}.")
     if first.dtype == torch.bfloat16:
         target = device_target(first.device)
         if target is None and is_interpreter():  # the interpreter would run it (planning_for a card runs nothing)
@@ -213,19 +215,19 @@ def _validate_devices(**tensors: Optional[torch.Tensor]) -> torch.device:
     first_name, first = next(iter(named.items()))
     for name, t in named.items():
         if t.device != first.device:
-            raise ValueError(
+            raise InputError(
                 f"Expected all inputs on one device, got {first_name} on {first.device} and {name} on {t.device}."
             )
     if first.device.type == "cuda":
         return first.device
     if first.device.type == "cpu":
         if not is_interpreter():
-            raise ValueError(
+            raise InputError(
                 "Got CPU tensors, but Triton kernels need a CUDA device; on a machine without a GPU set "
                 "TRITON_INTERPRET=1 before importing kernels to run them under the Triton interpreter."
             )
         return first.device
-    raise ValueError(f"Expected CUDA tensors (or CPU tensors under the interpreter), got device {first.device}.")
+    raise InputError(f"Expected CUDA tensors (or CPU tensors under the interpreter), got device {first.device}.")
 
 
 def _validate_head_dim(head_dim: int) -> None:
@@ -237,7 +239,7 @@ def _validate_head_dim(head_dim: int) -> None:
 
 def _validate_heads(nheads: int, nheads_k: int) -> None:
     if nheads_k < 1 or nheads % nheads_k != 0:
-        raise ValueError(
+        raise InputError(
             f"Expected nheads ({nheads}) to be divisible by nheads_k ({nheads_k}); GQA needs whole groups."
         )
 
@@ -250,32 +252,32 @@ def _validate_dropout(dropout_p: float) -> None:
 def _validate_max_seqlen(name: str, value) -> int:
     """max_seqlen_q / max_seqlen_k: a host int >= 0 (a tensor would need a device sync to read)."""
     if isinstance(value, (bool, torch.Tensor)) or not hasattr(value, "__index__"):
-        raise TypeError(
+        raise InputTypeError(
             f"Expected {name} to be a Python int >= 0 (the longest sequence, known on the host), "
             f"got {type(value).__name__}."
         )
     value = int(value)
     if value < 0:
-        raise ValueError(f"Expected {name} >= 0, got {value}.")
+        raise InputError(f"Expected {name} >= 0, got {value}.")
     return value
 
 
 def _validate_cu_seqlens(name: str, cu_seqlens, device: torch.device) -> None:
     """Checks of cu_seqlens that need no device sync: type, dtype int32, 1-D (batch + 1,), device."""
     if not isinstance(cu_seqlens, torch.Tensor):
-        raise TypeError(f"Expected {name} to be a torch.Tensor, got {type(cu_seqlens).__name__}.")
+        raise InputTypeError(f"Expected {name} to be a torch.Tensor, got {type(cu_seqlens).__name__}.")
     if cu_seqlens.dtype != torch.int32:
-        raise TypeError(
+        raise InputTypeError(
             f"Expected {name} to have dtype torch.int32 (flash-attn's layout), got {cu_seqlens.dtype}; "
             f"pass {name}.to(torch.int32)."
         )
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
-        raise ValueError(
+        raise InputError(
             f"Expected {name} to be 1-D with batch + 1 >= 1 entries (prefix sums of the sequence lengths, "
             f"starting at 0), got shape {tuple(cu_seqlens.shape)}."
         )
     if cu_seqlens.device != device:
-        raise ValueError(f"Expected {name} on the inputs' device {device}, got {cu_seqlens.device}.")
+        raise InputError(f"Expected {name} on the inputs' device {device}, got {cu_seqlens.device}.")
 
 
 def _validate_cu_seqlens_values(name: str, cu_seqlens: torch.Tensor, total: int, max_seqlen: int,
@@ -284,22 +286,22 @@ def _validate_cu_seqlens_values(name: str, cu_seqlens: torch.Tensor, total: int,
     decreases, ends at the packed row count, no sequence longer than max_seqlen."""
     values = cu_seqlens.tolist()
     if values[0] != 0:
-        raise ValueError(f"Expected {name}[0] == 0 (prefix sums start at 0), got {values[0]}.")
+        raise InputError(f"Expected {name}[0] == 0 (prefix sums start at 0), got {values[0]}.")
     lengths = [b - a for a, b in zip(values[:-1], values[1:])]
     bad = next((i for i, n in enumerate(lengths) if n < 0), None)
     if bad is not None:
-        raise ValueError(
+        raise InputError(
             f"Expected {name} to be non-decreasing (sequence lengths >= 0), got {name}[{bad}] = {values[bad]} > "
             f"{name}[{bad + 1}] = {values[bad + 1]}."
         )
     if values[-1] != total:
-        raise ValueError(
+        raise InputError(
             f"Expected {name}[-1] ({values[-1]}) to equal the number of packed rows ({total}); "
             f"cu_seqlens must end at the total length of the packed tensor."
         )
     longest = max(lengths, default=0)
     if longest > max_seqlen:
-        raise ValueError(
+        raise InputError(
             f"Expected {max_name} ({max_seqlen}) >= the longest sequence in {name} ({longest}); "
             f"rows past {max_name} would never be computed."
         )

@@ -83,7 +83,7 @@ from ._configs import (
 )
 from ._jit import wide_pages
 from ._launch import DirectLaunch, LaunchCache, launch_hooks_active, recording_active
-from ._options import AttnOptions, attn_options, head_dim_tile
+from ._options import AttnOptions, attn_options, head_dim_tile, resolve_variants
 from ._utils import (
     Target,
     _validate_devices,
@@ -95,6 +95,7 @@ from ._utils import (
     is_interpreter,
 )
 from .decode_kernels import append_kernel, combine_kernel, decode_kernel
+from .errors import InputError, InputTypeError
 from .prefill import _flash_attn_kvcache_forward
 
 # With num_splits=0, flash_attn_with_kvcache runs the prefill kernel family instead of the decode
@@ -223,13 +224,13 @@ def _check_host_lengths(lengths, seqlen_new: int, seqlen_cache: int, capacity: O
         if len(bad) > 1:
             which += f" (and {len(bad) - 1} more)"
     if length < 0:
-        raise ValueError(f"Expected cache_seqlens >= 0, got {length} for {which}.")
+        raise InputError(f"Expected cache_seqlens >= 0, got {length} for {which}.")
     if capacity is None:
-        raise ValueError(
+        raise InputError(
             f"KV cache overflow for {which}: cache_seqlens {length} + {seqlen_new} new tokens = "
             f"{length + seqlen_new} > seqlen_cache {seqlen_cache}; allocate a longer cache or reset the request."
         )
-    raise ValueError(
+    raise InputError(
         f"KV cache overflow for {which}: cache_seqlens {length} + {seqlen_new} new tokens = "
         f"{length + seqlen_new} > {capacity} = {seqlen_cache}; give the block table more columns."
     )
@@ -244,14 +245,14 @@ def _resolve_cache_seqlens(cache_seqlens, batch: int, seqlen_new: int, seqlen_ca
     """
     if isinstance(cache_seqlens, torch.Tensor):
         if cache_seqlens.dtype != torch.int32:
-            raise TypeError(
+            raise InputTypeError(
                 f"Expected cache_seqlens to be an int32 tensor (flash-attn's convention), got {cache_seqlens.dtype}; "
                 f"use cache_seqlens.to(torch.int32)."
             )
         if cache_seqlens.shape != (batch,):
-            raise ValueError(f"Expected cache_seqlens of shape ({batch},), got {tuple(cache_seqlens.shape)}.")
+            raise InputError(f"Expected cache_seqlens of shape ({batch},), got {tuple(cache_seqlens.shape)}.")
         if batch > 1 and cache_seqlens.stride(0) != 1:
-            raise ValueError(
+            raise InputError(
                 f"Expected a contiguous cache_seqlens, got stride {cache_seqlens.stride(0)}; the kernel reads "
                 f"request b's length at offset b. Pass cache_seqlens.contiguous() (and advance that tensor)."
             )
@@ -259,7 +260,7 @@ def _resolve_cache_seqlens(cache_seqlens, batch: int, seqlen_new: int, seqlen_ca
             _check_host_lengths(cache_seqlens, seqlen_new, seqlen_cache, capacity)
             return cache_seqlens if device.type == "cpu" else cache_seqlens.to(device)
         if cache_seqlens.device != device:
-            raise ValueError(
+            raise InputError(
                 f"Expected cache_seqlens on {device} (or on the CPU), got it on {cache_seqlens.device}."
             )
         return cache_seqlens
@@ -267,7 +268,7 @@ def _resolve_cache_seqlens(cache_seqlens, batch: int, seqlen_new: int, seqlen_ca
         value = int(cache_seqlens)
         _check_host_lengths(value, seqlen_new, seqlen_cache, capacity)
         return _filled_seqlens(value, batch, device)
-    raise TypeError(f"Expected cache_seqlens to be an int or an int32 tensor, got {type(cache_seqlens).__name__}.")
+    raise InputTypeError(f"Expected cache_seqlens to be an int or an int32 tensor, got {type(cache_seqlens).__name__}.")
 
 
 def _check_block_table_entries(block_table: torch.Tensor, host_lengths, seqlen_new: int, page_size: int,
@@ -290,7 +291,7 @@ def _check_block_table_entries(block_table: torch.Tensor, host_lengths, seqlen_n
     b, j = (int(i) for i in bad.nonzero()[0])
     which = (f"request {b} uses its first {int(n_pages[b])} entries" if host_lengths is not None
              else "cache_seqlens is on the GPU, so every entry is checked")
-    raise ValueError(
+    raise InputError(
         f"Expected block_table entries in [0, num_blocks = {num_blocks}) (physical blocks of k_cache), got "
         f"block_table[{b}, {j}] = {int(table[b, j])} ({which}); entries past a request's pages may hold any value."
     )
@@ -306,18 +307,18 @@ def _resolve_paging(block_table, cache_seqlens, batch: int, seqlen_new: int, k_c
     """
     _validate_tensor("block_table", block_table, 2, "(batch, max_blocks_per_seq)")
     if block_table.dtype != torch.int32:
-        raise TypeError(
+        raise InputTypeError(
             f"Expected block_table to be an int32 tensor (flash-attn's convention), got {block_table.dtype}; "
             f"use block_table.to(torch.int32)."
         )
     if block_table.shape[0] != batch or block_table.shape[1] < 1:
-        raise ValueError(
+        raise InputError(
             f"Expected block_table of shape (batch, max_blocks_per_seq) = ({batch}, >= 1), got "
             f"{tuple(block_table.shape)}."
         )
     num_blocks, page_size = k_cache.shape[0], k_cache.shape[1]
     if num_blocks < 1 or page_size < 1:
-        raise ValueError(
+        raise InputError(
             f"Expected a paged k_cache (num_blocks, page_size, nheads_k, headdim) with num_blocks >= 1 and "
             f"page_size >= 1, got {tuple(k_cache.shape)}."
         )
@@ -332,7 +333,7 @@ def _resolve_paging(block_table, cache_seqlens, batch: int, seqlen_new: int, k_c
         _check_block_table_entries(block_table, host_lengths, seqlen_new, page_size, num_blocks)
         return seqlens, (block_table if device.type == "cpu" else block_table.to(device))
     if block_table.device != device:
-        raise ValueError(f"Expected block_table on {device} (or on the CPU), got it on {block_table.device}.")
+        raise InputError(f"Expected block_table on {device} (or on the CPU), got it on {block_table.device}.")
     return seqlens, block_table
 
 
@@ -342,7 +343,7 @@ def _validate_kvcache_inputs(q, k_cache, v_cache, k, v, paged: bool = False) -> 
     _validate_tensor("k_cache", k_cache, 4, layout)
     _validate_tensor("v_cache", v_cache, 4, layout)
     if (k is None) != (v is None):
-        raise ValueError("Expected k and v to be both given (append, then attend) or both None (attend only).")
+        raise InputError("Expected k and v to be both given (append, then attend) or both None (attend only).")
     if k is not None:
         layout = "(batch, seqlen_new, nheads_k, headdim)"
         _validate_tensor("k", k, 4, layout)
@@ -351,27 +352,27 @@ def _validate_kvcache_inputs(q, k_cache, v_cache, k, v, paged: bool = False) -> 
     _validate_devices(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v)
     batch, seqlen_q, nheads, head_dim = q.shape
     if k_cache.shape != v_cache.shape:
-        raise ValueError(
+        raise InputError(
             f"Expected k_cache and v_cache to have the same shape, got {tuple(k_cache.shape)} and "
             f"{tuple(v_cache.shape)}."
         )
     if not paged and k_cache.shape[0] != batch:
-        raise ValueError(
+        raise InputError(
             f"Expected k_cache's batch ({k_cache.shape[0]}) to match q's ({batch}); cache_batch_idx is not supported."
         )
     if k_cache.shape[3] != head_dim:
-        raise ValueError(f"Expected q and k_cache to share the head dim, got {head_dim} and {k_cache.shape[3]}.")
+        raise InputError(f"Expected q and k_cache to share the head dim, got {head_dim} and {k_cache.shape[3]}.")
     if seqlen_q < 1:
-        raise ValueError(f"Expected seqlen_q >= 1, got q of shape {tuple(q.shape)}.")
+        raise InputError(f"Expected seqlen_q >= 1, got q of shape {tuple(q.shape)}.")
     _validate_head_dim(head_dim)
     _validate_heads(nheads, k_cache.shape[2])
     if k is not None:
         if k.shape != v.shape:
-            raise ValueError(f"Expected k and v to have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}.")
+            raise InputError(f"Expected k and v to have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}.")
         seqlen_new = k.shape[1]
         expected = (batch, seqlen_new, k_cache.shape[2], head_dim)
         if tuple(k.shape) != expected or not 1 <= seqlen_new <= seqlen_q:
-            raise ValueError(
+            raise InputError(
                 f"Expected k and v of shape (batch, seqlen_new, nheads_k, headdim) = (batch={batch}, "
                 f"1 <= seqlen_new <= seqlen_q={seqlen_q}, nheads_k={k_cache.shape[2]}, headdim={head_dim}), got "
                 f"{tuple(k.shape)}."
@@ -702,21 +703,27 @@ def flash_attn_with_kvcache(
     v_cache: torch.Tensor,
     k: Optional[torch.Tensor] = None,
     v: Optional[torch.Tensor] = None,
-    *,
-    cache_seqlens: Union[int, torch.Tensor],
+    rotary_cos: Optional[torch.Tensor] = None,
+    rotary_sin: Optional[torch.Tensor] = None,
+    cache_seqlens: Optional[Union[int, torch.Tensor]] = None,
+    cache_batch_idx: Optional[torch.Tensor] = None,
+    cache_leftpad: Optional[torch.Tensor] = None,
     block_table: Optional[torch.Tensor] = None,
     softmax_scale: Optional[float] = None,
     causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    rotary_interleaved: bool = True,
+    alibi_slopes: Optional[torch.Tensor] = None,
     num_splits: int = 0,
     return_softmax_lse: bool = False,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Decode attention over a KV cache, dense or paged, with an optional in-place append, in one
-    launch (flash-attn's `flash_attn_with_kvcache`).
+    launch (flash-attn 2's `flash_attn_with_kvcache`, same signature).
 
     Args:
         q: (batch, seqlen_q, nheads, headdim), float16, bfloat16 or float32, any headdim in [1, 256];
-            seqlen_q >= 1 (1 for
-            plain decoding, a few for speculative-decoding verification).
+            seqlen_q >= 1 (1 for plain decoding, a few for speculative-decoding verification).
         k_cache, v_cache: same dtype and device as q, any strides with a contiguous last dim; no
             copies are made; beyond 2^31 elements is fine. Query head h reads KV head
             h // (nheads // nheads_k) (MHA, GQA, MQA).
@@ -731,7 +738,10 @@ def flash_attn_with_kvcache(
             queries are the last seqlen_q positions of the cache_seqlens[b] + seqlen_new keys (causal:
             bottom-right), so seqlen_new < seqlen_q verifies draft tokens with a partial append. Both or
             neither. In a paged cache each new row goes to its own page slot, so an append may cross pages.
-        cache_seqlens: each request's cache length before this call: an int (the same for every
+        rotary_cos, rotary_sin, rotary_interleaved, cache_batch_idx, cache_leftpad: flash-attn's;
+            not implemented yet (NotImplementedError unless None; rotary_interleaved is then unused).
+        cache_seqlens: each request's cache length before this call: None (every cache full:
+            seqlen_cache), an int (the same for every
             request) or an int32 tensor of shape (batch,), on q's device or on the CPU (checked on
             the host, then copied: use a device tensor inside a CUDA graph). It is never modified
             (advance it yourself, e.g. cache_seqlens += seqlen_new, or use KVCache / PagedKVCache).
@@ -753,6 +763,7 @@ def flash_attn_with_kvcache(
             write). Two requests may share pages they only read (prefix sharing); a page appended
             into must belong to one request.
         softmax_scale: defaults to headdim ** -0.5.
+        window_size, softcap, alibi_slopes: as in flash_attn_func, with seqlen_cache as the key length.
         causal: mask aligned to the bottom-right corner over the N_b = cache_seqlens[b] + seqlen_q
             keys (cache_seqlens[b] without k/v): token t sees key j iff j <= t + N_b - seqlen_q.
             For cache_seqlens[b] = 3 and seqlen_q = 2 with an append (1 = kept):
@@ -777,9 +788,22 @@ def flash_attn_with_kvcache(
 
     No host synchronisation happens with device cache_seqlens (and block_table), so the whole step
     (append + attention) can be captured in a CUDA graph and replayed while the lengths advance on
-    the device. Not supported: cache_batch_idx, rotary embedding, alibi, sliding windows,
-    softcapping.
+    the device. Not supported yet: cache_batch_idx, cache_leftpad, rotary embedding, ALiBi, sliding
+    windows, softcapping.
     """
+    if rotary_cos is not None or rotary_sin is not None:
+        raise NotImplementedError("rotary_cos / rotary_sin (rotary inside the call) are not implemented yet; "
+                                  "apply the rotary embedding to q and k before the call.")
+    if cache_batch_idx is not None or cache_leftpad is not None:
+        raise NotImplementedError("cache_batch_idx and cache_leftpad are not implemented yet; pass None.")
+    if cache_seqlens is None or type(window_size) is not tuple or window_size != (-1, -1) or softcap or (
+            alibi_slopes is not None):
+        try:
+            capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
+        except (AttributeError, IndexError):  # not tensors: validation names the problem
+            capacity = 0
+        cache_seqlens = capacity if cache_seqlens is None else cache_seqlens
+        causal = resolve_variants(window_size, softcap, alibi_slopes, causal, capacity)
     return _kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, num_splits,
                          return_softmax_lse, validated=False)
 
@@ -829,4 +853,4 @@ def _kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax
 
 def _validate_num_splits(num_splits) -> None:
     if not isinstance(num_splits, numbers.Integral) or num_splits < 0:
-        raise ValueError(f"Expected num_splits to be an int >= 0 (0 = heuristic), got {num_splits!r}.")
+        raise InputError(f"Expected num_splits to be an int >= 0 (0 = heuristic), got {num_splits!r}.")

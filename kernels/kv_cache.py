@@ -35,6 +35,7 @@ from .decode import (
     _validate_num_splits,
     flash_attn_with_kvcache,
 )
+from .errors import InputError, InputTypeError
 from .prefill import flash_attn_func
 
 
@@ -63,10 +64,10 @@ class KVCache:
                  dtype: torch.dtype = torch.float16, device: Union[str, torch.device, None] = None):
         for name, value in (("batch", batch), ("max_seqlen", max_seqlen), ("nheads_k", nheads_k)):
             if not isinstance(value, numbers.Integral) or value < 1:
-                raise ValueError(f"Expected {name} to be a positive int, got {value!r}.")
+                raise InputError(f"Expected {name} to be a positive int, got {value!r}.")
         _validate_head_dim(head_dim)
         if dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"Expected dtype float16, bfloat16 or float32, got {dtype}.")
+            raise InputTypeError(f"Expected dtype float16, bfloat16 or float32, got {dtype}.")
         device = default_device() if device is None else torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -102,22 +103,22 @@ class KVCache:
             idx = [int(batch_idx)]
         elif isinstance(batch_idx, torch.Tensor):
             if batch_idx.dim() != 1 or batch_idx.dtype.is_floating_point or batch_idx.dtype == torch.bool:
-                raise ValueError(f"Expected batch_idx to be a 1-D integer tensor, got {batch_idx.dtype} "
+                raise InputError(f"Expected batch_idx to be a 1-D integer tensor, got {batch_idx.dtype} "
                                  f"of shape {tuple(batch_idx.shape)}.")
             idx = [int(i) for i in batch_idx.tolist()]
         elif isinstance(batch_idx, Sequence):
             idx = [int(i) for i in batch_idx]
         else:
-            raise TypeError(
+            raise InputTypeError(
                 f"Expected batch_idx to be None, an int or a sequence of ints, got {type(batch_idx).__name__}."
             )
         if not idx:
-            raise ValueError("Expected batch_idx to name at least one request.")
+            raise InputError("Expected batch_idx to name at least one request.")
         for i in idx:
             if not 0 <= i < self.batch:
-                raise ValueError(f"Expected batch indices in [0, {self.batch}), got {i}.")
+                raise InputError(f"Expected batch indices in [0, {self.batch}), got {i}.")
         if len(set(idx)) != len(idx):
-            raise ValueError(f"Expected distinct batch indices, got {idx}.")
+            raise InputError(f"Expected distinct batch indices, got {idx}.")
         if idx == list(range(idx[0], idx[0] + len(idx))):
             return slice(idx[0], idx[0] + len(idx))
         return torch.tensor(idx, dtype=torch.long, device=self.device)
@@ -147,22 +148,22 @@ class KVCache:
             _validate_tensor(name, t, 4, "(n, seqlen, nheads_k, headdim)")
             expected = (count, k.shape[1] if isinstance(k, torch.Tensor) else -1, self.nheads_k, self.head_dim)
             if tuple(t.shape) != expected:
-                raise ValueError(f"Expected {name} of shape (n, seqlen, nheads_k, head_dim) = {expected} for "
+                raise InputError(f"Expected {name} of shape (n, seqlen, nheads_k, head_dim) = {expected} for "
                                  f"{count} requests, got {tuple(t.shape)}.")
             if t.dtype != self.dtype or t.device != self.device:
-                raise ValueError(f"Expected {name} as {self.dtype} on {self.device} (the cache's), got {t.dtype} "
+                raise InputError(f"Expected {name} as {self.dtype} on {self.device} (the cache's), got {t.dtype} "
                                  f"on {t.device}.")
         if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[0] != count or q.shape[1] != k.shape[1]:
-            raise ValueError(f"Expected q of shape ({count}, {k.shape[1]}, nheads, {self.head_dim}), got "
+            raise InputError(f"Expected q of shape ({count}, {k.shape[1]}, nheads, {self.head_dim}), got "
                              f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}.")
         seqlen = k.shape[1]
         busy = np.nonzero(self._host[host_index] != 0)[0]
         if len(busy):
             request = int(np.arange(self.batch)[host_index][busy[0]])
-            raise ValueError(f"Expected empty caches for prefill, but request {request} holds "
+            raise InputError(f"Expected empty caches for prefill, but request {request} holds "
                              f"{int(self._host[request])} tokens; call reset() first.")
         if seqlen > self.max_seqlen:
-            raise ValueError(f"KV cache overflow: prompt of {seqlen} tokens > max_seqlen {self.max_seqlen}.")
+            raise InputError(f"KV cache overflow: prompt of {seqlen} tokens > max_seqlen {self.max_seqlen}.")
         out = flash_attn_func(q, k, v, causal=causal, softmax_scale=softmax_scale)
         self.k_cache[index, :seqlen] = k
         self.v_cache[index, :seqlen] = v
@@ -176,9 +177,9 @@ class KVCache:
         each request's length, attend q (batch, seqlen_q, nheads, head_dim) over the cache, advance
         the lengths by seqlen_q (device tensor in place, no host sync; host mirror). Returns out."""
         if not isinstance(q, torch.Tensor) or q.dim() != 4:
-            raise ValueError("Expected q of shape (batch, seqlen_q, nheads, head_dim).")
+            raise InputError("Expected q of shape (batch, seqlen_q, nheads, head_dim).")
         if k is None or v is None:
-            raise ValueError("KVCache.decode appends: expected k and v (batch, seqlen_q, nheads_k, head_dim).")
+            raise InputError("KVCache.decode appends: expected k and v (batch, seqlen_q, nheads_k, head_dim).")
         seqlen_q = q.shape[1]
         if int(self._host.max()) + seqlen_q > self.max_seqlen:
             _check_host_lengths(self._host, seqlen_q, self.max_seqlen)
@@ -250,10 +251,10 @@ class PagedKVCache:
         for name, value in (("num_blocks", num_blocks), ("page_size", page_size), ("nheads_k", nheads_k),
                             ("max_batch", max_batch), ("max_blocks_per_seq", max_blocks_per_seq)):
             if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"Expected {name} to be a positive int, got {value!r}.")
+                raise InputError(f"Expected {name} to be a positive int, got {value!r}.")
         _validate_head_dim(head_dim)
         if dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"Expected dtype float16, bfloat16 or float32, got {dtype}.")
+            raise InputTypeError(f"Expected dtype float16, bfloat16 or float32, got {dtype}.")
         device = default_device() if device is None else torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -343,20 +344,20 @@ class PagedKVCache:
     def _check_slots(self, slots) -> None:
         for s in slots:
             if not isinstance(s, numbers.Integral) or isinstance(s, bool) or not 0 <= s < self.max_batch:
-                raise ValueError(f"Expected slot ids in [0, {self.max_batch}), got {s!r}.")
+                raise InputError(f"Expected slot ids in [0, {self.max_batch}), got {s!r}.")
             if not self._active[s]:
-                raise ValueError(f"Slot {s} holds no request (add_request() first, or it was freed).")
+                raise InputError(f"Slot {s} holds no request (add_request() first, or it was freed).")
         if len(set(int(s) for s in slots)) != len(slots):
-            raise ValueError(f"Expected distinct slots, got {list(slots)}.")
+            raise InputError(f"Expected distinct slots, got {list(slots)}.")
 
     def _reserve(self, slots: list, num_tokens: int) -> list:
         """Pages for `num_tokens` more tokens in each slot, all or nothing; returns the new blocks."""
         if num_tokens < 0:
-            raise ValueError(f"Expected num_tokens >= 0, got {num_tokens}.")
+            raise InputError(f"Expected num_tokens >= 0, got {num_tokens}.")
         lengths = self._host_len[slots] + num_tokens
         if len(slots) and int(lengths.max()) > self.max_seqlen:
             i = int(np.argmax(lengths > self.max_seqlen))
-            raise ValueError(
+            raise InputError(
                 f"KV cache overflow for slot {slots[i]}: {int(self._host_len[slots[i]])} tokens + {num_tokens} new = "
                 f"{int(lengths[i])} > max_seqlen = max_blocks_per_seq * page_size = {self.max_blocks_per_seq} * "
                 f"{self.page_size} = {self.max_seqlen}."
@@ -406,9 +407,11 @@ class PagedKVCache:
         elif isinstance(slots, Sequence):
             slots = list(slots)
         else:
-            raise TypeError(f"Expected slots to be None, an int or a sequence of ints, got {type(slots).__name__}.")
+            raise InputTypeError(
+                f"Expected slots to be None, an int or a sequence of ints, got {type(slots).__name__}."
+            )
         if not slots:
-            raise ValueError("Expected at least one request slot.")
+            raise InputError("Expected at least one request slot.")
         self._check_slots(slots)
         return [int(s) for s in slots]
 
@@ -443,21 +446,21 @@ class PagedKVCache:
             _validate_tensor(name, t, 4, "(n, seqlen, nheads_k, head_dim)")
             expected = (count, k.shape[1] if isinstance(k, torch.Tensor) else -1, self.nheads_k, self.head_dim)
             if tuple(t.shape) != expected:
-                raise ValueError(f"Expected {name} of shape (n, seqlen, nheads_k, head_dim) = {expected} for "
+                raise InputError(f"Expected {name} of shape (n, seqlen, nheads_k, head_dim) = {expected} for "
                                  f"{count} requests, got {tuple(t.shape)}.")
             if t.dtype != self.dtype or t.device != self.device:
-                raise ValueError(f"Expected {name} as {self.dtype} on {self.device} (the cache's), got {t.dtype} "
+                raise InputError(f"Expected {name} as {self.dtype} on {self.device} (the cache's), got {t.dtype} "
                                  f"on {t.device}.")
         if (not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[0] != count or q.shape[1] != k.shape[1]
                 or q.shape[3] != self.head_dim):
-            raise ValueError(f"Expected q of shape ({count}, {k.shape[1]}, nheads, {self.head_dim}), got "
+            raise InputError(f"Expected q of shape ({count}, {k.shape[1]}, nheads, {self.head_dim}), got "
                              f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}.")
         _validate_heads(q.shape[2], self.nheads_k)
         _validate_dtypes(q=q, k=k)
         _validate_devices(q=q, k=k)
         busy = [s for s in slots if self._host_len[s] != 0]
         if busy:
-            raise ValueError(f"Expected empty requests for prefill, but slot {busy[0]} holds "
+            raise InputError(f"Expected empty requests for prefill, but slot {busy[0]} holds "
                              f"{int(self._host_len[busy[0]])} tokens; decode appends to it, or free it.")
         seqlen = k.shape[1]
         self._reserve(slots, seqlen)  # raises before anything is written
@@ -482,10 +485,10 @@ class PagedKVCache:
         tensor in place, no host sync; host mirror). Returns out (n, seqlen_q, nheads, head_dim)."""
         slots = self._slots(slots)
         if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[0] != len(slots):
-            raise ValueError(f"Expected q of shape ({len(slots)}, seqlen_q, nheads, head_dim) for slots {slots}, got "
+            raise InputError(f"Expected q of shape ({len(slots)}, seqlen_q, nheads, head_dim) for slots {slots}, got "
                              f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}.")
         if k is None or v is None:
-            raise ValueError("PagedKVCache.decode appends: expected k and v (n, seqlen_q, nheads_k, head_dim).")
+            raise InputError("PagedKVCache.decode appends: expected k and v (n, seqlen_q, nheads_k, head_dim).")
         # everything that could still fail is checked before pages are taken: all or nothing per call
         _validate_kvcache_inputs(q, self.k_cache, self.v_cache, k, v, paged=True)
         attn_options(q.shape[3], softmax_scale, causal)

@@ -10,7 +10,7 @@ The attention options travel as one `AttnOptions` (kernels/_options.py): every k
 from __future__ import annotations
 
 import contextlib
-from typing import Optional, Tuple, Union
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -18,7 +18,7 @@ import triton
 from ._configs import AttnConfig, prefill_bwd_config, prefill_bwd_unsupported, prefill_fwd_config
 from ._jit import wide_pages
 from ._launch import LaunchCache
-from ._options import AttnOptions, attn_options
+from ._options import AttnOptions, attn_options, resolve_variants
 from ._utils import (
     Target,
     _validate_cu_seqlens,
@@ -34,6 +34,7 @@ from ._utils import (
     empty_aligned,
     rows_aligned,
 )
+from .errors import InputError
 from .prefill_kernels import bwd_dkdv_kernel, bwd_dq_kernel, bwd_preprocess_kernel, fwd_kernel
 
 
@@ -83,11 +84,11 @@ def _validate_qkv(q, k, v) -> None:
     _validate_dtypes(q=q, k=k, v=v)
     _validate_devices(q=q, k=k, v=v)
     if k.shape != v.shape:
-        raise ValueError(f"Expected k and v to have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}.")
+        raise InputError(f"Expected k and v to have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}.")
     if q.shape[0] != k.shape[0]:
-        raise ValueError(f"Expected q and k to share the batch size, got {q.shape[0]} and {k.shape[0]}.")
+        raise InputError(f"Expected q and k to share the batch size, got {q.shape[0]} and {k.shape[0]}.")
     if q.shape[3] != k.shape[3]:
-        raise ValueError(f"Expected q and k to share the head dim, got {q.shape[3]} and {k.shape[3]}.")
+        raise InputError(f"Expected q and k to share the head dim, got {q.shape[3]} and {k.shape[3]}.")
     _validate_head_dim(q.shape[3])
     _validate_heads(q.shape[2], k.shape[2])
 
@@ -308,9 +309,9 @@ def _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     _validate_dtypes(q=q, k=k, v=v)
     device = _validate_devices(q=q, k=k, v=v)
     if k.shape != v.shape:
-        raise ValueError(f"Expected k and v to have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}.")
+        raise InputError(f"Expected k and v to have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}.")
     if q.shape[2] != k.shape[2]:
-        raise ValueError(f"Expected q and k to share the head dim, got {q.shape[2]} and {k.shape[2]}.")
+        raise InputError(f"Expected q and k to share the head dim, got {q.shape[2]} and {k.shape[2]}.")
     _validate_head_dim(q.shape[2])
     _validate_heads(q.shape[1], k.shape[1])
     max_seqlen_q = _validate_max_seqlen("max_seqlen_q", max_seqlen_q)
@@ -318,7 +319,7 @@ def _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     _validate_cu_seqlens("cu_seqlens_q", cu_seqlens_q, device)
     _validate_cu_seqlens("cu_seqlens_k", cu_seqlens_k, device)
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
-        raise ValueError(
+        raise InputError(
             f"Expected cu_seqlens_q and cu_seqlens_k to describe the same batch, got {cu_seqlens_q.numel() - 1} "
             f"and {cu_seqlens_k.numel() - 1} sequences (shapes {tuple(cu_seqlens_q.shape)} and "
             f"{tuple(cu_seqlens_k.shape)})."
@@ -442,13 +443,17 @@ def flash_attn_func(
     k: torch.Tensor,
     v: torch.Tensor,
     dropout_p: float = 0.0,
-    *,
     softmax_scale: Optional[float] = None,
     causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
     deterministic: bool = False,
+    return_attn_probs: bool = False,
+    *,
     return_softmax_lse: bool = False,
-) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
-    """Attention softmax(q @ k^T * softmax_scale) @ v with flash-attn's interface.
+):
+    """Attention softmax(q @ k^T * softmax_scale) @ v with flash-attn 2's signature.
 
     Args:
         q: (batch, seqlen_q, nheads, headdim), float16, bfloat16 or float32.
@@ -475,27 +480,41 @@ def flash_attn_func(
                 1 0
                 1 1
             A row that sees no key (the first three above) outputs zeros, never NaN.
+        window_size, softcap, alibi_slopes: flash-attn's variant arguments. Accepted where they ask
+            for no variant: window_size (-1, -1), or (-1, 0), which is causal (a 2-element tensor
+            works too), softcap <= 0, alibi_slopes None; a sliding window, softcap or ALiBi raises
+            NotImplementedError before any launch.
         deterministic: flash-attn's flag. Both values take the same path: neither the forward nor the
             backward uses atomics (dK/dV of a KV head are summed over its q-head group in
             registers, dQ has its own kernel), so gradients are bit-identical run to run.
-        return_softmax_lse: also return the log-sum-exp of each row.
+        return_attn_probs: flash-attn's testing aid: also return softmax_lse and S_dmask, which is
+            None (it exists only with dropout).
+        return_softmax_lse (keyword only): also return the log-sum-exp of each row.
 
     Returns:
-        out: (batch, seqlen_q, nheads, headdim), dtype of q.
-        softmax_lse (if return_softmax_lse): (batch, nheads, seqlen_q) float32, natural log of the
-            sum of exp(scaled scores) of each row; +inf for a row that sees no key, so that
-            exp(score - lse) is 0 there.
+        out: (batch, seqlen_q, nheads, headdim), dtype of q; (out, softmax_lse, S_dmask) with
+            return_attn_probs, (out, softmax_lse) with return_softmax_lse.
+        softmax_lse: (batch, nheads, seqlen_q) float32, natural log of the sum of exp(scaled
+            scores) of each row; +inf for a row that sees no key, so that exp(score - lse) is 0 there.
 
     Precision: fp16/bf16 inputs are multiplied on tensor cores with fp32 accumulation. fp32 inputs
     use tf32 matmuls on GPUs (about 1e-3 relative error) and exact fp32 under the interpreter.
     """
     _validate_dropout(dropout_p)
     _validate_qkv(q, k, v)
+    causal = resolve_variants(window_size, softcap, alibi_slopes, causal, k.shape[1])
     options = attn_options(q.shape[3], softmax_scale, causal)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         out, lse = _FlashAttnFunc.apply(q, k, v, options)
     else:
         out, lse = _flash_attn_forward(q, k, v, options)
+    return _results(out, lse, return_attn_probs, return_softmax_lse)
+
+
+def _results(out, lse, return_attn_probs: bool, return_softmax_lse: bool):
+    """flash-attn's return convention (S_dmask None without dropout), then ours."""
+    if return_attn_probs:
+        return out, lse, None
     return (out, lse) if return_softmax_lse else out
 
 
@@ -508,12 +527,17 @@ def flash_attn_varlen_func(
     max_seqlen_q: int,
     max_seqlen_k: int,
     dropout_p: float = 0.0,
-    *,
     softmax_scale: Optional[float] = None,
     causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
     deterministic: bool = False,
+    return_attn_probs: bool = False,
+    block_table: Optional[torch.Tensor] = None,
+    *,
     return_softmax_lse: bool = False,
-) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+):
     """Attention over a batch of sequences of different lengths packed without padding (flash-attn's
     varlen interface). Sequence b's queries attend only to sequence b's keys.
 
@@ -542,13 +566,19 @@ def flash_attn_varlen_func(
                 1 1 1 1 0
                 1 1 1 1 1
             A row that sees no key (seqlen_q[b] > seqlen_k[b], or seqlen_k[b] == 0) outputs zeros.
+        window_size, softcap, alibi_slopes: as in flash_attn_func (a window side reaching past
+            max_seqlen_k is unbounded, as in flash-attn).
         deterministic: flash-attn's flag. As in flash_attn_func, both values take the same
             atomic-free path: gradients are bit-identical run to run.
-        return_softmax_lse: also return the log-sum-exp of each row.
+        return_attn_probs: as in flash_attn_func.
+        block_table: flash-attn's paged K/V for varlen; not implemented yet (NotImplementedError
+            unless None).
+        return_softmax_lse (keyword only): also return the log-sum-exp of each row.
 
     Returns:
-        out: (total_q, nheads, headdim), dtype of q, packed like q.
-        softmax_lse (if return_softmax_lse): (nheads, total_q) float32, flash-attn's packed varlen
+        out: (total_q, nheads, headdim), dtype of q, packed like q; with softmax_lse (and S_dmask,
+            None) as in flash_attn_func.
+        softmax_lse: (nheads, total_q) float32, flash-attn's packed varlen
             layout: softmax_lse[h, cu_seqlens_q[b] + i] is the natural-log LSE of query i of
             sequence b at head h (not (batch, nheads, max_seqlen_q) as in flash_attn_func); +inf for
             a row that sees no key.
@@ -566,7 +596,10 @@ def flash_attn_varlen_func(
     interpreter; on a GPU the two compiled variants may differ in rounding).
     """
     _validate_dropout(dropout_p)
+    if block_table is not None:
+        raise NotImplementedError("block_table (paged K/V) in flash_attn_varlen_func is not implemented yet.")
     max_seqlen_q, max_seqlen_k = _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    causal = resolve_variants(window_size, softcap, alibi_slopes, causal, max_seqlen_k)
     options = attn_options(q.shape[2], softmax_scale, causal)
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options)
@@ -574,4 +607,61 @@ def flash_attn_varlen_func(
         out, lse = _FlashAttnVarlenFunc.apply(*args)
     else:
         out, lse = _flash_attn_varlen_forward(*args)
-    return (out, lse) if return_softmax_lse else out
+    return _results(out, lse, return_attn_probs, return_softmax_lse)
+
+
+# ============================================================================================
+# Packed variants (flash-attn 2's signatures)
+# ============================================================================================
+def _unpack(name: str, packed: torch.Tensor, ndim: int, count: int, layout: str) -> Tuple[torch.Tensor, ...]:
+    """The `count` tensors stacked along dim -3 of `packed`, as views (no copy): the kernels take
+    any strides, and autograd assembles the packed gradient from theirs."""
+    _validate_tensor(name, packed, ndim, layout)
+    if packed.shape[-3] != count:
+        raise InputError(f"Expected {name} of shape {layout}, got {tuple(packed.shape)}.")
+    return packed.unbind(-3)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                              return_softmax_lse=False):
+    """flash_attn_func over q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], with qkv
+    (batch, seqlen, 3, nheads, headdim) as a fused QKV projection gives it (MHA). Arguments and
+    results as in flash_attn_func; the gradient is qkv-shaped."""
+    q, k, v = _unpack("qkv", qkv, 5, 3, "(batch, seqlen, 3, nheads, headdim)")
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs, return_softmax_lse=return_softmax_lse)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                             return_softmax_lse=False):
+    """flash_attn_func over k, v = kv[:, :, 0], kv[:, :, 1], with kv (batch, seqlen_k, 2, nheads_k,
+    headdim) (MHA/GQA/MQA). Arguments and results as in flash_attn_func; the gradient is kv-shaped."""
+    k, v = _unpack("kv", kv, 5, 2, "(batch, seqlen_k, 2, nheads_k, headdim)")
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs, return_softmax_lse=return_softmax_lse)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
+                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False, *, return_softmax_lse=False):
+    """flash_attn_varlen_func over q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2], with qkv
+    (total, 3, nheads, headdim) and one cu_seqlens / max_seqlen for queries and keys. Arguments and
+    results as in flash_attn_varlen_func."""
+    q, k, v = _unpack("qkv", qkv, 4, 3, "(total, 3, nheads, headdim)")
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
+                                  causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+                                  return_softmax_lse=return_softmax_lse)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                                    return_softmax_lse=False):
+    """flash_attn_varlen_func over k, v = kv[:, 0], kv[:, 1], with kv (total_k, 2, nheads_k, headdim).
+    Arguments and results as in flash_attn_varlen_func."""
+    k, v = _unpack("kv", kv, 4, 2, "(total_k, 2, nheads_k, headdim)")
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs, return_softmax_lse=return_softmax_lse)

@@ -55,6 +55,7 @@ import numpy as np
 import torch
 
 from ._utils import is_interpreter
+from .errors import InputError, InputTypeError
 from .kv_cache import PagedKVCache
 from .reference import attention_ref
 from .testing import check_close
@@ -123,7 +124,7 @@ def check_attention(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
 
 def _positive_int(name: str, value, minimum: int = 1) -> int:
     if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"Expected {name} to be an int >= {minimum}, got {value!r}.")
+        raise InputError(f"Expected {name} to be an int >= {minimum}, got {value!r}.")
     return int(value)
 
 
@@ -169,19 +170,19 @@ class ServingEngine:
                  num_splits: int = 0):
         nheads, nheads_k = _positive_int("nheads", nheads), _positive_int("nheads_k", nheads_k)
         if nheads % nheads_k:
-            raise ValueError(f"Expected nheads ({nheads}) to be divisible by nheads_k ({nheads_k}); GQA needs "
+            raise InputError(f"Expected nheads ({nheads}) to be divisible by nheads_k ({nheads_k}); GQA needs "
                              f"whole groups.")
         page_size, max_batch = _positive_int("page_size", page_size), _positive_int("max_batch", max_batch)
         self.max_seqlen = _positive_int("max_seqlen", max_seqlen)
         self.chunk_size = _positive_int("chunk_size", chunk_size)
         self.token_budget = _positive_int("token_budget", token_budget)
         if self.token_budget < max_batch:
-            raise ValueError(f"Expected token_budget ({token_budget}) >= max_batch ({max_batch}): every running "
+            raise InputError(f"Expected token_budget ({token_budget}) >= max_batch ({max_batch}): every running "
                              f"request decodes one token per step; raise the budget or lower max_batch.")
         if verify is None:
             verify = "all" if is_interpreter() else "sample"
         if verify not in VERIFY_MODES:
-            raise ValueError(f"Expected verify to be one of {VERIFY_MODES}, got {verify!r}.")
+            raise InputError(f"Expected verify to be one of {VERIFY_MODES}, got {verify!r}.")
         self.verify, self.strict, self.keep_outputs, self.num_splits = verify, bool(strict), keep_outputs, num_splits
         self.nheads, self.seed = nheads, int(seed)
         self.cache = PagedKVCache(num_blocks, page_size, nheads_k, head_dim, max_batch=max_batch,
@@ -210,16 +211,16 @@ class ServingEngine:
             requests = [requests]
         for i, r in enumerate(requests):
             if not isinstance(r, Request):
-                raise TypeError(f"Expected kernels.serving.Request objects, got {type(r).__name__} at index {i}.")
+                raise InputTypeError(f"Expected kernels.serving.Request objects, got {type(r).__name__} at index {i}.")
             _positive_int(f"prompt_len of request {i}", r.prompt_len)
             _positive_int(f"max_new_tokens of request {i}", r.max_new_tokens, minimum=0)
             _positive_int(f"arrival_step of request {i}", r.arrival_step, minimum=0)
             if r.total_len > self.max_seqlen:
-                raise ValueError(
+                raise InputError(
                     f"Request {i} needs {r.prompt_len} prompt + {r.max_new_tokens} new = {r.total_len} tokens > "
                     f"max_seqlen = {self.max_seqlen}; build the engine with a larger max_seqlen or shorten it.")
             if self.pages_for(r.total_len) > self.cache.num_blocks:
-                raise ValueError(
+                raise InputError(
                     f"Request {i} needs {self.pages_for(r.total_len)} pages of {self.cache.page_size} tokens for "
                     f"{r.total_len} tokens, but the pool has only {self.cache.num_blocks}: it could never be admitted; "
                     f"allocate a larger pool.")
@@ -451,7 +452,7 @@ def make_workload(num_requests: int, prompt_range: Tuple[int, int], new_tokens_r
     num_requests = _positive_int("num_requests", num_requests)
     (p_lo, p_hi), (g_lo, g_hi) = prompt_range, new_tokens_range
     if not 1 <= p_lo <= p_hi or not 0 <= g_lo <= g_hi or arrival_span < 1:
-        raise ValueError(f"Expected 1 <= prompt_range[0] <= prompt_range[1], 0 <= new_tokens_range[0] <= "
+        raise InputError(f"Expected 1 <= prompt_range[0] <= prompt_range[1], 0 <= new_tokens_range[0] <= "
                          f"new_tokens_range[1] and arrival_span >= 1, got {prompt_range}, {new_tokens_range}, "
                          f"{arrival_span}.")
     rng = np.random.default_rng(seed)

@@ -185,11 +185,14 @@ def test_bad_softmax_scale_raises_value_error(scale):
         flash_attn_func(q, k, v, softmax_scale=scale)
 
 
-def test_options_are_keyword_only():
-    """softmax_scale and causal cannot be passed positionally (flash-attn's signature: dropout_p only)."""
+def test_bad_input_errors_are_runtime_errors_too():
+    """Bad input raises classes that are ValueError / TypeError and RuntimeError (flash-attn raises
+    RuntimeError), before any launch."""
     q, k, v = qkv()
-    with pytest.raises(TypeError):
-        flash_attn_func(q, k, v, 0.0, 0.125)
+    with pytest.raises(RuntimeError, match="divisible"):
+        flash_attn_func(q, k[:, :, :1].expand(-1, -1, 3, -1), v[:, :, :1].expand(-1, -1, 3, -1))
+    with pytest.raises(RuntimeError, match="torch.Tensor"):
+        flash_attn_func(q.tolist(), k, v)
 
 
 # --------------------------------------------------------------------------------------------
