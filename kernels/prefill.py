@@ -277,8 +277,11 @@ def _flash_attn_backward(
     lse: torch.Tensor,
     options: AttnOptions,
     configs: Optional[Tuple[AttnConfig, AttnConfig]] = None,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the backward kernels; returns (dq, dk, dv) shaped like (q, k, v)."""
+    grads: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the backward kernels; returns (dq, dk, dv) shaped like (q, k, v), written into `grads`
+    when given (validated buffers with a contiguous last dim), and delta = rowsum(dout * out)
+    (batch, nheads, seqlen_q) float32."""
     batch, seqlen_q, nheads, _ = q.shape
     seqlen_k = k.shape[1]
     target = device_target(q.device)
@@ -287,18 +290,21 @@ def _flash_attn_backward(
         dout = dout.contiguous()
     dout, q, k, v, out = _aligned_operands(_tma_planned(configs[0].use_tma, target, q.dtype), dout, q, k, v, out)
 
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    dq, dk, dv = grads if grads is not None else _empty_grads(q, k, v)
+    delta = torch.zeros((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
     if seqlen_k > 0 and (seqlen_q == 0 or batch == 0):
         dk.zero_()
         dv.zero_()
     if dq.numel() == 0 or dk.numel() == 0:
         dq.zero_()
-        return dq, dk, dv
-    delta = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+        return dq, dk, dv, delta
     _launch_backward(dout, q, k, v, out, lse, dq, dk, dv, delta, batch, seqlen_q, seqlen_k, options, configs, {})
-    return dq, dk, dv
+    return dq, dk, dv, delta
+
+
+def _empty_grads(q, k, v) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty(k.shape, dtype=k.dtype, device=k.device), torch.empty(v.shape, dtype=v.dtype, device=v.device))
 
 
 def _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> Tuple[int, int]:
@@ -373,8 +379,10 @@ def _flash_attn_varlen_backward(
     max_seqlen_k: int,
     options: AttnOptions,
     configs: Optional[Tuple[AttnConfig, AttnConfig]] = None,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the backward kernels in packed mode; returns (dq, dk, dv) shaped like (q, k, v)."""
+    grads: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the backward kernels in packed mode; returns (dq, dk, dv, delta) as
+    _flash_attn_backward, delta (nheads, total_q)."""
     total_q, nheads, _ = q.shape
     batch = cu_seqlens_q.numel() - 1
     target = device_target(q.device)
@@ -383,18 +391,16 @@ def _flash_attn_varlen_backward(
         dout = dout.contiguous()
     dout, q, k, v, out = _aligned_operands(_tma_planned(configs[0].use_tma, target, q.dtype), dout, q, k, v, out)
 
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    dq, dk, dv = grads if grads is not None else _empty_grads(q, k, v)
+    delta = torch.zeros((nheads, total_q), dtype=torch.float32, device=q.device)
     if dq.numel() == 0 or dk.numel() == 0 or batch == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:
         dq.zero_()  # no query or no key anywhere: every gradient is 0
         dk.zero_()
         dv.zero_()
-        return dq, dk, dv
-    delta = torch.empty((nheads, total_q), dtype=torch.float32, device=q.device)
+        return dq, dk, dv, delta
     _launch_backward(dout, q, k, v, out, lse, dq, dk, dv, delta, batch, max_seqlen_q, max_seqlen_k, options,
                      configs, _varlen_args(cu_seqlens_q, cu_seqlens_k, total_q))
-    return dq, dk, dv
+    return dq, dk, dv, delta
 
 
 # ============================================================================================
@@ -412,7 +418,7 @@ class _FlashAttnFunc(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _flash_attn_backward(dout, q, k, v, out, lse, ctx.options)
+        dq, dk, dv, _ = _flash_attn_backward(dout, q, k, v, out, lse, ctx.options)
         return dq, dk, dv, None
 
 
@@ -430,7 +436,7 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-        dq, dk, dv = _flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+        dq, dk, dv, _ = _flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                                                  ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.options)
         return dq, dk, dv, None, None, None, None, None
 

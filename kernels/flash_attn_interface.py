@@ -1,0 +1,168 @@
+"""flash-attn's `flash_attn.flash_attn_interface`: the public functions, and the forward / backward
+primitives that ring-attention and context-parallel libraries build on, with flash-attn 2's argument
+lists.
+
+A ring step attends a block of queries to one block of keys (`_flash_attn_forward`), merges the
+partial results of the blocks by their log-sum-exp (`merge_attention`), and in the backward runs
+each block's gradients against the merged output and LSE (`_flash_attn_backward`, which writes into
+the caller's dq / dk / dv buffers so that a ring can accumulate in place).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from . import prefill as _prefill
+from ._options import attn_options, resolve_variants
+from ._utils import _validate_dropout, _validate_tensor
+from .decode import flash_attn_with_kvcache
+from .errors import InputError
+from .prefill import (
+    _validate_qkv,
+    _validate_varlen,
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
+)
+
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_with_kvcache",
+    "merge_attention",
+]
+
+
+def _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes, dropout_p,
+             seqlen_k):
+    _validate_dropout(dropout_p)
+    causal = resolve_variants((window_size_left, window_size_right), softcap, alibi_slopes, causal, seqlen_k)
+    return attn_options(q.shape[-1], softmax_scale, causal)
+
+
+def _rng_state(device) -> torch.Tensor:
+    """flash-attn's (seed, offset) pair; without dropout nothing is drawn, so it is zeros."""
+    return torch.zeros(2, dtype=torch.int64, device=device)
+
+
+def _check_grad_buffers(grads, tensors) -> Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """dq, dk, dv given by the caller: each like its input (shape, dtype, device), last dim contiguous;
+    None where the caller passed None (then freshly allocated and returned only through the buffers
+    given, as flash-attn)."""
+    if all(g is None for g in grads):
+        return None
+    if any(g is None for g in grads):
+        raise InputError("Expected dq, dk and dv all given or all None.")
+    for name, g, t in zip(("dq", "dk", "dv"), grads, tensors):
+        _validate_tensor(name, g, t.dim(), "like its input")
+        if g.shape != t.shape or g.dtype != t.dtype or g.device != t.device:
+            raise InputError(f"Expected {name} of shape {tuple(t.shape)}, {t.dtype} on {t.device}, got "
+                             f"{tuple(g.shape)}, {g.dtype} on {g.device}.")
+    return tuple(grads)
+
+
+def _flash_attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, softmax_scale: float,
+                        causal: bool, window_size_left: int = -1, window_size_right: int = -1, softcap: float = 0.0,
+                        alibi_slopes: Optional[torch.Tensor] = None, return_softmax: bool = False):
+    """One attention forward, no autograd: (out, softmax_lse, S_dmask, rng_state) as flash-attn's.
+
+    q (batch, seqlen_q, nheads, headdim), k / v (batch, seqlen_k, nheads_k, headdim); softmax_lse
+    (batch, nheads, seqlen_q) float32, +inf for a row that sees no key (its out is zeros), which
+    `merge_attention` treats as an empty part. S_dmask is None (it exists only with dropout);
+    rng_state is the (seed, offset) pair the backward takes back.
+    """
+    _validate_qkv(q, k, v)
+    options = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
+                       dropout_p, k.shape[1])
+    out, lse = _prefill._flash_attn_forward(q, k, v, options)
+    return out, lse, None, _rng_state(q.device)
+
+
+def _flash_attn_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                         softmax_lse: torch.Tensor, dq: Optional[torch.Tensor], dk: Optional[torch.Tensor],
+                         dv: Optional[torch.Tensor], dropout_p: float, softmax_scale: float, causal: bool,
+                         window_size_left: int = -1, window_size_right: int = -1, softcap: float = 0.0,
+                         alibi_slopes: Optional[torch.Tensor] = None, deterministic: bool = False,
+                         rng_state: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The gradients of one attention block, written into dq, dk, dv (overwritten, not accumulated);
+    returns softmax_d = rowsum(dout * out) (batch, nheads, seqlen_q) float32, as flash-attn.
+
+    `out` and `softmax_lse` may be those of a larger attention this block is part of (a ring's merged
+    result): the block's probabilities are exp(scores - softmax_lse), which is what makes the
+    per-block gradients sum to the whole's. Deterministic either way (no atomics).
+    """
+    _validate_qkv(q, k, v)
+    options = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
+                       dropout_p, k.shape[1])
+    grads = _check_grad_buffers((dq, dk, dv), (q, k, v))
+    *_, delta = _prefill._flash_attn_backward(dout, q, k, v, out, softmax_lse, options, grads=grads)
+    return delta
+
+
+def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                               softmax_scale, causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
+                               alibi_slopes=None, return_softmax=False, block_table=None, leftpad_k=None,
+                               seqused_k=None, zero_tensors=False, num_splits=0):
+    """`_flash_attn_forward` over packed sequences (flash_attn_varlen_func's layout): (out,
+    softmax_lse (nheads, total_q), S_dmask None, rng_state). block_table, leftpad_k and seqused_k are
+    not implemented yet (NotImplementedError unless None)."""
+    if block_table is not None or leftpad_k is not None or seqused_k is not None:
+        raise NotImplementedError("block_table, leftpad_k and seqused_k are not implemented yet; pass None.")
+    max_seqlen_q, max_seqlen_k = _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    options = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
+                       dropout_p, max_seqlen_k)
+    cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    out, lse = _prefill._flash_attn_varlen_forward(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, options)
+    return out, lse, None, _rng_state(q.device)
+
+
+def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                max_seqlen_k, dropout_p, softmax_scale, causal, window_size_left=-1,
+                                window_size_right=-1, softcap=0.0, alibi_slopes=None, deterministic=False,
+                                rng_state=None, zero_tensors=False):
+    """`_flash_attn_backward` over packed sequences; returns softmax_d (nheads, total_q)."""
+    max_seqlen_q, max_seqlen_k = _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    options = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
+                       dropout_p, max_seqlen_k)
+    grads = _check_grad_buffers((dq, dk, dv), (q, k, v))
+    cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    *_, delta = _prefill._flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, cu_q, cu_k, max_seqlen_q,
+                                                     max_seqlen_k, options, grads=grads)
+    return delta
+
+
+def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+                    lse_b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The attention of queries over two disjoint key sets, from each set's (out, lse).
+
+    out (batch, seqlen_q, nheads, headdim), lse (batch, nheads, seqlen_q) float32 as
+    `_flash_attn_forward` returns them (or the packed layouts: out (total_q, nheads, headdim), lse
+    (nheads, total_q)). lse = log(exp(lse_a) + exp(lse_b)); out = the two outs weighted by
+    exp(lse_x - lse). A part with lse +inf saw no key and weighs nothing; if both did, out is zeros
+    and lse +inf. Computed in float32, out returned in out_a's dtype.
+    """
+    if out_a.shape != out_b.shape or lse_a.shape != lse_b.shape:
+        raise InputError(f"Expected two parts of the same shape, got out {tuple(out_a.shape)} and "
+                         f"{tuple(out_b.shape)}, lse {tuple(lse_a.shape)} and {tuple(lse_b.shape)}.")
+    a = torch.where(torch.isposinf(lse_a), float("-inf"), lse_a.float())  # +inf: an empty part, weight 0
+    b = torch.where(torch.isposinf(lse_b), float("-inf"), lse_b.float())
+    top = torch.maximum(a, b)
+    safe = torch.where(torch.isneginf(top), 0.0, top)
+    total = torch.exp(a - safe) + torch.exp(b - safe)
+    lse = torch.where(total > 0, safe + torch.log(total), float("inf"))
+    weight_a, weight_b = torch.exp(a - lse), torch.exp(b - lse)  # 0 where lse is +inf
+
+    def per_row(w):  # lse layout -> out layout: (b, h, m) -> (b, m, h, 1); (h, total) -> (total, h, 1)
+        return w.transpose(-1, -2).unsqueeze(-1)
+
+    out = per_row(weight_a) * out_a.float() + per_row(weight_b) * out_b.float()
+    return out.to(out_a.dtype), lse
