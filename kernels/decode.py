@@ -97,6 +97,7 @@ from ._utils import (
 from .decode_kernels import append_kernel, combine_kernel, decode_kernel
 from .errors import InputError, InputTypeError
 from .prefill import _flash_attn_kvcache_forward
+from .rotary import apply_rotary
 
 # With num_splits=0, flash_attn_with_kvcache runs the prefill kernel family instead of the decode
 # kernel from this many new tokens per request on, when the prefill grid also fills this fraction of
@@ -738,8 +739,15 @@ def flash_attn_with_kvcache(
             queries are the last seqlen_q positions of the cache_seqlens[b] + seqlen_new keys (causal:
             bottom-right), so seqlen_new < seqlen_q verifies draft tokens with a partial append. Both or
             neither. In a paged cache each new row goes to its own page slot, so an append may cross pages.
-        rotary_cos, rotary_sin, rotary_interleaved, cache_batch_idx, cache_leftpad: flash-attn's;
-            not implemented yet (NotImplementedError unless None; rotary_interleaved is then unused).
+        rotary_cos, rotary_sin: optional (seqlen_ro, rotary_dim / 2), q's dtype, rotary_dim a multiple
+            of 16 <= headdim, seqlen_ro covering the cache; only with k and v. q and k are rotated
+            before the append and the attention (kernels/rotary.py): k's token t at position
+            cache_seqlens[b] + t, q's the same when causal, else all at cache_seqlens[b], as flash-attn.
+            rotary_interleaved: GPT-J pairs (2i, 2i + 1) when True, GPT-NeoX halves when False.
+        cache_batch_idx: optional int32 (batch,): request b reads and appends cache row
+            cache_batch_idx[b] of a dense cache with any batch (not with block_table). Duplicate
+            indices with an append leave either request's rows, as in flash-attn.
+        cache_leftpad: not implemented yet (NotImplementedError unless None).
         cache_seqlens: each request's cache length before this call: None (every cache full:
             seqlen_cache), an int (the same for every
             request) or an int32 tensor of shape (batch,), on q's device or on the CPU (checked on
@@ -788,24 +796,78 @@ def flash_attn_with_kvcache(
 
     No host synchronisation happens with device cache_seqlens (and block_table), so the whole step
     (append + attention) can be captured in a CUDA graph and replayed while the lengths advance on
-    the device. Not supported yet: cache_batch_idx, cache_leftpad, rotary embedding, ALiBi, sliding
-    windows, softcapping.
+    the device. Not supported yet: cache_leftpad, ALiBi, sliding windows, softcapping.
     """
-    if rotary_cos is not None or rotary_sin is not None:
-        raise NotImplementedError("rotary_cos / rotary_sin (rotary inside the call) are not implemented yet; "
-                                  "apply the rotary embedding to q and k before the call.")
-    if cache_batch_idx is not None or cache_leftpad is not None:
-        raise NotImplementedError("cache_batch_idx and cache_leftpad are not implemented yet; pass None.")
+    if cache_leftpad is not None:
+        raise NotImplementedError("cache_leftpad is not implemented yet; pass None.")
+    if cache_batch_idx is not None:
+        block_table = _batch_idx_as_table(cache_batch_idx, block_table, q, k_cache)
     if cache_seqlens is None or type(window_size) is not tuple or window_size != (-1, -1) or softcap or (
-            alibi_slopes is not None):
+            alibi_slopes is not None or rotary_cos is not None or rotary_sin is not None):
         try:
             capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
         except (AttributeError, IndexError):  # not tensors: validation names the problem
             capacity = 0
         cache_seqlens = capacity if cache_seqlens is None else cache_seqlens
         causal = resolve_variants(window_size, softcap, alibi_slopes, causal, capacity)
+        if rotary_cos is not None or rotary_sin is not None:
+            q, k = _rotate(q, k, v, rotary_cos, rotary_sin, cache_seqlens, capacity, rotary_interleaved, causal)
     return _kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, num_splits,
                          return_softmax_lse, validated=False)
+
+
+def _batch_idx_as_table(cache_batch_idx, block_table, q, k_cache) -> torch.Tensor:
+    """cache_batch_idx as a block table: a dense cache (batch_cache, seqlen_cache, ...) is a pool of
+    batch_cache pages of seqlen_cache rows, and request b's one page is cache_batch_idx[b]."""
+    if block_table is not None:
+        raise InputError("Expected cache_batch_idx or block_table, not both (flash-attn's rule: a paged cache "
+                         "has no batch index).")
+    _validate_tensor("cache_batch_idx", cache_batch_idx, 1, "(batch,)")
+    _validate_tensor("k_cache", k_cache, 4, "(batch_cache, seqlen_cache, nheads_k, headdim)")
+    if cache_batch_idx.dtype != torch.int32:
+        raise InputTypeError(f"Expected cache_batch_idx of dtype int32, got {cache_batch_idx.dtype}.")
+    if cache_batch_idx.shape[0] != q.shape[0]:
+        raise InputError(f"Expected cache_batch_idx of shape ({q.shape[0]},), got {tuple(cache_batch_idx.shape)}.")
+    if cache_batch_idx.device.type == "cpu" and cache_batch_idx.numel() and not (
+            0 <= int(cache_batch_idx.min()) and int(cache_batch_idx.max()) < k_cache.shape[0]):
+        raise InputError(f"Expected cache_batch_idx entries in [0, {k_cache.shape[0]}) (the cache's batch), got "
+                         f"{cache_batch_idx.tolist()}.")
+    return cache_batch_idx.reshape(-1, 1).contiguous()
+
+
+def _rotate(q, k, v, rotary_cos, rotary_sin, cache_seqlens, capacity: int, interleaved: bool, causal: bool):
+    """q and k rotated as flash-attn rotates them (kernels/rotary.py): k's token t at position
+    cache_seqlens[b] + t; q's the same when causal, else every token at cache_seqlens[b]."""
+    if rotary_cos is None or rotary_sin is None:
+        raise InputError("Expected rotary_cos and rotary_sin together.")
+    if k is None or v is None:
+        raise InputError("Expected new k and v with rotary_cos / rotary_sin: the rotary embedding applies to the "
+                         "appended keys (flash-attn's rule).")
+    _validate_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
+    _validate_tensor("k", k, 4, "(batch, seqlen_new, nheads_k, headdim)")
+    for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        _validate_tensor(name, t, 2, "(seqlen_ro, rotary_dim / 2)")
+        if t.dtype != q.dtype or t.device != q.device:
+            raise InputError(f"Expected {name} of q's dtype and device ({q.dtype}, {q.device}), got {t.dtype} on "
+                             f"{t.device}.")
+    if rotary_cos.shape != rotary_sin.shape:
+        raise InputError(f"Expected rotary_cos and rotary_sin of one shape, got {tuple(rotary_cos.shape)} and "
+                         f"{tuple(rotary_sin.shape)}.")
+    rotary_dim = 2 * rotary_cos.shape[1]
+    if rotary_dim % 16 or not 0 < rotary_dim <= q.shape[-1]:
+        raise InputError(f"Expected rotary_dim = 2 * rotary_cos.shape[1] a multiple of 16 in [16, headdim="
+                         f"{q.shape[-1]}], got {rotary_dim}.")
+    if rotary_cos.shape[0] < capacity:
+        raise InputError(f"Expected rotary_cos / rotary_sin to cover every cache position (seqlen_ro >= "
+                         f"{capacity}), got seqlen_ro={rotary_cos.shape[0]}.")
+    if isinstance(cache_seqlens, torch.Tensor):
+        positions = cache_seqlens.to(device=q.device, dtype=torch.int32)
+    else:
+        positions = torch.full((q.shape[0],), int(cache_seqlens), dtype=torch.int32, device=q.device)
+    cos, sin = rotary_cos.contiguous(), rotary_sin.contiguous()
+    q = apply_rotary(q, cos, sin, positions, interleaved=bool(interleaved), same_position=not causal)
+    k = apply_rotary(k, cos, sin, positions, interleaved=bool(interleaved), same_position=False)
+    return q, k
 
 
 def _kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, num_splits,

@@ -286,3 +286,24 @@ def decode_eager_cat(
     v_cache = torch.cat([v_cache, v], dim=1)
     out = _eager_decode_attention(q, k_cache, v_cache, softmax_scale, causal)
     return out, k_cache, v_cache
+
+
+def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions, *, interleaved: bool,
+               same_position: bool = False) -> torch.Tensor:
+    """Rotary embedding of x (batch, seqlen, nheads, headdim), token t of batch entry b at position
+    positions[b] + t (positions[b] for all with same_position); cos / sin (seqlen_ro, rotary_dim / 2).
+    GPT-NeoX pairs (interleaved=False): dims i and i + rotary_dim / 2; GPT-J (True): dims 2i, 2i + 1.
+    Computed in float32, returned in x's dtype; dims past rotary_dim unchanged."""
+    batch, seqlen = x.shape[:2]
+    half = cos.shape[1]
+    start = torch.as_tensor(positions, device=x.device).long().view(batch, 1)
+    pos = start.expand(batch, seqlen) if same_position else start + torch.arange(seqlen, device=x.device)
+    c, s = cos.float()[pos][:, :, None, :], sin.float()[pos][:, :, None, :]  # (batch, seqlen, 1, half)
+    xf = x.float()
+    if interleaved:
+        a, b = xf[..., 0 : 2 * half : 2], xf[..., 1 : 2 * half : 2]
+        rotated = torch.stack((a * c - b * s, b * c + a * s), -1).flatten(-2)
+    else:
+        a, b = xf[..., :half], xf[..., half : 2 * half]
+        rotated = torch.cat((a * c - b * s, b * c + a * s), -1)
+    return torch.cat((rotated, xf[..., 2 * half :]), -1).to(x.dtype)

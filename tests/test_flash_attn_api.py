@@ -179,7 +179,7 @@ def test_kvcache_seqlens_none_means_full_cache(paged):
         assert torch.equal(flash_attn_with_kvcache(q, k_cache, v_cache), full)
 
 
-@pytest.mark.parametrize("name", ["rotary", "cache_batch_idx", "cache_leftpad", "window", "softcap", "alibi"])
+@pytest.mark.parametrize("name", ["cache_leftpad", "window", "softcap", "alibi"])
 def test_kvcache_not_implemented_yet_raise(name):
     """flash_attn_with_kvcache's options not implemented yet raise NotImplementedError before any launch,
     and the cache is untouched."""
@@ -187,10 +187,75 @@ def test_kvcache_not_implemented_yet_raise(name):
     k_cache, v_cache = randn(2, 16, 2, D), randn(2, 16, 2, D)
     before = k_cache.clone()
     ones = torch.ones(2, dtype=torch.int32, device=DEVICE)
-    kwargs = {"rotary": dict(rotary_cos=randn(16, D // 2), rotary_sin=randn(16, D // 2)),
-              "cache_batch_idx": dict(cache_batch_idx=ones), "cache_leftpad": dict(cache_leftpad=ones),
-              "window": dict(window_size=(3, 0)), "softcap": dict(softcap=5.0),
-              "alibi": dict(alibi_slopes=torch.ones(4, device=DEVICE))}[name]
+    kwargs = {"cache_leftpad": dict(cache_leftpad=ones), "window": dict(window_size=(3, 0)),
+              "softcap": dict(softcap=5.0), "alibi": dict(alibi_slopes=torch.ones(4, device=DEVICE))}[name]
     with pytest.raises(NotImplementedError):
         flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=ones, **kwargs)
     assert torch.equal(k_cache, before)
+
+
+def rotary_tables(seqlen_ro, rotary_dim, dtype=DTYPE):
+    angles = torch.rand(seqlen_ro, rotary_dim // 2, device=DEVICE) * 6.3
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
+def test_kvcache_rotary(interleaved, causal, paged):
+    """rotary_cos / rotary_sin rotate q and the new k as flash-attn does (k's token t at
+    cache_seqlens[b] + t; q's too when causal, else all at cache_seqlens[b]; the dims past
+    rotary_dim untouched): the call equals rotating with kernels.reference.rotary_ref first."""
+    from kernels.reference import rotary_ref
+
+    batch, seqlen_q, capacity, rotary_dim = 3, 3, 32, D // 2
+    lengths = torch.tensor([0, 5, 29], dtype=torch.int32, device=DEVICE)
+    q, k, v = randn(batch, seqlen_q, 4, D), randn(batch, seqlen_q, 2, D), randn(batch, seqlen_q, 2, D)
+    k_cache, v_cache = randn(batch, capacity, 2, D), randn(batch, capacity, 2, D)
+    cos, sin = rotary_tables(capacity, rotary_dim)
+    table = None
+    if paged:
+        table = torch.arange(batch * 2, dtype=torch.int32, device=DEVICE).view(batch, 2)
+        k_cache, v_cache = k_cache.view(batch * 2, 16, 2, D), v_cache.view(batch * 2, 16, 2, D)
+    k_plain, v_plain = k_cache.clone(), v_cache.clone()
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cos, sin, lengths, block_table=table, causal=causal,
+                                  rotary_interleaved=interleaved)
+    q_rot = rotary_ref(q, cos, sin, lengths, interleaved=interleaved, same_position=not causal)
+    k_rot = rotary_ref(k, cos, sin, lengths, interleaved=interleaved)
+    assert not torch.equal(q_rot, q) and torch.equal(q_rot[..., rotary_dim:], q[..., rotary_dim:])
+    ref = flash_attn_with_kvcache(q_rot, k_plain, v_plain, k_rot, v, cache_seqlens=lengths, block_table=table,
+                                  causal=causal)
+    tol = 1e-2 if DTYPE == torch.float16 else 1e-5
+    assert (out.float() - ref.float()).abs().max().item() < tol
+    assert (k_cache.float() - k_plain.float()).abs().max().item() < tol, "the cache holds the rotated keys"
+
+
+def test_kvcache_rotary_errors():
+    """Rotary without new keys, a rotary_dim not a multiple of 16, or too few positions are rejected."""
+    q, k, v = randn(2, 1, 4, D), randn(2, 1, 2, D), randn(2, 1, 2, D)
+    k_cache, v_cache = randn(2, 16, 2, D), randn(2, 16, 2, D)
+    cos, sin = rotary_tables(16, 16)
+    with pytest.raises(ValueError, match="new k and v"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, None, None, cos, sin, 3)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cos[:, :4], sin[:, :4], 3)
+    with pytest.raises(ValueError, match="seqlen_ro"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cos[:8], sin[:8], 3)
+
+
+@pytest.mark.parametrize("append", [False, True])
+def test_kvcache_batch_idx(append):
+    """cache_batch_idx: request b reads (and appends to) row cache_batch_idx[b] of a larger dense cache."""
+    idx = torch.tensor([3, 0], dtype=torch.int32, device=DEVICE)
+    lengths = torch.tensor([7, 12], dtype=torch.int32, device=DEVICE)
+    q = randn(2, 2, 4, D)
+    k, v = (randn(2, 2, 2, D), randn(2, 2, 2, D)) if append else (None, None)
+    k_cache, v_cache = randn(5, 16, 2, D), randn(5, 16, 2, D)
+    rows = idx.long()
+    k_sub, v_sub = k_cache[rows].clone(), v_cache[rows].clone()
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, cache_batch_idx=idx, causal=True)
+    ref = flash_attn_with_kvcache(q, k_sub, v_sub, k, v, cache_seqlens=lengths, causal=True)
+    assert torch.equal(out, ref)
+    assert torch.equal(k_cache[rows], k_sub) and torch.equal(v_cache[rows], v_sub)
+    with pytest.raises(ValueError, match="cache_batch_idx entries"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, cache_batch_idx=idx.cpu() + 2)
