@@ -44,6 +44,19 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: long-running (large shapes); deselect with -m 'not slow'")
 
 
+UPSTREAM_DIR = TESTS_DIR / "upstream"
+
+
+def pytest_ignore_collect(collection_path, config):
+    """tests/upstream (flash-attention's own tests: GPU, einops, a fetched file) runs only when a path
+    inside it is named, e.g. `python -m pytest tests/upstream ...` (see tests/upstream/conftest.py)."""
+    if Path(collection_path).resolve() != UPSTREAM_DIR:
+        return None
+    root = config.invocation_params.dir
+    named = ((root / arg.split("::", 1)[0]).resolve() for arg in config.args)
+    return None if any(p == UPSTREAM_DIR or UPSTREAM_DIR in p.parents for p in named) else True
+
+
 def pytest_collection_modifyitems(config, items):
     if ON_GPU:
         return
