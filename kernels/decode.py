@@ -359,7 +359,8 @@ def _validate_kvcache_inputs(q, k_cache, v_cache, k, v, paged: bool = False) -> 
         )
     if not paged and k_cache.shape[0] != batch:
         raise InputError(
-            f"Expected k_cache's batch ({k_cache.shape[0]}) to match q's ({batch}); cache_batch_idx is not supported."
+            f"Expected k_cache's batch ({k_cache.shape[0]}) to match q's ({batch}); cache_batch_idx maps requests "
+            f"to other cache rows."
         )
     if k_cache.shape[3] != head_dim:
         raise InputError(f"Expected q and k_cache to share the head dim, got {head_dim} and {k_cache.shape[3]}.")
