@@ -743,14 +743,16 @@ def flash_attn_with_kvcache(
         rotary_cos, rotary_sin: optional (seqlen_ro, rotary_dim / 2), q's dtype, rotary_dim a multiple
             of 16 <= headdim, seqlen_ro covering the cache; only with k and v. q and k are rotated
             before the append and the attention (kernels/rotary.py): k's token t at position
-            cache_seqlens[b] + t, q's the same when causal, else all at cache_seqlens[b], as flash-attn.
+            cache_seqlens[b] + t, q's the same when causal, else all at cache_seqlens[b], as flash-attn
+            (with seqlen_new < seqlen_q that is not the queries' attention alignment, which stays
+            bottom-right).
             rotary_interleaved: GPT-J pairs (2i, 2i + 1) when True, GPT-NeoX halves when False.
         cache_batch_idx: optional int32 (batch,): request b reads and appends cache row
             cache_batch_idx[b] of a dense cache with any batch (not with block_table). Duplicate
             indices with an append leave either request's rows, as in flash-attn.
         cache_leftpad: not implemented yet (NotImplementedError unless None).
         cache_seqlens: each request's cache length before this call: None (every cache full:
-            seqlen_cache), an int (the same for every
+            seqlen_cache; not with k and v), an int (the same for every
             request) or an int32 tensor of shape (batch,), on q's device or on the CPU (checked on
             the host, then copied: use a device tensor inside a CUDA graph). It is never modified
             (advance it yourself, e.g. cache_seqlens += seqlen_new, or use KVCache / PagedKVCache).
@@ -791,7 +793,9 @@ def flash_attn_with_kvcache(
         return_softmax_lse: also return the log-sum-exp of each row.
 
     Returns:
-        out: (batch, seqlen_q, nheads, headdim), dtype of q.
+        out: (batch, seqlen_q, nheads, headdim), dtype of q (on Hopper, when the chunked-prefill path
+            runs over a cache with 16-byte aligned rows at a headdim whose rows are not, a view of an
+            aligned buffer; contiguous otherwise).
         softmax_lse (if return_softmax_lse): (batch, nheads, seqlen_q) float32, natural log; +inf
             for a row that sees no key.
 
@@ -801,6 +805,9 @@ def flash_attn_with_kvcache(
     """
     if cache_leftpad is not None:
         raise NotImplementedError("cache_leftpad is not implemented yet; pass None.")
+    if cache_seqlens is None and (k is not None or v is not None):
+        raise InputError("Expected cache_seqlens with new k and v: the append goes at each request's length "
+                         "(flash-attn's rule); None means every cache is full.")
     if cache_batch_idx is not None:
         block_table = _batch_idx_as_table(cache_batch_idx, block_table, q, k_cache)
     if cache_seqlens is None or type(window_size) is not tuple or window_size != (-1, -1) or softcap or (
@@ -823,6 +830,8 @@ def _batch_idx_as_table(cache_batch_idx, block_table, q, k_cache) -> torch.Tenso
     if block_table is not None:
         raise InputError("Expected cache_batch_idx or block_table, not both (flash-attn's rule: a paged cache "
                          "has no batch index).")
+    if isinstance(cache_batch_idx, torch.Tensor):
+        cache_batch_idx = cache_batch_idx.contiguous()
     _validate_tensor("cache_batch_idx", cache_batch_idx, 1, "(batch,)")
     _validate_tensor("k_cache", k_cache, 4, "(batch_cache, seqlen_cache, nheads_k, headdim)")
     if cache_batch_idx.dtype != torch.int32:

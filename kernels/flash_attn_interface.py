@@ -54,6 +54,23 @@ def _rng_state(device) -> torch.Tensor:
     return torch.zeros(2, dtype=torch.int64, device=device)
 
 
+def _backward_inputs(dout, q, out, softmax_lse, lse_shape) -> torch.Tensor:
+    """Checks the backward's dout, out and softmax_lse against q; returns softmax_lse contiguous (the
+    kernels read it densely; a ring passes views such as lse.transpose(...))."""
+    for name, t in (("dout", dout), ("out", out)):
+        _validate_tensor(name, t, q.dim(), "like q")
+        if t.shape != q.shape or t.dtype != q.dtype or t.device != q.device:
+            raise InputError(f"Expected {name} of q's shape {tuple(q.shape)}, {q.dtype} on {q.device}, got "
+                             f"{tuple(t.shape)}, {t.dtype} on {t.device}.")
+    if not isinstance(softmax_lse, torch.Tensor):
+        raise InputError(f"Expected softmax_lse to be a torch.Tensor, got {type(softmax_lse).__name__}.")
+    if tuple(softmax_lse.shape) != tuple(lse_shape) or softmax_lse.dtype != torch.float32 or (
+            softmax_lse.device != q.device):
+        raise InputError(f"Expected softmax_lse of shape {tuple(lse_shape)}, float32 on {q.device}, got "
+                         f"{tuple(softmax_lse.shape)}, {softmax_lse.dtype} on {softmax_lse.device}.")
+    return softmax_lse.contiguous()
+
+
 def _check_grad_buffers(grads, tensors) -> Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """dq, dk, dv given by the caller: each like its input (shape, dtype, device), last dim contiguous;
     None where the caller passed None (then freshly allocated and returned only through the buffers
@@ -94,7 +111,8 @@ def _flash_attn_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
                          alibi_slopes: Optional[torch.Tensor] = None, deterministic: bool = False,
                          rng_state: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The gradients of one attention block, written into dq, dk, dv (overwritten, not accumulated);
-    returns softmax_d = rowsum(dout * out) (batch, nheads, seqlen_q) float32, as flash-attn.
+    returns softmax_d = rowsum(dout * out) (batch, nheads, seqlen_q) float32 (flash-attn rounds
+    seqlen_q up in its copy). softmax_lse may be any view (a ring's transposed LSE): it is made dense.
 
     `out` and `softmax_lse` may be those of a larger attention this block is part of (a ring's merged
     result): the block's probabilities are exp(scores - softmax_lse), which is what makes the
@@ -103,6 +121,7 @@ def _flash_attn_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     _validate_qkv(q, k, v)
     options = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
                        dropout_p, k.shape[1])
+    softmax_lse = _backward_inputs(dout, q, out, softmax_lse, (q.shape[0], q.shape[2], q.shape[1]))
     grads = _check_grad_buffers((dq, dk, dv), (q, k, v))
     *_, delta = _prefill._flash_attn_backward(dout, q, k, v, out, softmax_lse, options, grads=grads)
     return delta
@@ -129,10 +148,12 @@ def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_
                                 max_seqlen_k, dropout_p, softmax_scale, causal, window_size_left=-1,
                                 window_size_right=-1, softcap=0.0, alibi_slopes=None, deterministic=False,
                                 rng_state=None, zero_tensors=False):
-    """`_flash_attn_backward` over packed sequences; returns softmax_d (nheads, total_q)."""
+    """`_flash_attn_backward` over packed sequences; returns softmax_d (nheads, total_q) (flash-attn pads
+    its copy per sequence; ours is unpadded)."""
     max_seqlen_q, max_seqlen_k = _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     options = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
                        dropout_p, max_seqlen_k)
+    softmax_lse = _backward_inputs(dout, q, out, softmax_lse, (q.shape[1], q.shape[0]))
     grads = _check_grad_buffers((dq, dk, dv), (q, k, v))
     cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     *_, delta = _prefill._flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, cu_q, cu_k, max_seqlen_q,

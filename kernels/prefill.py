@@ -291,12 +291,13 @@ def _flash_attn_backward(
     dout, q, k, v, out = _aligned_operands(_tma_planned(configs[0].use_tma, target, q.dtype), dout, q, k, v, out)
 
     dq, dk, dv = grads if grads is not None else _empty_grads(q, k, v)
-    delta = torch.zeros((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+    delta = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
     if seqlen_k > 0 and (seqlen_q == 0 or batch == 0):
         dk.zero_()
         dv.zero_()
     if dq.numel() == 0 or dk.numel() == 0:
         dq.zero_()
+        delta.zero_()
         return dq, dk, dv, delta
     _launch_backward(dout, q, k, v, out, lse, dq, dk, dv, delta, batch, seqlen_q, seqlen_k, options, configs, {})
     return dq, dk, dv, delta
@@ -392,11 +393,12 @@ def _flash_attn_varlen_backward(
     dout, q, k, v, out = _aligned_operands(_tma_planned(configs[0].use_tma, target, q.dtype), dout, q, k, v, out)
 
     dq, dk, dv = grads if grads is not None else _empty_grads(q, k, v)
-    delta = torch.zeros((nheads, total_q), dtype=torch.float32, device=q.device)
+    delta = torch.empty((nheads, total_q), dtype=torch.float32, device=q.device)
     if dq.numel() == 0 or dk.numel() == 0 or batch == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:
         dq.zero_()  # no query or no key anywhere: every gradient is 0
         dk.zero_()
         dv.zero_()
+        delta.zero_()
         return dq, dk, dv, delta
     _launch_backward(dout, q, k, v, out, lse, dq, dk, dv, delta, batch, max_seqlen_q, max_seqlen_k, options,
                      configs, _varlen_args(cu_seqlens_q, cu_seqlens_k, total_q))

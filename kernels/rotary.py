@@ -31,11 +31,11 @@ def rotary_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
     SAME_POSITION: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    """One program per (block of BLOCK_S tokens, batch entry, head): token t of batch entry b sits at
+    """One program per (batch entry and head, block of BLOCK_S tokens): token t of batch entry b sits at
     position Positions[b] + t (Positions[b] for every token with SAME_POSITION)."""
-    pid_s = tl.program_id(0)
-    off_b = tl.program_id(1) // H
-    off_h = tl.program_id(1) % H
+    pid_s = tl.program_id(1)
+    off_b = tl.program_id(0) // H
+    off_h = tl.program_id(0) % H
     offs_s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     start = tl.load(Positions + off_b)
@@ -77,7 +77,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
     if out.numel() == 0:
         return out
     block_s = min(64, max(16, triton.next_power_of_2(seqlen)))
-    grid = (triton.cdiv(seqlen, block_s), batch * nheads)
+    grid = (batch * nheads, triton.cdiv(seqlen, block_s))  # axis 0 has no 65535 cap
     with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
         rotary_kernel[grid](
             x, out, cos, sin, positions,

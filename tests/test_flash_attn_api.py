@@ -259,3 +259,13 @@ def test_kvcache_batch_idx(append):
     assert torch.equal(k_cache[rows], k_sub) and torch.equal(v_cache[rows], v_sub)
     with pytest.raises(ValueError, match="cache_batch_idx entries"):
         flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, cache_batch_idx=idx.cpu() + 2)
+
+
+def test_kvcache_seqlens_none_with_append_raises():
+    """New keys need cache_seqlens (where to append), as in flash-attn; nothing is written."""
+    q, k, v = randn(2, 1, 4, D), randn(2, 1, 2, D), randn(2, 1, 2, D)
+    k_cache, v_cache = randn(2, 16, 2, D), randn(2, 16, 2, D)
+    before = k_cache.clone()
+    with pytest.raises(ValueError, match="Expected cache_seqlens with new k and v"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, k, v)
+    assert torch.equal(k_cache, before)

@@ -7,7 +7,8 @@ that reads one poisons its output. Each cache is such a view too, and its NaN co
 NaN after an append: a kernel that writes one is caught. The buffers are 16-byte-wide multiples, so on
 Hopper the tensor-descriptor (TMA) paths, which clip the padded box at the real head dim, run as well.
 Head dims: odd ones (1, 13, 36, 72, 200 on the interpreter; 13, 100, 250 on a GPU) and, on a GPU,
-the common 64, 96, 128, 192 and 256.
+the common 64, 96, 128, 192 and 256. `test_aligned_copies` runs the copies Hopper makes of unaligned
+rows (kernels/prefill.py `_aligned_operands`) on any device by planning them with the pointer path.
 """
 
 from __future__ import annotations
@@ -152,3 +153,23 @@ def test_kvcache(head_dim, paged, path, dtype, monkeypatch):
             else:
                 got = cache[b, length:length + seqlen_new]
             assert torch.equal(got, new[b]), f"request {b}: the appended rows differ {msg}"
+
+
+@pytest.mark.parametrize("head_dim", [13, 100] if ON_GPU else [13, 36])
+def test_aligned_copies(head_dim, monkeypatch):
+    """With tensor descriptors planned (patched here so that the copies happen on any device while the
+    kernels keep their pointer loads), contiguous inputs of an odd head dim are copied into aligned
+    buffers: out is a view of one, and out and the gradients still match the reference."""
+    from kernels import prefill
+
+    monkeypatch.setattr(prefill, "_tma_planned", lambda *args: True)
+    monkeypatch.setattr(prefill, "_use_tma", lambda *args: False)
+    dtype = torch.float16
+    q = torch.randn(2, 19, NHEADS, head_dim, device=DEVICE, dtype=dtype)
+    k, v = (torch.randn(2, 23, NHEADS_K, head_dim, device=DEVICE, dtype=dtype) for _ in range(2))
+    dout = torch.randn_like(q)
+    ours, ref32, same = grads_and_refs(lambda *t: flash_attn_func(*t, causal=True),
+                                       lambda *t, **kw: attention_ref(*t, causal=True, **kw)[0], [q, k, v], dout)
+    assert not ours[0].is_contiguous() and ours[0].stride(-2) % 8 == 0, "out is a view of an aligned buffer"
+    for name, got, want, eager in zip(("out", "dq", "dk", "dv"), ours, ref32, same):
+        assert_close_to_ref(got, want, eager, grad=name != "out", msg=f"{name} head_dim={head_dim}")

@@ -96,6 +96,24 @@ def test_ring_attention_equals_whole(blocks, dtype):
         assert rel_err(got, want) <= 2 * tol, f"{name}: rel err {rel_err(got, want):.2e}"
 
 
+def test_backward_takes_a_transposed_lse():
+    """A ring passes softmax_lse as a view (e.g. lse.transpose(...) of a (b, m, h) buffer): the gradients
+    equal those from the dense LSE; a wrong-shaped LSE is rejected before any launch."""
+    q, k, v = (torch.randn(1, 20, h, 32, device=DEVICE, dtype=torch.float16) for h in (4, 2, 2))
+    dout = torch.randn_like(q)
+    out, lse, _, _ = _flash_attn_forward(q, k, v, 0.0, 32**-0.5, True)
+    view = lse.transpose(1, 2).contiguous().transpose(1, 2)  # same values, strides (m*h, 1, h)
+    assert not view.is_contiguous()
+    grads = []
+    for l_ in (lse, view):
+        g = [torch.empty_like(t) for t in (q, k, v)]
+        _flash_attn_backward(dout, q, k, v, out, l_, *g, 0.0, 32**-0.5, True)
+        grads.append(g)
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    with pytest.raises(ValueError, match="softmax_lse of shape"):
+        _flash_attn_backward(dout, q, k, v, out, lse[:, :, :5], *grads[0], 0.0, 32**-0.5, True)
+
+
 def test_merge_attention_empty_parts():
     """A part whose rows saw no key (lse +inf) weighs nothing; two empty parts give zeros and +inf."""
     out = torch.randn(1, 3, 2, 8, device=DEVICE)
