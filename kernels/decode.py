@@ -873,7 +873,7 @@ def _rotate(q, k, v, rotary_cos, rotary_sin, cache_seqlens, capacity: int, inter
     if isinstance(cache_seqlens, torch.Tensor):
         positions = cache_seqlens.to(device=q.device, dtype=torch.int32)
     else:
-        positions = torch.full((q.shape[0],), int(cache_seqlens), dtype=torch.int32, device=q.device)
+        positions = _filled_seqlens(int(cache_seqlens), q.shape[0], q.device)
     cos, sin = rotary_cos.contiguous(), rotary_sin.contiguous()
     q = apply_rotary(q, cos, sin, positions, interleaved=bool(interleaved), same_position=not causal)
     k = apply_rotary(k, cos, sin, positions, interleaved=bool(interleaved), same_position=False)

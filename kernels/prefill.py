@@ -112,24 +112,18 @@ _launch_bwd_dkdv = LaunchCache(bwd_dkdv_kernel)
 _launch_bwd_dq = LaunchCache(bwd_dq_kernel)
 
 
-def _launch_forward(q, k, v, out, lse, batch, seqlen_q, seqlen_k, options: AttnOptions, config, extra, *,
-                    use_tma=None, kv_strides=None, launch_key=None):
-    """Launch fwd_kernel; `extra` holds the packed-mode or the cache-mode kernel arguments ({} for
-    dense tensors). The cache mode passes its own tensor-descriptor decision (`use_tma`), K/V
-    (batch, row, head) strides (`kv_strides`) and a `launch_key` for the fast launch (the inputs'
-    signature and alignment, see kernels/_launch.py); otherwise the first two follow from the
-    tensors and the launch goes through Triton's dispatcher.
+def _launch_forward(q, k, v, out, lse, batch, seqlen_q, seqlen_k, options: AttnOptions, config: AttnConfig, extra,
+                    *, use_tma: bool, kv_strides=None, launch_key=None):
+    """Launch fwd_kernel with `config` and the tensor-descriptor decision `use_tma` (`_use_tma`);
+    `extra` holds the packed-mode or the cache-mode kernel arguments ({} for dense tensors). The cache
+    mode also passes its K/V (batch, row, head) strides (`kv_strides`) and a `launch_key` for the fast
+    launch (the inputs' signature and alignment, see kernels/_launch.py); otherwise the strides follow
+    from the tensors and the launch goes through Triton's dispatcher.
 
     One program per (query block, batch entry or sequence, head); in packed mode seqlen_q/k are the
     longest lengths and blocks past a shorter sequence's end exit at once.
     """
     nheads, nheads_k = q.shape[-2], k.shape[-2]
-    if config is None or use_tma is None:
-        target = device_target(q.device)
-        if config is None:
-            config = prefill_fwd_config(options.head_dim_pad, q.dtype, options.causal, target)
-        if use_tma is None:
-            use_tma = _use_tma(config.use_tma, target, q, k, v, out)
     if use_tma:
         _ensure_tma_allocator()
     packed = extra.get("IS_VARLEN", False)
@@ -212,7 +206,8 @@ def _flash_attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, optio
         lse.fill_(float("inf"))
         return out, lse
     q, k, v = _aligned_operands(planned, q, k, v)
-    _launch_forward(q, k, v, out, lse, batch, seqlen_q, seqlen_k, options, config, {})
+    _launch_forward(q, k, v, out, lse, batch, seqlen_q, seqlen_k, options, config, {},
+                    use_tma=_use_tma(config.use_tma, target, q, k, v, out))
     return out, lse
 
 
@@ -363,7 +358,8 @@ def _flash_attn_varlen_forward(
         return out, lse
     q, k, v = _aligned_operands(planned, q, k, v)
     _launch_forward(q, k, v, out, lse, batch, max_seqlen_q, max_seqlen_k, options, config,
-                    _varlen_args(cu_seqlens_q, cu_seqlens_k, total_q))
+                    _varlen_args(cu_seqlens_q, cu_seqlens_k, total_q),
+                    use_tma=_use_tma(config.use_tma, target, q, k, v, out))
     return out, lse
 
 

@@ -6,28 +6,10 @@ tests/test_flash_attn.py resolves here and every attention call runs our Triton 
 outside tests/upstream imports it, and it is never installed.
 
 Modules (only what the upstream test file imports):
-    flash_attn                      the seven public attention functions, from `kernels`
+    flash_attn                      the seven public attention functions (kernels.flash_attn_interface)
     flash_attn.flash_attn_interface the same functions, `_get_block_size_n`, `USE_TRITON_ROCM`
     flash_attn.bert_padding         `pad_input`, `unpad_input`: our own pure-torch helpers
     flash_attn.layers.rotary        `apply_rotary_emb`: a pure-torch rotary reference
 """
 
-from kernels import (
-    flash_attn_func,
-    flash_attn_kvpacked_func,
-    flash_attn_qkvpacked_func,
-    flash_attn_varlen_func,
-    flash_attn_varlen_kvpacked_func,
-    flash_attn_varlen_qkvpacked_func,
-    flash_attn_with_kvcache,
-)
-
-__all__ = [
-    "flash_attn_func",
-    "flash_attn_kvpacked_func",
-    "flash_attn_qkvpacked_func",
-    "flash_attn_varlen_func",
-    "flash_attn_varlen_kvpacked_func",
-    "flash_attn_varlen_qkvpacked_func",
-    "flash_attn_with_kvcache",
-]
+from .flash_attn_interface import *  # noqa: F403  the public functions, as flash_attn exports them

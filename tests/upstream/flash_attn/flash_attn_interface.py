@@ -11,26 +11,10 @@ The upstream test reads three things from this module besides the attention func
   tests as out of scope).
 """
 
-from kernels import (
-    flash_attn_func,
-    flash_attn_kvpacked_func,
-    flash_attn_qkvpacked_func,
-    flash_attn_varlen_func,
-    flash_attn_varlen_kvpacked_func,
-    flash_attn_varlen_qkvpacked_func,
-    flash_attn_with_kvcache,
-)
+from kernels.flash_attn_interface import *  # noqa: F403  the public functions
+from kernels.flash_attn_interface import __all__ as _PUBLIC
 
-__all__ = [
-    "USE_TRITON_ROCM",
-    "flash_attn_func",
-    "flash_attn_kvpacked_func",
-    "flash_attn_qkvpacked_func",
-    "flash_attn_varlen_func",
-    "flash_attn_varlen_kvpacked_func",
-    "flash_attn_varlen_qkvpacked_func",
-    "flash_attn_with_kvcache",
-]
+__all__ = ["USE_TRITON_ROCM", *_PUBLIC]
 
 USE_TRITON_ROCM = False
 
