@@ -10,6 +10,8 @@ Written once so their semantics cannot drift between kernels:
 - `merge_partials`: merge partial results (split-KV decode) by their log-sum-exp.
 - `kv_row_offsets`, `kv_block_offsets`, `physical_blocks`: where a cache row lives, dense or paged
   (decode and chunked prefill read caches through them; `wide_pages` is their host-side check).
+- `dropout_keep`: which attention probabilities dropout keeps (forward, backward and the S_dmask
+  kernel draw the same bits for the same (batch, head, query, key)).
 
 Notation: m_i is the running row max of the *scaled* scores in base 2 (scores * softmax_scale *
 log2(e)), l_i the running sum of exp2(scaled score - m_i), acc the unnormalised [rows, D] output.
@@ -232,3 +234,30 @@ def physical_blocks(Table, start_n, rows, n_rows, NUM_BLOCKS, PAGE_SIZE: tl.cons
     else:
         blocks = tl.load(Table + rows // PAGE_SIZE, mask=rows < n_rows, other=0)  # [BLOCK_N]
     return tl.minimum(tl.maximum(blocks, 0), NUM_BLOCKS - 1)  # int32, widened where it is used
+
+
+@triton.jit
+def dropout_keep(seed, salt, bh, rows, start_n, BLOCK_N: tl.constexpr, keep_threshold):
+    """Dropout's keep mask [len(rows), BLOCK_N] for query rows `rows` and keys [start_n, start_n +
+    BLOCK_N) of (batch or sequence, query head) number `bh`; True keeps. start_n is a multiple of 8.
+
+    [Note] Dropout bits. Counter-based (Philox-4x32, 7 rounds as in flash-attn): key `seed` (64-bit),
+    counter (key // 8, query row, bh, salt). One Philox call yields four 32-bit words, i.e. eight
+    16-bit draws, one per key of an 8-key group; a key is kept when its draw is below
+    keep_threshold = round((1 - dropout_p) * 2^16). The bits depend only on (seed, salt) and the
+    element's coordinates, never on tiles, launch order or the GPU, so the backward (whose tiles
+    differ from the forward's) regenerates exactly the forward's mask. seed and salt come from
+    torch's CUDA generator (kernels/prefill.py `_draw_rng_state`).
+    """
+    groups = (start_n // 8 + tl.arange(0, BLOCK_N // 8)).to(tl.uint32)  # [BLOCK_N // 8]
+    c0 = tl.broadcast_to(groups[None, :], (rows.shape[0], BLOCK_N // 8))
+    c1 = tl.broadcast_to(rows.to(tl.uint32)[:, None], (rows.shape[0], BLOCK_N // 8))
+    zero = c0 * 0
+    r0, r1, r2, r3 = tl.philox(seed, c0, c1, zero + tl.cast(bh, tl.uint32), zero + tl.cast(salt, tl.uint32), 7)
+    w0 = tl.join(r0 & 0xFFFF, r0 >> 16)  # [R, BLOCK_N // 8, 2]
+    w1 = tl.join(r1 & 0xFFFF, r1 >> 16)
+    w2 = tl.join(r2 & 0xFFFF, r2 >> 16)
+    w3 = tl.join(r3 & 0xFFFF, r3 >> 16)
+    draws = tl.join(tl.join(w0, w1), tl.join(w2, w3))  # [R, BLOCK_N // 8, 2, 2, 2]
+    draws = tl.reshape(draws, (rows.shape[0], BLOCK_N))
+    return draws < tl.cast(keep_threshold, tl.uint32)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import numbers
 import os
 import platform
 from dataclasses import dataclass
@@ -244,9 +245,13 @@ def _validate_heads(nheads: int, nheads_k: int) -> None:
         )
 
 
-def _validate_dropout(dropout_p: float) -> None:
-    if dropout_p != 0.0:
-        raise NotImplementedError(f"dropout_p={dropout_p} is not supported; only dropout_p=0.0 is implemented.")
+def _validate_dropout(dropout_p) -> float:
+    """dropout_p: a number in [0, 1) (1 would drop everything and scale by 1 / 0); returns it as a float."""
+    if isinstance(dropout_p, (bool, torch.Tensor)) or not isinstance(dropout_p, numbers.Real):
+        raise InputTypeError(f"Expected dropout_p to be a float in [0, 1), got {type(dropout_p).__name__}.")
+    if not 0.0 <= dropout_p < 1.0:
+        raise InputError(f"Expected dropout_p in [0, 1), got {dropout_p}.")
+    return float(dropout_p)
 
 
 def _validate_max_seqlen(name: str, value) -> int:
@@ -280,10 +285,11 @@ def _validate_cu_seqlens(name: str, cu_seqlens, device: torch.device) -> None:
         raise InputError(f"Expected {name} on the inputs' device {device}, got {cu_seqlens.device}.")
 
 
-def _validate_cu_seqlens_values(name: str, cu_seqlens: torch.Tensor, total: int, max_seqlen: int,
+def _validate_cu_seqlens_values(name: str, cu_seqlens: torch.Tensor, total: Optional[int], max_seqlen: int,
                                 max_name: str) -> None:
     """Value checks of a CPU cu_seqlens (reading a CUDA one would sync): starts at 0, never
-    decreases, ends at the packed row count, no sequence longer than max_seqlen."""
+    decreases, ends at the packed row count (unless total is None: keys in a paged pool), no
+    sequence longer than max_seqlen."""
     values = cu_seqlens.tolist()
     if values[0] != 0:
         raise InputError(f"Expected {name}[0] == 0 (prefix sums start at 0), got {values[0]}.")
@@ -294,7 +300,7 @@ def _validate_cu_seqlens_values(name: str, cu_seqlens: torch.Tensor, total: int,
             f"Expected {name} to be non-decreasing (sequence lengths >= 0), got {name}[{bad}] = {values[bad]} > "
             f"{name}[{bad + 1}] = {values[bad + 1]}."
         )
-    if values[-1] != total:
+    if total is not None and values[-1] != total:
         raise InputError(
             f"Expected {name}[-1] ({values[-1]}) to equal the number of packed rows ({total}); "
             f"cu_seqlens must end at the total length of the packed tensor."

@@ -51,7 +51,8 @@ prefill, "Dispatch").
 [Note] Lengths on the device. cache_seqlens is read by the kernel, clamped to [0, N_CACHE]: a bad
 device length can give wrong results but never a read or write outside the buffers; appends past
 N_CACHE are dropped. Lengths known on the host (an int, a CPU tensor, KVCache, PagedKVCache) are
-checked before launch and overflow raises ValueError.
+checked before launch and overflow raises ValueError. cache_leftpad likewise: a device tensor is
+clamped to [0, cache_seqlens[b]] in the kernels, a CPU one checked on the host (`_resolve_cache_leftpad`).
 
 """
 
@@ -270,6 +271,46 @@ def _resolve_cache_seqlens(cache_seqlens, batch: int, seqlen_new: int, seqlen_ca
         _check_host_lengths(value, seqlen_new, seqlen_cache, capacity)
         return _filled_seqlens(value, batch, device)
     raise InputTypeError(f"Expected cache_seqlens to be an int or an int32 tensor, got {type(cache_seqlens).__name__}.")
+
+
+def _resolve_cache_leftpad(cache_leftpad, q, k_cache, cache_seqlens) -> torch.Tensor:
+    """Validate cache_leftpad (int32 (batch,), on q's device or on the CPU) and return it contiguous on
+    q's device. A CPU cache_leftpad is checked on the host: 0 <= cache_leftpad[b] <= cache_seqlens[b]
+    when the lengths are host-known too (None: seqlen_cache, an int, a CPU tensor), else <= seqlen_cache.
+    A device tensor is trusted: the kernels clamp each entry into [0, cache_seqlens[b]] (no host sync)."""
+    _validate_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
+    if not isinstance(cache_leftpad, torch.Tensor):
+        raise InputTypeError(f"Expected cache_leftpad to be an int32 tensor of shape (batch,), got "
+                             f"{type(cache_leftpad).__name__}.")
+    if cache_leftpad.dtype != torch.int32:
+        raise InputTypeError(f"Expected cache_leftpad to be an int32 tensor (flash-attn's convention), got "
+                             f"{cache_leftpad.dtype}; use cache_leftpad.to(torch.int32).")
+    batch = q.shape[0]
+    if cache_leftpad.shape != (batch,):
+        raise InputError(f"Expected cache_leftpad of shape ({batch},) (the first key row of each request), got "
+                         f"{tuple(cache_leftpad.shape)}.")
+    if cache_leftpad.device.type != "cpu":
+        if cache_leftpad.device != q.device:
+            raise InputError(f"Expected cache_leftpad on {q.device} (or on the CPU), got it on {cache_leftpad.device}.")
+        return cache_leftpad.contiguous()
+    _validate_tensor("k_cache", k_cache, 4, "(batch, seqlen_cache, nheads_k, headdim)")
+    # the bound: host-known lengths (an int, a CPU tensor), else the allocated seqlen_cache
+    ends, what = torch.full((batch,), k_cache.shape[1], dtype=torch.int64), "seqlen_cache"
+    if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+        ends, what = torch.full((batch,), int(cache_seqlens), dtype=torch.int64), "cache_seqlens[b]"
+    elif (isinstance(cache_seqlens, torch.Tensor) and cache_seqlens.device.type == "cpu"
+          and cache_seqlens.shape == (batch,) and not cache_seqlens.is_floating_point()):
+        ends, what = cache_seqlens.to(torch.int64), "cache_seqlens[b]"
+    left = cache_leftpad.to(torch.int64)
+    bad = ((left < 0) | (left > ends)).nonzero()
+    if len(bad):
+        b = int(bad[0])
+        raise InputError(
+            f"Expected 0 <= cache_leftpad[b] <= {what} (cache_seqlens is where a request's keys end, its "
+            f"padding included), got cache_leftpad[{b}] = {int(left[b])} with {what.replace('[b]', f'[{b}]')} = "
+            f"{int(ends[b])}."
+        )
+    return cache_leftpad.contiguous().to(q.device)
 
 
 def _check_block_table_entries(block_table: torch.Tensor, host_lengths, seqlen_new: int, page_size: int,
@@ -590,11 +631,14 @@ def _flash_attn_with_kvcache_launch(
     block_table: Optional[torch.Tensor] = None,
     sig: Optional[tuple] = None,
     replay_key: Optional[tuple] = None,
+    cache_leftpad: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Allocate and launch on validated inputs (cache_seqlens: int32 (batch,) on q's device;
     block_table: None for a dense cache, else int32 (batch, max_blocks_per_seq) on q's device;
     sig: `_signature` of the call when the caller has it; replay_key: when given, the decode
-    launches are recorded as a `_Replay` under it, for the caller's next call of that key)."""
+    launches are recorded as a `_Replay` under it, for the caller's next call of that key;
+    cache_leftpad: None, or int32 (batch,) contiguous on q's device, with a dense cache or a one-page
+    table (cache_batch_idx), see [Note] Left padding in kernels/decode_kernels.py; never replayed)."""
     batch, seqlen_q, nheads, head_dim = q.shape
     device = q.device
     append = k is not None
@@ -608,12 +652,14 @@ def _flash_attn_with_kvcache_launch(
         key = (sig, _aligned(q, k_cache, v_cache, k if append else q, v if append else q, cache_seqlens,
                              block_table if block_table is not None else q),
                block_table.stride(0) if block_table is not None else None)
+        if cache_leftpad is not None:
+            key += (_aligned(cache_leftpad),)
         ctx = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
         with ctx:
             if append:
                 _launch_append(k_cache, v_cache, k, v, cache_seqlens, block_table, options, key)
             out, lse = _flash_attn_kvcache_forward(q, k_cache, v_cache, cache_seqlens, k.shape[1] if append else 0,
-                                                   block_table, options, launch_key=key)
+                                                   block_table, options, launch_key=key, cache_leftpad=cache_leftpad)
         return out, (lse if return_softmax_lse else None)
 
     seqlen_cache, nheads_k = k_cache.shape[1], k_cache.shape[2]
@@ -655,6 +701,9 @@ def _flash_attn_with_kvcache_launch(
         paging, paged, page_size = (block_table, block_table.stride(0), k_cache.shape[0]), True, k_cache.shape[1]
         aligned = _aligned(q, k_cache, v_cache, k_arg, v_arg, cache_seqlens, block_table)
         key = (sig, aligned, block_table.stride(0))
+    if cache_leftpad is not None:  # [Note] Left padding (decode_kernels.py); such calls are never replayed
+        key += (_aligned(cache_leftpad),)
+        replay_key = None
     decode_grid = (plan.grid[0], plan.grid[1], 1)
     decode_args = (
         q, k_cache, v_cache, k_arg, v_arg, cache_seqlens, out, lse_arg, out_part, lse_part,
@@ -668,6 +717,7 @@ def _flash_attn_with_kvcache_launch(
         WIDE_PAGES=paged and wide_pages(page_size, k_cache, v_cache),
         EARLY_NEW=_early_new(append, paged, page_size, plan.block_n, plan.num_splits),
         ONE_LOOP=_one_loop(plan.split_n // plan.block_n, paged and page_size % plan.block_n != 0), USE_PDL=plan.pdl,
+        Cache_leftpad=cache_leftpad, HAS_LEFTPAD=cache_leftpad is not None,
     )
     combine_grid = (batch * nheads * seqlen_q, 1, 1)
     combine_args = (out_part, lse_part, out, lse_arg, nheads, seqlen_q, plan.num_splits)
@@ -750,7 +800,16 @@ def flash_attn_with_kvcache(
         cache_batch_idx: optional int32 (batch,): request b reads and appends cache row
             cache_batch_idx[b] of a dense cache with any batch (not with block_table). Duplicate
             indices with an append leave either request's rows, as in flash-attn.
-        cache_leftpad: not implemented yet (NotImplementedError unless None).
+        cache_leftpad: optional int32 (batch,), on q's device or on the CPU (checked, then copied):
+            request b's keys are cache rows [cache_leftpad[b], cache_seqlens[b]) (flash-attn's
+            convention: cache_seqlens is where the keys end, the padding included); rows before are
+            padding, never read. New k/v still go at row cache_seqlens[b], rotary positions count from
+            row 0 (the padding included), and causal stays bottom-right over the keys seen (see causal).
+            A request padded up to its length (and no append) sees no key: zeros, LSE +inf. A CPU
+            tensor is checked on the host: 0 <= cache_leftpad[b] <= cache_seqlens[b] when the lengths
+            are host-known too, else <= seqlen_cache (ValueError); a GPU one is trusted and clamped into
+            [0, cache_seqlens[b]] by the kernels. Dense caches only, with or without cache_batch_idx:
+            with block_table it raises NotImplementedError, as flash-attn does.
         cache_seqlens: each request's cache length before this call: None (every cache full:
             seqlen_cache; not with k and v), an int (the same for every
             request) or an int32 tensor of shape (batch,), on q's device or on the CPU (checked on
@@ -776,7 +835,8 @@ def flash_attn_with_kvcache(
         softmax_scale: defaults to headdim ** -0.5.
         window_size, softcap, alibi_slopes: as in flash_attn_func, with seqlen_cache as the key length.
         causal: mask aligned to the bottom-right corner over the N_b = cache_seqlens[b] + seqlen_q
-            keys (cache_seqlens[b] without k/v): token t sees key j iff j <= t + N_b - seqlen_q.
+            keys (cache_seqlens[b] without k/v): token t sees key j iff j <= t + N_b - seqlen_q (and,
+            with cache_leftpad, j >= cache_leftpad[b]).
             For cache_seqlens[b] = 3 and seqlen_q = 2 with an append (1 = kept):
                 1 1 1 1 0
                 1 1 1 1 1
@@ -801,10 +861,14 @@ def flash_attn_with_kvcache(
 
     No host synchronisation happens with device cache_seqlens (and block_table), so the whole step
     (append + attention) can be captured in a CUDA graph and replayed while the lengths advance on
-    the device. Not supported yet: cache_leftpad, ALiBi, sliding windows, softcapping.
+    the device. Not supported yet: ALiBi, sliding windows, softcapping, and cache_leftpad together with a
+    paged block_table.
     """
     if cache_leftpad is not None:
-        raise NotImplementedError("cache_leftpad is not implemented yet; pass None.")
+        if block_table is not None:
+            raise NotImplementedError("cache_leftpad with a paged KV cache (block_table) is not supported (flash-attn "
+                                      "refuses it too); use a dense cache, with cache_batch_idx to pick its rows.")
+        cache_leftpad = _resolve_cache_leftpad(cache_leftpad, q, k_cache, cache_seqlens)
     if cache_seqlens is None and (k is not None or v is not None):
         raise InputError("Expected cache_seqlens with new k and v: the append goes at each request's length "
                          "(flash-attn's rule); None means every cache is full.")
@@ -821,7 +885,7 @@ def flash_attn_with_kvcache(
         if rotary_cos is not None or rotary_sin is not None:
             q, k = _rotate(q, k, v, rotary_cos, rotary_sin, cache_seqlens, capacity, rotary_interleaved, causal)
     return _kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, num_splits,
-                         return_softmax_lse, validated=False)
+                         return_softmax_lse, validated=False, cache_leftpad=cache_leftpad)
 
 
 def _batch_idx_as_table(cache_batch_idx, block_table, q, k_cache) -> torch.Tensor:
@@ -881,16 +945,17 @@ def _rotate(q, k, v, rotary_cos, rotary_sin, cache_seqlens, capacity: int, inter
 
 
 def _kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, num_splits,
-                  return_softmax_lse, *, validated: bool):
+                  return_softmax_lse, *, validated: bool, cache_leftpad: Optional[torch.Tensor] = None):
     """flash_attn_with_kvcache; `validated=True` when the caller (PagedKVCache) has already run
-    `_validate_kvcache_inputs` on these tensors."""
+    `_validate_kvcache_inputs` on these tensors; cache_leftpad: None or `_resolve_cache_leftpad`'s
+    tensor (a call with it is never replayed: the replays carry no leftpad pointer)."""
     try:
         sig = _signature(q, k_cache, v_cache, k, v, block_table)
     except AttributeError:  # not tensors: validation names the problem
         sig = None
     replay_key = options = None
     fast = not _INTERPRET and not recording_active()  # replays and skipped validation: compiled runs only
-    if sig is not None and fast:  # a repeat of a validated call: replay its launches
+    if sig is not None and fast and cache_leftpad is None:  # a repeat of a validated call: replay its launches
         try:
             options = attn_options(q.shape[-1], softmax_scale, causal)
             replay_key = _replay_key(sig, cache_seqlens, options, num_splits, return_softmax_lse)
@@ -917,8 +982,11 @@ def _kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax
         seqlens, table = _resolve_paging(block_table, cache_seqlens, q.shape[0], seqlen_new, k_cache, q.device)
     if seqlens is not cache_seqlens or table is not block_table or q.device.type != "cuda":
         replay_key = None  # lengths or table checked on the host or copied: not replayable
+    if cache_leftpad is not None:
+        replay_key = None
     out, lse = _flash_attn_with_kvcache_launch(
         q, k_cache, v_cache, k, v, seqlens, options, int(num_splits), return_softmax_lse, table, sig, replay_key,
+        cache_leftpad,
     )
     return (out, lse) if return_softmax_lse else out
 

@@ -25,7 +25,8 @@ Notation:
     (appended tokens, 1 <= M_NEW <= M; 0 without k/v), D = head dim, D_PAD = next power of two >= D,
     N_CACHE = a request's capacity (dense: the allocated seqlen_cache; paged: max_blocks_per_seq * P),
     L_b = cache_seqlens[b], N_b = L_b + M_NEW keys seen. Paged: P = page_size, NUM_BLOCKS = blocks in the pool,
-    Block_table (B, max_blocks_per_seq) int32.
+    Block_table (B, max_blocks_per_seq) int32. LP_b = cache_leftpad[b] (0 without): rows before it are
+    padding (see [Note] Left padding).
     A program's query rows are r = g * M + t for g in [0, G) (q head h = kv_head * G + g) and t in
     [0, M) (the token), head-major; BLOCK_H >= 16 rows per program, several row blocks when G * M
     exceeds the config's max_rows.
@@ -36,8 +37,10 @@ any seqlen_q >= 1; MHA/GQA/MQA; dense caches with any strides and a contiguous l
 a (B, H_KV, S, D) buffer seen through .transpose(1, 2)); paged pools (NUM_BLOCKS, P, H_KV, D) with
 any strides and a contiguous last dim (including a (NUM_BLOCKS, H_KV, P, D) pool seen through
 .transpose(1, 2)) and any page size P >= 1 (tested: 1, 2, 8, 16, 48, 64, 256); caches beyond 2^31
-elements (int64 offsets). Not supported (yet): cache_batch_idx, rotary embedding, alibi, sliding
-windows, softcapping. All K/V row addresses go through `kv_row_offsets` (kernels/_jit.py).
+elements (int64 offsets); left-padded requests (cache_leftpad) in dense caches and in the one-page
+tables of cache_batch_idx. Not here: cache_batch_idx and rotary embedding are kernels/decode.py's
+(a one-page-per-request table, a rotary launch before this one); alibi, sliding windows and softcapping
+are not supported (yet). All K/V row addresses go through `kv_row_offsets` (kernels/_jit.py).
 
 [Note] Fused append without hazards. The new keys/values are read from the k/v inputs, not from
 the cache, by the program that owns them (the last split of each (request, KV head), first row
@@ -75,6 +78,19 @@ LSE = +inf.
 j <= t + N_b - M. With a full append (M_NEW = M) every cached key is visible to every token and only
 the new keys are masked (token t sees new keys 0..t); with a partial one or none, cached keys are masked too
 (the last M - M_NEW - 1 for token 0, one fewer for each later token).
+
+[Note] Left padding. With cache_leftpad (HAS_LEFTPAD), request b's keys are cache rows [LP_b, L_b)
+(flash-attn's convention: L_b = cache_seqlens[b] is where they end, the padding included). LP_b is
+read on the device and clamped to [0, L_b], like L_b to [0, N_CACHE]. The program moves the request's
+K/V base down LP_b rows and counts its cached keys (L_b - LP_b) and its buffer (N_CACHE - LP_b) from
+there, so the loops, the masks and the splits run unchanged over the shifted range, and the causal
+diagonal j <= t + N_b - M keeps its place since both ends move by LP_b. The fused append still writes
+cache row L_b + u (shifted base plus shifted length) and reads its rows back as keys L_b - LP_b + u.
+Moving the base by whole rows is right only when a request's rows are one piece of memory: a dense
+cache, or the one page per request of cache_batch_idx (kernels/decode.py), whose page holds all of
+N_CACHE; a paged block_table with left padding is refused on the host, as flash-attn refuses it. A
+request padded up to its length sees no key without an append: zeros, LSE +inf. The splits are still
+cut from N_CACHE, so a heavily padded request leaves its last splits empty ([Note] Empty KV splits).
 
 [Note] Paged caches. Logical key j of request b lives in row j % P of physical block
 Block_table[b, j // P]; `kv_row_offsets` / `kv_block_offsets` (kernels/_jit.py) turn (block,
@@ -274,6 +290,7 @@ def decode_kernel(
     IS_CAUSAL: tl.constexpr, APPEND: tl.constexpr, SPLIT: tl.constexpr, STORE_LSE: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, WIDE_PAGES: tl.constexpr,
     EARLY_NEW: tl.constexpr, ONE_LOOP: tl.constexpr, USE_PDL: tl.constexpr,
+    Cache_leftpad=None, HAS_LEFTPAD: tl.constexpr = False,  # None (compiled out) without left padding
 ):
     tl.static_assert(BLOCK_H >= 16 and BLOCK_N >= 16 and BLOCK_NEW >= 16, "tl.dot needs tiles of at least 16")
     qk_scale = softmax_scale * LOG2E  # scores to base-2 logits
@@ -300,6 +317,11 @@ def decode_kernel(
 
     # -- this request's lengths, read on the device and clamped to the buffer ---------------------
     seqlen = tl.minimum(tl.maximum(tl.load(Cache_seqlens + off_b), 0), N_CACHE)  # L_b
+    n_cache = N_CACHE  # buffer rows from the request's first key on
+    if HAS_LEFTPAD:  # the keys start at row LP_b: count from there, see [Note] Left padding
+        left = tl.minimum(tl.maximum(tl.load(Cache_leftpad + off_b), 0), seqlen)  # LP_b
+        seqlen -= left
+        n_cache -= left
     if APPEND:  # M_NEW <= M new keys; the M queries are the last M of the n_total keys' positions
         n_total = seqlen + M_NEW
     else:
@@ -331,11 +353,14 @@ def decode_kernel(
     q = load_rows(q_ptrs + offs_d[None, :], offs_r, rows_total, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
     k_head = K_cache + off_hk * stride_kh
     v_head = V_cache + off_hk * stride_vh
+    if HAS_LEFTPAD:  # row 0 of the request is now cache row LP_b (dense, or its one page: cache_batch_idx)
+        k_head += left.to(tl.int64) * stride_kn
+        v_head += left.to(tl.int64) * stride_vn
     if APPEND:  # the new rows' first chunk, loaded now by the last split, see [Note] Fused append
         offs_u = tl.arange(0, BLOCK_NEW)  # [BLOCK_NEW]
         kn_head = K_new + off_b * stride_knb + off_hk * stride_knh
         vn_head = V_new + off_b * stride_vnb + off_hk * stride_vnh
-        n_write = tl.minimum(M_NEW, N_CACHE - seqlen)  # new rows that fit in the buffer
+        n_write = tl.minimum(M_NEW, n_cache - seqlen)  # new rows that fit in the buffer
         if EARLY_NEW:
             m_early = tl.where(split == num_splits - 1, M_NEW, 0)  # the other splits load nothing
             kn0 = load_rows(kn_head + offs_u[:, None].to(tl.int64) * stride_knm + offs_d[None, :],

@@ -43,15 +43,16 @@ __all__ = [
 
 
 def _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes, dropout_p,
-             seqlen_k):
-    _validate_dropout(dropout_p)
+             seqlen_k, rng_state=None):
+    """The call's AttnOptions and Dropout (None without dropout; rng_state None: a fresh draw)."""
+    dropout_p = _validate_dropout(dropout_p)
     causal = resolve_variants((window_size_left, window_size_right), softcap, alibi_slopes, causal, seqlen_k)
-    return attn_options(q.shape[-1], softmax_scale, causal)
+    return attn_options(q.shape[-1], softmax_scale, causal), _prefill.dropout(dropout_p, q.device, rng_state)
 
 
-def _rng_state(device) -> torch.Tensor:
-    """flash-attn's (seed, offset) pair; without dropout nothing is drawn, so it is zeros."""
-    return torch.zeros(2, dtype=torch.int64, device=device)
+def _rng_state(drop, device) -> torch.Tensor:
+    """flash-attn's rng_state: our (seed, salt) pair with dropout; zeros without (nothing is drawn)."""
+    return drop.rng_state if drop is not None else torch.zeros(2, dtype=torch.int64, device=device)
 
 
 def _backward_inputs(dout, q, out, softmax_lse, lse_shape) -> torch.Tensor:
@@ -94,14 +95,16 @@ def _flash_attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropo
 
     q (batch, seqlen_q, nheads, headdim), k / v (batch, seqlen_k, nheads_k, headdim); softmax_lse
     (batch, nheads, seqlen_q) float32, +inf for a row that sees no key (its out is zeros), which
-    `merge_attention` treats as an empty part. S_dmask is None (it exists only with dropout);
-    rng_state is the (seed, offset) pair the backward takes back.
+    `merge_attention` treats as an empty part. S_dmask is flash_attn_func's (with dropout and
+    return_softmax, else None); rng_state is the dropout bits' (seed, salt) pair, which the backward
+    takes back to regenerate the mask.
     """
     _validate_qkv(q, k, v)
-    options = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
-                       dropout_p, k.shape[1])
-    out, lse = _prefill._flash_attn_forward(q, k, v, options)
-    return out, lse, None, _rng_state(q.device)
+    options, drop = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
+                             dropout_p, k.shape[1])
+    out, lse = _prefill._flash_attn_forward(q, k, v, options, drop=drop)
+    probs = _prefill.dropout_probs(q, k, options, drop) if return_softmax and drop is not None else None
+    return out, lse, probs, _rng_state(drop, q.device)
 
 
 def _flash_attn_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -116,15 +119,23 @@ def _flash_attn_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
 
     `out` and `softmax_lse` may be those of a larger attention this block is part of (a ring's merged
     result): the block's probabilities are exp(scores - softmax_lse), which is what makes the
-    per-block gradients sum to the whole's. Deterministic either way (no atomics).
+    per-block gradients sum to the whole's. Deterministic either way (no atomics). With dropout_p > 0,
+    rng_state must be the forward's.
     """
     _validate_qkv(q, k, v)
-    options = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
-                       dropout_p, k.shape[1])
+    options, drop = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
+                             dropout_p, k.shape[1], _forward_rng(dropout_p, rng_state))
     softmax_lse = _backward_inputs(dout, q, out, softmax_lse, (q.shape[0], q.shape[2], q.shape[1]))
     grads = _check_grad_buffers((dq, dk, dv), (q, k, v))
-    *_, delta = _prefill._flash_attn_backward(dout, q, k, v, out, softmax_lse, options, grads=grads)
+    *_, delta = _prefill._flash_attn_backward(dout, q, k, v, out, softmax_lse, options, grads=grads, drop=drop)
     return delta
+
+
+def _forward_rng(dropout_p, rng_state):
+    """The backward's rng_state: required with dropout (a fresh draw would be another mask)."""
+    if dropout_p and rng_state is None:
+        raise InputError("Expected the forward's rng_state with dropout_p > 0: the backward regenerates its mask.")
+    return rng_state
 
 
 def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
@@ -132,16 +143,27 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
                                alibi_slopes=None, return_softmax=False, block_table=None, leftpad_k=None,
                                seqused_k=None, zero_tensors=False, num_splits=0):
     """`_flash_attn_forward` over packed sequences (flash_attn_varlen_func's layout): (out,
-    softmax_lse (nheads, total_q), S_dmask None, rng_state). block_table, leftpad_k and seqused_k are
-    not implemented yet (NotImplementedError unless None)."""
-    if block_table is not None or leftpad_k is not None or seqused_k is not None:
-        raise NotImplementedError("block_table, leftpad_k and seqused_k are not implemented yet; pass None.")
+    softmax_lse (nheads, total_q), S_dmask, rng_state); k and v paged pools with block_table, as
+    flash_attn_varlen_func takes them. leftpad_k and seqused_k are not implemented yet
+    (NotImplementedError unless None); num_splits and zero_tensors change nothing."""
+    if leftpad_k is not None or seqused_k is not None:
+        raise NotImplementedError("leftpad_k and seqused_k are not implemented yet; pass None.")
+    if block_table is not None:
+        with torch.no_grad():
+            out, lse = _prefill.flash_attn_varlen_func(
+                q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                (window_size_left, window_size_right), softcap, alibi_slopes, block_table=block_table,
+                return_softmax_lse=True)
+        return out, lse, None, _rng_state(None, q.device)
     max_seqlen_q, max_seqlen_k = _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    options = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
-                       dropout_p, max_seqlen_k)
+    options, drop = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
+                             dropout_p, max_seqlen_k)
     cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
-    out, lse = _prefill._flash_attn_varlen_forward(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, options)
-    return out, lse, None, _rng_state(q.device)
+    out, lse = _prefill._flash_attn_varlen_forward(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, options, drop=drop)
+    probs = None
+    if return_softmax and drop is not None:
+        probs = _prefill.dropout_probs(q, k, options, drop, (cu_q, cu_k, max_seqlen_q, max_seqlen_k))
+    return out, lse, probs, _rng_state(drop, q.device)
 
 
 def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -151,13 +173,13 @@ def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_
     """`_flash_attn_backward` over packed sequences; returns softmax_d (nheads, total_q) (flash-attn pads
     its copy per sequence; ours is unpadded)."""
     max_seqlen_q, max_seqlen_k = _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    options = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
-                       dropout_p, max_seqlen_k)
+    options, drop = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
+                             dropout_p, max_seqlen_k, _forward_rng(dropout_p, rng_state))
     softmax_lse = _backward_inputs(dout, q, out, softmax_lse, (q.shape[1], q.shape[0]))
     grads = _check_grad_buffers((dq, dk, dv), (q, k, v))
     cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     *_, delta = _prefill._flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, cu_q, cu_k, max_seqlen_q,
-                                                     max_seqlen_k, options, grads=grads)
+                                                     max_seqlen_k, options, grads=grads, drop=drop)
     return delta
 
 

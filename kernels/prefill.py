@@ -10,6 +10,7 @@ The attention options travel as one `AttnOptions` (kernels/_options.py): every k
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
@@ -34,8 +35,8 @@ from ._utils import (
     empty_aligned,
     rows_aligned,
 )
-from .errors import InputError
-from .prefill_kernels import bwd_dkdv_kernel, bwd_dq_kernel, bwd_preprocess_kernel, fwd_kernel
+from .errors import InputError, InputTypeError
+from .prefill_kernels import bwd_dkdv_kernel, bwd_dq_kernel, bwd_preprocess_kernel, dropout_probs_kernel, fwd_kernel
 
 
 # ============================================================================================
@@ -104,12 +105,84 @@ def _on_device(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
 
 
+@dataclass(frozen=True)
+class Dropout:
+    """Dropout of the attention probabilities (see [Note] Dropout in kernels/prefill_kernels.py).
+
+    p: the probability of dropping, in (0, 1); kept probabilities are scaled by 1 / (1 - p).
+    rng_state: int64 (2,) on the inputs' device, (seed, salt) of the Philox bits; the forward draws it
+        (`dropout`), the backward and `dropout_probs` take the same one back.
+    """
+
+    p: float
+    rng_state: torch.Tensor
+
+    @property
+    def kernel_args(self) -> dict:
+        """The forward's and backward's dropout arguments."""
+        return dict(Rng=self.rng_state, keep_threshold=round((1.0 - self.p) * 65536),
+                    dropout_scale=1.0 / (1.0 - self.p), HAS_DROPOUT=True)
+
+
+def dropout(p: float, device: torch.device, rng_state: Optional[torch.Tensor] = None) -> Optional[Dropout]:
+    """A validated `Dropout` (None for p == 0). Without rng_state, (seed, salt) are drawn from torch's
+    generator of `device` on that device: `torch.manual_seed` reproduces the mask, nothing syncs, and a
+    CUDA graph replay draws fresh bits (a graph-safe draw)."""
+    if p == 0.0:
+        return None
+    if rng_state is None:
+        rng_state = torch.randint(0, 2**62, (2,), dtype=torch.int64, device=device)
+    elif not (isinstance(rng_state, torch.Tensor) and rng_state.dtype == torch.int64 and rng_state.numel() == 2
+              and rng_state.device == device):
+        got = (rng_state.dtype, tuple(rng_state.shape), rng_state.device) if isinstance(rng_state, torch.Tensor) else (
+            type(rng_state).__name__)
+        raise InputError(f"Expected rng_state to be the forward's int64 (2,) tensor on {device}, got {got}.")
+    return Dropout(p, rng_state.contiguous())
+
+
+def _dropout_args(drop: Optional[Dropout]) -> dict:
+    return drop.kernel_args if drop is not None else {}
+
+
+def dropout_probs(q: torch.Tensor, k: torch.Tensor, options: AttnOptions, drop: Dropout,
+                  varlen: Optional[Tuple[torch.Tensor, torch.Tensor, int, int]] = None) -> torch.Tensor:
+    """flash-attn's S_dmask for a forward that ran with `drop` (its testing aid; see
+    `dropout_probs_kernel`): (batch, nheads, seqlen_q, seqlen_k) in q's dtype, S[b, h, i, j] =
+    +-exp(score - row max), negative where the pair was dropped, 0 where row i does not see key j.
+    Packed inputs give (batch, nheads, max_seqlen_q, max_seqlen_k), sequence b's pairs at its own
+    positions and zeros past its lengths. It costs 2 * batch * nheads * seqlen_q * seqlen_k bytes
+    (fp16) of memory and a second pass over the scores: a test's tool, not a training one."""
+    if varlen is None:
+        batch, seqlen_q, nheads, _ = q.shape
+        seqlen_k = k.shape[1]
+        extra, packed = {}, False
+    else:
+        cu_q, cu_k, seqlen_q, seqlen_k = varlen
+        batch, nheads = cu_q.numel() - 1, q.shape[1]
+        extra, packed = dict(Cu_seqlens_q=cu_q, Cu_seqlens_k=cu_k, IS_VARLEN=True), True
+    probs = torch.zeros((batch, nheads, seqlen_q, seqlen_k), dtype=q.dtype, device=q.device)
+    if probs.numel() == 0:
+        return probs
+    # Small tiles: a T4's 64 KB of shared memory holds q and k tiles of head dim 256 at 16 x 32.
+    block_m, block_n = (64, 64) if options.head_dim_pad <= 64 else (32, 32) if options.head_dim_pad <= 128 else (16, 32)
+    grid = (triton.cdiv(seqlen_q, block_m), batch * nheads, 1)
+    args = (q, k, probs, drop.rng_state, *_row_strides(q, packed), *_row_strides(k, packed), *probs.stride()[:3],
+            nheads, seqlen_q, seqlen_k, nheads // k.shape[-2], options.softmax_scale,
+            drop.kernel_args["keep_threshold"])
+    kwargs = dict(**options.tile, BLOCK_M=block_m, BLOCK_N=block_n, IS_CAUSAL=options.causal, **extra)
+    device_index = q.device.index if q.device.index is not None else 0
+    with _on_device(q):
+        _launch_dropout_probs(None, grid, args, 4, 1, kwargs, device_index)
+    return probs
+
+
 # Every launch goes through a LaunchCache: the cache mode's (chunked prefill) with a key, for the fast
 # launch; the others with key None, i.e. through Triton's dispatcher (and into `_launch.recording`).
 _launch_fwd = LaunchCache(fwd_kernel)
 _launch_bwd_preprocess = LaunchCache(bwd_preprocess_kernel)
 _launch_bwd_dkdv = LaunchCache(bwd_dkdv_kernel)
 _launch_bwd_dq = LaunchCache(bwd_dq_kernel)
+_launch_dropout_probs = LaunchCache(dropout_probs_kernel)
 
 
 def _launch_forward(q, k, v, out, lse, batch, seqlen_q, seqlen_k, options: AttnOptions, config: AttnConfig, extra,
@@ -150,8 +223,9 @@ def _backward_configs(options: AttnOptions, dtype: torch.dtype, target: Optional
 
 
 def _launch_backward(dout, q, k, v, out, lse, dq, dk, dv, delta, batch, seqlen_q, seqlen_k, options: AttnOptions,
-                     configs, varlen):
-    """Launch the three backward kernels (`configs` from _backward_configs); `varlen` as in _launch_forward."""
+                     configs, varlen, drop: Optional[Dropout] = None):
+    """Launch the three backward kernels (`configs` from _backward_configs); `varlen` as in _launch_forward;
+    `drop` the forward's dropout."""
     nheads, nheads_k = q.shape[-2], k.shape[-2]
     target = device_target(q.device)
     cfg_kv, cfg_q = configs
@@ -161,7 +235,7 @@ def _launch_backward(dout, q, k, v, out, lse, dq, dk, dv, delta, batch, seqlen_q
     packed = bool(varlen)
     varlen_pre = {key: val for key, val in varlen.items() if key != "Cu_seqlens_k"}  # preprocess reads no keys
     q_s, k_s, v_s, do_s = (_row_strides(t, packed) for t in (q, k, v, dout))
-    attention = dict(**options.runtime, **options.constexprs, USE_TMA=use_tma, **varlen)
+    attention = dict(**options.runtime, **options.constexprs, USE_TMA=use_tma, **varlen, **_dropout_args(drop))
     device_index = q.device.index if q.device.index is not None else 0
     with _on_device(q):
         _launch_bwd_preprocess(  # Triton's default 4 warps and 3 stages
@@ -192,8 +266,9 @@ def _varlen_args(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q
 
 
 def _flash_attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttnOptions,
-                        config: Optional[AttnConfig] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Launch the forward kernel on validated inputs; returns (out, softmax_lse)."""
+                        config: Optional[AttnConfig] = None,
+                        drop: Optional[Dropout] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward kernel on validated inputs (with dropout `drop`); returns (out, softmax_lse)."""
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k = k.shape[1]
     target = device_target(q.device)
@@ -206,7 +281,7 @@ def _flash_attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, optio
         lse.fill_(float("inf"))
         return out, lse
     q, k, v = _aligned_operands(planned, q, k, v)
-    _launch_forward(q, k, v, out, lse, batch, seqlen_q, seqlen_k, options, config, {},
+    _launch_forward(q, k, v, out, lse, batch, seqlen_q, seqlen_k, options, config, _dropout_args(drop),
                     use_tma=_use_tma(config.use_tma, target, q, k, v, out))
     return out, lse
 
@@ -221,12 +296,15 @@ def _flash_attn_kvcache_forward(
     options: AttnOptions,
     config: Optional[AttnConfig] = None,
     launch_key=None,
+    cache_leftpad: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Chunked prefill (see [Note] Chunked prefill over a cache in kernels/prefill_kernels.py): q
     (B, M, H, D) attends over each request's cached keys, cache_seqlens[b] of them plus the
     `seqlen_new` (<= M; 0 for none) keys just written after them, the queries aligned to the last M key
     positions. The cache is dense (B, S, H_KV, D) or, with
-    block_table (B, max_blocks) int32, a paged pool (NUM_BLOCKS, P, H_KV, D). Inputs are validated
+    block_table (B, max_blocks) int32, a paged pool (NUM_BLOCKS, P, H_KV, D). cache_leftpad: None, or
+    int32 (B,) on q's device: request b's keys start at cache row cache_leftpad[b] (a dense cache or a
+    one-page-per-request table, cache_batch_idx's). Inputs are validated
     (kernels.decode does it; its `launch_key` holds the inputs' signature and alignment, see
     _launch_forward); returns (out (B, M, H, D), lse (B, H, M) float32)."""
     batch, seqlen_q, nheads, head_dim = q.shape
@@ -245,22 +323,33 @@ def _flash_attn_kvcache_forward(
     cache_args = dict(Cache_seqlens=cache_seqlens, IS_KVCACHE=True, KV_APPEND=seqlen_new > 0)
     if seqlen_new:
         cache_args["N_NEW"] = seqlen_new
+    if cache_leftpad is not None:
+        cache_args.update(Cache_leftpad=cache_leftpad, HAS_LEFTPAD=True)
     if block_table is None:
         capacity = k_cache.shape[1]
         k_strides, v_strides = k_cache.stride()[:3], v_cache.stride()[:3]
     else:
-        num_blocks, page_size = k_cache.shape[0], k_cache.shape[1]
-        capacity = block_table.shape[1] * page_size
-        # descriptors see the pool as [NUM_BLOCKS * P, D] rows: whole key blocks per page, rows evenly spaced
-        use_tma = use_tma and page_size % config.block_n == 0 and all(
-            t.stride(0) == page_size * t.stride(1) for t in (k_cache, v_cache))
-        k_strides, v_strides = (0, *k_cache.stride()[1:3]), (0, *v_cache.stride()[1:3])  # no batch offset
-        cache_args.update(Block_table=block_table, stride_btb=block_table.stride(0), NUM_BLOCKS=num_blocks,
-                          stride_kblk=k_cache.stride(0), stride_vblk=v_cache.stride(0), PAGED=True,
-                          PAGE_SIZE=page_size, WIDE_PAGES=wide_pages(page_size, k_cache, v_cache))
+        # not with left padding, whose shifted base would put the pool descriptor's span past its end
+        capacity, use_tma, (k_strides, v_strides), paging = _paged_pool_args(
+            k_cache, v_cache, block_table, config, use_tma and cache_leftpad is None)
+        cache_args.update(paging)
     _launch_forward(q, k_cache, v_cache, out, lse, batch, seqlen_q, capacity, options, config, cache_args,
                     use_tma=use_tma, kv_strides=(k_strides, v_strides), launch_key=launch_key)
     return out, lse
+
+
+def _paged_pool_args(k_cache, v_cache, block_table, config: AttnConfig, use_tma: bool):
+    """The forward's cache-mode arguments of a paged pool (NUM_BLOCKS, P, H_KV, D) read through block_table:
+    (capacity per request, use_tma, (k, v) (batch, row, head) strides, kernel arguments)."""
+    num_blocks, page_size = k_cache.shape[0], k_cache.shape[1]
+    # descriptors see the pool as [NUM_BLOCKS * P, D] rows: whole key blocks per page, rows evenly spaced
+    use_tma = use_tma and page_size % config.block_n == 0 and all(
+        t.stride(0) == page_size * t.stride(1) for t in (k_cache, v_cache))
+    strides = (0, *k_cache.stride()[1:3]), (0, *v_cache.stride()[1:3])  # no batch offset
+    args = dict(Block_table=block_table, stride_btb=block_table.stride(0), NUM_BLOCKS=num_blocks,
+                stride_kblk=k_cache.stride(0), stride_vblk=v_cache.stride(0), PAGED=True, PAGE_SIZE=page_size,
+                WIDE_PAGES=wide_pages(page_size, k_cache, v_cache))
+    return block_table.shape[1] * page_size, use_tma, strides, args
 
 
 def _flash_attn_backward(
@@ -273,10 +362,11 @@ def _flash_attn_backward(
     options: AttnOptions,
     configs: Optional[Tuple[AttnConfig, AttnConfig]] = None,
     grads: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+    drop: Optional[Dropout] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the backward kernels; returns (dq, dk, dv) shaped like (q, k, v), written into `grads`
-    when given (validated buffers with a contiguous last dim), and delta = rowsum(dout * out)
-    (batch, nheads, seqlen_q) float32."""
+    """Launch the backward kernels (of a forward that ran with dropout `drop`); returns (dq, dk, dv)
+    shaped like (q, k, v), written into `grads` when given (validated buffers with a contiguous last
+    dim), and delta = rowsum(dout * out) (batch, nheads, seqlen_q) float32."""
     batch, seqlen_q, nheads, _ = q.shape
     seqlen_k = k.shape[1]
     target = device_target(q.device)
@@ -294,7 +384,8 @@ def _flash_attn_backward(
         dq.zero_()
         delta.zero_()
         return dq, dk, dv, delta
-    _launch_backward(dout, q, k, v, out, lse, dq, dk, dv, delta, batch, seqlen_q, seqlen_k, options, configs, {})
+    _launch_backward(dout, q, k, v, out, lse, dq, dk, dv, delta, batch, seqlen_q, seqlen_k, options, configs, {},
+                     drop)
     return dq, dk, dv, delta
 
 
@@ -303,8 +394,10 @@ def _empty_grads(q, k, v) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             torch.empty(k.shape, dtype=k.dtype, device=k.device), torch.empty(v.shape, dtype=v.dtype, device=v.device))
 
 
-def _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> Tuple[int, int]:
-    """Checks of packed inputs that need no device sync (see flash_attn_varlen_func); returns the max lengths."""
+def _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                     paged: bool = False) -> Tuple[int, int]:
+    """Checks of packed inputs that need no device sync (see flash_attn_varlen_func); returns the max lengths.
+    paged: k and v are the rows of paged pools, which cu_seqlens_k does not span."""
     _validate_tensor("q", q, 3, "(total_q, nheads, headdim)")
     _validate_tensor("k", k, 3, "(total_k, nheads_k, headdim)")
     _validate_tensor("v", v, 3, "(total_k, nheads_k, headdim)")
@@ -328,7 +421,8 @@ def _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         )
     if cu_seqlens_q.device.type == "cpu":  # readable without a device sync (the interpreter's case)
         _validate_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q")
-        _validate_cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k")
+        _validate_cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, None if paged else k.shape[0], max_seqlen_k,
+                                    "max_seqlen_k")
     return max_seqlen_q, max_seqlen_k
 
 
@@ -342,8 +436,10 @@ def _flash_attn_varlen_forward(
     max_seqlen_k: int,
     options: AttnOptions,
     config: Optional[AttnConfig] = None,
+    drop: Optional[Dropout] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Launch the forward kernel on validated packed inputs; returns (out, softmax_lse (nheads, total_q))."""
+    """Launch the forward kernel on validated packed inputs (with dropout `drop`); returns (out,
+    softmax_lse (nheads, total_q))."""
     total_q, nheads, head_dim = q.shape
     batch = cu_seqlens_q.numel() - 1
     target = device_target(q.device)
@@ -358,8 +454,45 @@ def _flash_attn_varlen_forward(
         return out, lse
     q, k, v = _aligned_operands(planned, q, k, v)
     _launch_forward(q, k, v, out, lse, batch, max_seqlen_q, max_seqlen_k, options, config,
-                    _varlen_args(cu_seqlens_q, cu_seqlens_k, total_q),
+                    dict(_varlen_args(cu_seqlens_q, cu_seqlens_k, total_q), **_dropout_args(drop)),
                     use_tma=_use_tma(config.use_tma, target, q, k, v, out))
+    return out, lse
+
+
+def _flash_attn_varlen_paged_forward(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    block_table: torch.Tensor,
+    options: AttnOptions,
+    config: Optional[AttnConfig] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """flash_attn_varlen_func's forward over a paged K/V (validated): packed queries in the cache mode,
+    sequence b's keys the first cu_seqlens_k[b + 1] - cu_seqlens_k[b] logical rows of block_table[b]
+    (see [Note] Packed sequences); returns (out, softmax_lse (nheads, total_q))."""
+    total_q, nheads, head_dim = q.shape
+    batch = cu_seqlens_q.numel() - 1
+    target = device_target(q.device)
+    if config is None:
+        config = prefill_fwd_config(options.head_dim_pad, q.dtype, options.causal, target)
+    planned = _tma_planned(config.use_tma, target, q.dtype) and rows_aligned(k_cache) and rows_aligned(v_cache)
+    out = empty_aligned((total_q, nheads, head_dim), q.dtype, q.device, aligned=planned)
+    lse = torch.empty((nheads, total_q), dtype=torch.float32, device=q.device)
+    if out.numel() == 0 or batch == 0 or max_seqlen_q == 0:
+        out.zero_()
+        lse.fill_(float("inf"))
+        return out, lse
+    (q,) = _aligned_operands(planned, q)
+    seqlens_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)  # on the device: no sync
+    capacity, use_tma, kv_strides, paging = _paged_pool_args(
+        k_cache, v_cache, block_table, config, _use_tma(config.use_tma, target, q, k_cache, v_cache, out))
+    args = dict(_varlen_args(cu_seqlens_q, cu_seqlens_k, total_q), Cache_seqlens=seqlens_k, IS_KVCACHE=True,
+                **paging)
+    _launch_forward(q, k_cache, v_cache, out, lse, batch, max_seqlen_q, capacity, options, config, args,
+                    use_tma=use_tma, kv_strides=kv_strides)
     return out, lse
 
 
@@ -377,6 +510,7 @@ def _flash_attn_varlen_backward(
     options: AttnOptions,
     configs: Optional[Tuple[AttnConfig, AttnConfig]] = None,
     grads: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+    drop: Optional[Dropout] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward kernels in packed mode; returns (dq, dk, dv, delta) as
     _flash_attn_backward, delta (nheads, total_q)."""
@@ -397,7 +531,7 @@ def _flash_attn_varlen_backward(
         delta.zero_()
         return dq, dk, dv, delta
     _launch_backward(dout, q, k, v, out, lse, dq, dk, dv, delta, batch, max_seqlen_q, max_seqlen_k, options,
-                     configs, _varlen_args(cu_seqlens_q, cu_seqlens_k, total_q))
+                     configs, _varlen_args(cu_seqlens_q, cu_seqlens_k, total_q), drop)
     return dq, dk, dv, delta
 
 
@@ -406,28 +540,28 @@ def _flash_attn_varlen_backward(
 # ============================================================================================
 class _FlashAttnFunc(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, options):
-        out, lse = _flash_attn_forward(q, k, v, options)
+    def forward(ctx, q, k, v, options, drop):
+        out, lse = _flash_attn_forward(q, k, v, options, drop=drop)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.options = options
+        ctx.options, ctx.drop = options, drop
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv, _ = _flash_attn_backward(dout, q, k, v, out, lse, ctx.options)
-        return dq, dk, dv, None
+        dq, dk, dv, _ = _flash_attn_backward(dout, q, k, v, out, lse, ctx.options, drop=ctx.drop)
+        return dq, dk, dv, None, None
 
 
 class _FlashAttnVarlenFunc(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options):
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, drop):
         out, lse = _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                              options)
+                                              options, drop=drop)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
         ctx.max_seqlen_q, ctx.max_seqlen_k = max_seqlen_q, max_seqlen_k
-        ctx.options = options
+        ctx.options, ctx.drop = options, drop
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -435,8 +569,8 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
         dq, dk, dv, _ = _flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                                                 ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.options)
-        return dq, dk, dv, None, None, None, None, None
+                                                 ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.options, drop=ctx.drop)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 # ============================================================================================
@@ -471,7 +605,12 @@ def flash_attn_func(
             them; a 2-byte headdim that is not a multiple of 8 is one), and then out is a view
             [..., :headdim] of an aligned buffer, as flash-attn's is.
             headdim: any in [1, 256] (the kernels pad the tile to a power of two and mask the rest).
-        dropout_p: must be 0.0 (dropout is not implemented).
+        dropout_p: the probability, in [0, 1), of dropping each attention probability (the kept
+            ones are scaled by 1 / (1 - dropout_p)); applied whenever > 0, as in flash-attn (pass 0.0
+            in evaluation). The mask is drawn by a counter-based RNG seeded from torch's generator
+            of q's device: `torch.manual_seed` reproduces it, and CUDA graphs capture it (each replay
+            draws a fresh mask). The backward regenerates the same mask. The keep rate is 1 - dropout_p
+            rounded to a multiple of 2^-16.
         softmax_scale: defaults to headdim ** -0.5.
         causal: mask aligned to the bottom-right corner: query i sees key j iff
             j <= i + seqlen_k - seqlen_q. For seqlen_q = 2, seqlen_k = 5 (1 = kept):
@@ -491,8 +630,11 @@ def flash_attn_func(
         deterministic: flash-attn's flag. Both values take the same path: neither the forward nor the
             backward uses atomics (dK/dV of a KV head are summed over its q-head group in
             registers, dQ has its own kernel), so gradients are bit-identical run to run.
-        return_attn_probs: flash-attn's testing aid: also return softmax_lse and S_dmask, which is
-            None (it exists only with dropout).
+        return_attn_probs: flash-attn's testing aid: also return softmax_lse and S_dmask, None
+            without dropout; with dropout (batch, nheads, seqlen_q, seqlen_k) in q's dtype, S_dmask[b,
+            h, i, j] = exp(score_ij - max_j' score_ij') (scores scaled), negated where the pair was
+            dropped, 0 where query i does not see key j (`kernels.prefill.dropout_probs`). It costs an
+            extra pass over the scores and 2 bytes per (query, key) pair per head: a test's tool.
         return_softmax_lse (keyword only): also return the log-sum-exp of each row.
 
     Returns:
@@ -504,21 +646,17 @@ def flash_attn_func(
     Precision: fp16/bf16 inputs are multiplied on tensor cores with fp32 accumulation. fp32 inputs
     use tf32 matmuls on GPUs (about 1e-3 relative error) and exact fp32 under the interpreter.
     """
-    _validate_dropout(dropout_p)
+    dropout_p = _validate_dropout(dropout_p)
     _validate_qkv(q, k, v)
     causal = resolve_variants(window_size, softcap, alibi_slopes, causal, k.shape[1])
     options = attn_options(q.shape[3], softmax_scale, causal)
+    drop = dropout(dropout_p, q.device)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        out, lse = _FlashAttnFunc.apply(q, k, v, options)
+        out, lse = _FlashAttnFunc.apply(q, k, v, options, drop)
     else:
-        out, lse = _flash_attn_forward(q, k, v, options)
-    return _results(out, lse, return_attn_probs, return_softmax_lse)
-
-
-def _results(out, lse, return_attn_probs: bool, return_softmax_lse: bool):
-    """flash-attn's return convention (S_dmask None without dropout), then ours."""
+        out, lse = _flash_attn_forward(q, k, v, options, drop=drop)
     if return_attn_probs:
-        return out, lse, None
+        return out, lse, (dropout_probs(q, k, options, drop) if drop is not None else None)
     return (out, lse) if return_softmax_lse else out
 
 
@@ -563,7 +701,7 @@ def flash_attn_varlen_func(
         max_seqlen_q: Python int >= the longest query length: sizes the grid (programs of blocks
             past a shorter sequence's end exit at once; no work is spent on padding).
         max_seqlen_k: Python int >= the longest key length.
-        dropout_p: must be 0.0 (dropout is not implemented).
+        dropout_p: as in flash_attn_func.
         softmax_scale: defaults to headdim ** -0.5.
         causal: per sequence, aligned to the bottom-right corner: query i of sequence b sees key j
             iff j <= i + seqlen_k[b] - seqlen_q[b]. For seqlen_q[b] = 2, seqlen_k[b] = 5 (1 = kept):
@@ -574,14 +712,21 @@ def flash_attn_varlen_func(
             max_seqlen_k is unbounded, as in flash-attn).
         deterministic: flash-attn's flag. As in flash_attn_func, both values take the same
             atomic-free path: gradients are bit-identical run to run.
-        return_attn_probs: as in flash_attn_func.
-        block_table: flash-attn's paged K/V for varlen; not implemented yet (NotImplementedError
-            unless None).
+        return_attn_probs: as in flash_attn_func; S_dmask is (batch, nheads, max_seqlen_q,
+            max_seqlen_k), sequence b's pairs at [b, :, :seqlen_q[b], :seqlen_k[b]], zeros elsewhere.
+        block_table: optional int32 (batch, max_blocks_per_seq) on q's device: k and v are then
+            paged pools (num_blocks, page_size, nheads_k, headdim) and sequence b's keys are the
+            first cu_seqlens_k[b + 1] - cu_seqlens_k[b] logical rows of block_table[b] (logical row j
+            in row j % page_size of block block_table[b, j // page_size]), as in flash-attn. Forward
+            only (its backward raises NotImplementedError; flash-attn has none either), no dropout.
+            Any page_size >= 1 (flash-attn asks for multiples of 256). Entries and lengths are checked
+            when they are on the host; device values are trusted and each entry is clamped into the
+            pool (wrong results, never an out-of-bounds read), as in flash_attn_with_kvcache.
         return_softmax_lse (keyword only): also return the log-sum-exp of each row.
 
     Returns:
-        out: (total_q, nheads, headdim), dtype of q, packed like q; with softmax_lse (and S_dmask,
-            None) as in flash_attn_func.
+        out: (total_q, nheads, headdim), dtype of q, packed like q; with softmax_lse (and S_dmask)
+            as in flash_attn_func.
         softmax_lse: (nheads, total_q) float32, flash-attn's packed varlen
             layout: softmax_lse[h, cu_seqlens_q[b] + i] is the natural-log LSE of query i of
             sequence b at head h (not (batch, nheads, max_seqlen_q) as in flash_attn_func); +inf for
@@ -599,19 +744,91 @@ def flash_attn_varlen_func(
     tile arithmetic, so a sequence gives the same result packed as alone (bit-identical under the
     interpreter; on a GPU the two compiled variants may differ in rounding).
     """
-    _validate_dropout(dropout_p)
+    dropout_p = _validate_dropout(dropout_p)
     if block_table is not None:
-        raise NotImplementedError("block_table (paged K/V) in flash_attn_varlen_func is not implemented yet.")
+        return _varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                             causal, window_size, softcap, alibi_slopes, return_attn_probs, block_table,
+                             return_softmax_lse)
     max_seqlen_q, max_seqlen_k = _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     causal = resolve_variants(window_size, softcap, alibi_slopes, causal, max_seqlen_k)
     options = attn_options(q.shape[2], softmax_scale, causal)
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options)
+    drop = dropout(dropout_p, q.device)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        out, lse = _FlashAttnVarlenFunc.apply(*args)
+        out, lse = _FlashAttnVarlenFunc.apply(*args, drop)
     else:
-        out, lse = _flash_attn_varlen_forward(*args)
-    return _results(out, lse, return_attn_probs, return_softmax_lse)
+        out, lse = _flash_attn_varlen_forward(*args, drop=drop)
+    if return_attn_probs:
+        probs = None
+        if drop is not None:
+            probs = dropout_probs(q, k, options, drop, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+        return out, lse, probs
+    return (out, lse) if return_softmax_lse else out
+
+
+def _varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                  causal, window_size, softcap, alibi_slopes, return_attn_probs, block_table, return_softmax_lse):
+    """flash_attn_varlen_func with block_table: validated here, forward only (see its docstring)."""
+    _validate_tensor("k", k_cache, 4, "(num_blocks, page_size, nheads_k, headdim) with block_table")
+    _validate_tensor("v", v_cache, 4, "(num_blocks, page_size, nheads_k, headdim) with block_table")
+    if k_cache.shape != v_cache.shape or k_cache.shape[1] < 1:
+        raise InputError(f"Expected k and v pools of one shape with page_size >= 1, got {tuple(k_cache.shape)} and "
+                         f"{tuple(v_cache.shape)}.")
+    # the packed-layout checks (dtypes, devices, heads, head dim, cu_seqlens), on one row of each page
+    max_seqlen_q, max_seqlen_k = _validate_varlen(q, k_cache[:, 0], v_cache[:, 0], cu_seqlens_q, cu_seqlens_k,
+                                                  max_seqlen_q, max_seqlen_k, paged=True)
+    if not isinstance(block_table, torch.Tensor):
+        raise InputTypeError(f"Expected block_table to be a torch.Tensor, got {type(block_table).__name__}.")
+    if block_table.dtype != torch.int32:
+        raise InputTypeError(f"Expected block_table of dtype int32, got {block_table.dtype}.")
+    batch = cu_seqlens_q.numel() - 1
+    if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.device != q.device:
+        raise InputError(f"Expected block_table (batch={batch}, max_blocks_per_seq) on {q.device}, got shape "
+                         f"{tuple(block_table.shape)} on {block_table.device}.")
+    if dropout_p:
+        raise NotImplementedError("dropout with a paged K/V (block_table) is not supported: dropout is for training, "
+                                  "and the paged forward has no backward.")
+    page_size = k_cache.shape[1]
+    capacity = block_table.shape[1] * page_size
+    block_table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
+    if cu_seqlens_k.device.type == "cpu":  # host-known lengths (the interpreter's case): check them whole
+        lengths = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).tolist()
+        if max(lengths, default=0) > capacity:
+            raise InputError(f"Expected every key length <= the block table's capacity max_blocks_per_seq * "
+                             f"page_size = {capacity}, got lengths {lengths}.")
+        for b, length in enumerate(lengths):
+            used = block_table[b, : -(-length // page_size)]
+            if used.numel() and not (0 <= int(used.min()) and int(used.max()) < k_cache.shape[0]):
+                raise InputError(f"Expected block_table[{b}]'s first {used.numel()} entries in [0, "
+                                 f"{k_cache.shape[0]}) (the pool's blocks), got {used.tolist()}.")
+    causal = resolve_variants(window_size, softcap, alibi_slopes, causal, max_seqlen_k)
+    options = attn_options(q.shape[2], softmax_scale, causal)
+    args = (q, k_cache, v_cache, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, block_table,
+            options)
+    if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad):
+        out, lse = _FlashAttnVarlenPagedFunc.apply(*args)
+    else:
+        out, lse = _flash_attn_varlen_paged_forward(*args)
+    if return_attn_probs:
+        return out, lse, None
+    return (out, lse) if return_softmax_lse else out
+
+
+class _FlashAttnVarlenPagedFunc(torch.autograd.Function):
+    """The paged varlen forward under autograd: its backward says it does not exist (flash-attn has none)."""
+
+    @staticmethod
+    def forward(ctx, q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, options):
+        out, lse = _flash_attn_varlen_paged_forward(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                    block_table, options)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        raise NotImplementedError("flash_attn_varlen_func with block_table (a paged K/V) is forward only, as in "
+                                  "flash-attn: no gradient flows through it.")
 
 
 # ============================================================================================

@@ -16,7 +16,7 @@ Supported: fp16/bf16 (fp32 accumulation), fp32 (tf32 matmuls on GPUs, exact unde
 interpreter); head dims that are multiples of 8 in [16, 256] (padded to D_PAD inside the kernel
 with masks); any seqlen_q, seqlen_k (including seqlen_q != seqlen_k and 0); any strides with a
 contiguous last dim; causal masks aligned to the bottom-right corner; batches of sequences of
-different lengths packed without padding (flash_attn_varlen_func). Not supported: dropout.
+different lengths packed without padding (flash_attn_varlen_func); dropout of the probabilities.
 
 [Note] Masking layout. The KV loop is split in two ranges. Blocks in [0, n_full) are seen whole by
 every row of the query block (in bounds and, when causal, left of the diagonal band): they run
@@ -47,7 +47,10 @@ padding. Causal masks are bottom-right per sequence (diag = N - M of that sequen
 tensor-descriptor path the descriptors start at the sequence's first row with shape [its length,
 D], so each sequence keeps zero-filled bounds. LSE and Delta are (H, total_q), flash-attn's packed
 layout. Every varlen argument defaults to None / False, and with IS_VARLEN=False all varlen code
-is compiled out: the dense kernels carry none of the varlen code.
+is compiled out: the dense kernels carry none of the varlen code. With a paged K/V
+(flash_attn_varlen_func's block_table, forward only) the forward runs packed queries in cache mode
+(below): sequence b's keys are the first Cache_seqlens[b] = cu_seqlens_k[b + 1] - cu_seqlens_k[b]
+logical rows of its block-table row, and Cu_seqlens_k is not read.
 
 [Note] Chunked prefill over a cache. flash_attn_with_kvcache hands a long chunk (see kernels/decode.py
 [Note] Chunked prefill) to the forward kernel with IS_KVCACHE=True: K and V are then a KV cache, N
@@ -64,6 +67,17 @@ unused tail (stale data, possibly NaN bit patterns), so their scores are masked 
 zeroed. Otherwise (P = 16, 48, ...) each key finds its page through `physical_blocks` (an entry per
 page when a key block holds at most 4 whole pages, else per key) and loads through masked pointers.
 Every cache argument defaults to None / False: with IS_KVCACHE=False the cache code is compiled out.
+
+[Note] Dropout. With HAS_DROPOUT the forward keeps each probability P_ij with probability 1 - p:
+l_i still sums every probability (the softmax is of the undropped scores, as the LSE saved for the
+backward), acc only the kept ones, and the epilogue scales the output by 1 / (1 - p) (dropout_scale),
+so O = (P * Z / (1 - p)) V for the keep mask Z. The backward regenerates Z from the same bits
+(kernels/_jit.py `dropout_keep`: a function of (seed, salt, batch x head, query, key) alone) and
+uses dV = (P * Z / (1 - p))^T dO, dP = (dO V^T) * Z / (1 - p), dS = P * (dP - delta) with delta =
+rowsum(dO * O) as without dropout (sum_j P_ij dP_ij = dO_i . O_i still holds). (seed, salt) are
+read from a device tensor (Rng), never baked into the launch, so a CUDA graph replays with new
+bits. `dropout_probs_kernel` writes flash-attn's S_dmask from the same bits. Dropout arguments
+default to None / False: with HAS_DROPOUT=False no RNG code is compiled.
 """
 
 import triton
@@ -71,6 +85,7 @@ import triton.language as tl
 
 from ._jit import (
     LOG2E,
+    dropout_keep,
     finalize,
     gqa_kv_head,
     gqa_q_head,
@@ -109,11 +124,14 @@ def fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
     Cu_seqlens_q=None, Cu_seqlens_k=None, stride_lseh=None, IS_VARLEN: tl.constexpr = False,
+    Rng=None, keep_threshold=None, dropout_scale=None, HAS_DROPOUT: tl.constexpr = False,
     Cache_seqlens=None, Block_table=None, stride_btb=None, NUM_BLOCKS=None, stride_kblk=None, stride_vblk=None,
     N_NEW=None, IS_KVCACHE: tl.constexpr = False, KV_APPEND: tl.constexpr = False, PAGED: tl.constexpr = False,
     PAGE_SIZE: tl.constexpr = 1, WIDE_PAGES: tl.constexpr = False,
+    Cache_leftpad=None, HAS_LEFTPAD: tl.constexpr = False,
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
+    tl.static_assert(not (HAS_DROPOUT and IS_KVCACHE), "dropout is a training option: no cache mode")
     qk_scale = softmax_scale * LOG2E  # scores to base-2 logits
     # -- which query block and head ------------------------------------------------------------
     if IS_CAUSAL:  # heaviest blocks first: the last query blocks see the most keys
@@ -130,11 +148,12 @@ def fwd_kernel(
         M = tl.load(Cu_seqlens_q + off_b + 1) - q_start  # this sequence's seqlen_q
         if start_m >= M:  # the grid covers max_seqlen_q: blocks past this sequence's end exit at once
             return
-        k_start = tl.load(Cu_seqlens_k + off_b)
-        N = tl.load(Cu_seqlens_k + off_b + 1) - k_start  # this sequence's seqlen_k
+        if not IS_KVCACHE:  # packed keys; a paged pool instead is addressed through Block_table below
+            k_start = tl.load(Cu_seqlens_k + off_b)
+            N = tl.load(Cu_seqlens_k + off_b + 1) - k_start  # this sequence's seqlen_k
+            K += k_start.to(tl.int64) * stride_kn
+            V += k_start.to(tl.int64) * stride_vn
         Q += q_start.to(tl.int64) * stride_qm  # the launcher passes batch strides of 0
-        K += k_start.to(tl.int64) * stride_kn
-        V += k_start.to(tl.int64) * stride_vn
         Out += q_start.to(tl.int64) * stride_om
         Lse += q_start  # Lse is (H, total_q)
     if IS_KVCACHE:  # K/V are a cache: N is its capacity, the request's key count lives on the device
@@ -143,6 +162,11 @@ def fwd_kernel(
             N = tl.minimum(n_cached + N_NEW, N)
         else:
             N = n_cached
+        if HAS_LEFTPAD:  # keys start at cache row LP_b, see [Note] Left padding in kernels/decode_kernels.py
+            left = tl.minimum(tl.maximum(tl.load(Cache_leftpad + off_b), 0), n_cached)
+            N -= left
+            K += left.to(tl.int64) * stride_kn
+            V += left.to(tl.int64) * stride_vn
 
     q_base = Q + off_b * stride_qb + off_h.to(tl.int64) * stride_qh
     k_base = K + off_b * stride_kb + off_hk * stride_kh
@@ -167,6 +191,9 @@ def fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    if HAS_DROPOUT:  # see [Note] Dropout
+        seed = tl.load(Rng)
+        salt = tl.load(Rng + 1)
 
     if USE_TMA:
         # Hopper tensor descriptors bounded by this (batch, head)'s [rows, D] slice: out-of-range
@@ -210,6 +237,8 @@ def fwd_kernel(
                 k = k_desc.load([start_n, 0])  # [BLOCK_N, D_PAD]
                 qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N]
                 p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, False)
+                if HAS_DROPOUT:
+                    p = tl.where(dropout_keep(seed, salt, pid_bh, offs_m, start_n, BLOCK_N, keep_threshold), p, 0.0)
                 v = v_desc.load([start_n, 0])
                 acc = tl.dot(p.to(v.dtype), v, acc)
             # stage 2: diagonal band and ragged tail, masked
@@ -218,6 +247,8 @@ def fwd_kernel(
                 qk = tl.dot(q, tl.trans(k))
                 qk = mask_scores(qk, start_n + offs_n, n_end, row_limit, IS_CAUSAL)
                 p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, True)
+                if HAS_DROPOUT:
+                    p = tl.where(dropout_keep(seed, salt, pid_bh, offs_m, start_n, BLOCK_N, keep_threshold), p, 0.0)
                 v = v_desc.load([start_n, 0])
                 acc = tl.dot(p.to(v.dtype), v, acc)
     elif PAGED:  # pointer path over a paged pool: each key block finds its rows through the block table
@@ -251,6 +282,8 @@ def fwd_kernel(
             k = load_rows(k_ptrs, offs_n, BLOCK_N, offs_d, HEAD_DIM, HEAD_DIM_PAD, False)
             qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N]
             p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, False)
+            if HAS_DROPOUT:
+                p = tl.where(dropout_keep(seed, salt, pid_bh, offs_m, start_n, BLOCK_N, keep_threshold), p, 0.0)
             v = load_rows(v_ptrs, offs_n, BLOCK_N, offs_d, HEAD_DIM, HEAD_DIM_PAD, False)
             acc = tl.dot(p.to(v.dtype), v, acc)
             k_ptrs += BLOCK_N * stride_kn
@@ -261,6 +294,8 @@ def fwd_kernel(
             qk = tl.dot(q, tl.trans(k))
             qk = mask_scores(qk, start_n + offs_n, n_end, row_limit, IS_CAUSAL)
             p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, True)
+            if HAS_DROPOUT:
+                p = tl.where(dropout_keep(seed, salt, pid_bh, offs_m, start_n, BLOCK_N, keep_threshold), p, 0.0)
             v = load_rows(v_ptrs, start_n + offs_n, n_end, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
             acc = tl.dot(p.to(v.dtype), v, acc)
             k_ptrs += BLOCK_N * stride_kn
@@ -268,6 +303,8 @@ def fwd_kernel(
 
     # -- epilogue: normalise, store the output and the LSE ---------------------------------------
     out, lse = finalize(acc, m_i, l_i)
+    if HAS_DROPOUT:  # l_i summed every probability, acc only the kept ones: rescale by 1 / (1 - p)
+        out = out * dropout_scale
     if IS_VARLEN:
         tl.store(Lse + off_h.to(tl.int64) * stride_lseh + offs_m, lse, mask=offs_m < M)
     else:
@@ -278,6 +315,68 @@ def fwd_kernel(
     else:
         store_rows(tile_ptrs(o_base, start_m, stride_om, BLOCK_M, offs_d), out.to(Out.dtype.element_ty),
                    offs_m, M, offs_d, HEAD_DIM, HEAD_DIM_PAD)
+
+
+@triton.jit
+def dropout_probs_kernel(
+    Q, K, S, Rng,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_sb, stride_sh, stride_sm,
+    H, M, N, GROUP, softmax_scale, keep_threshold,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    Cu_seqlens_q=None, Cu_seqlens_k=None, IS_VARLEN: tl.constexpr = False,
+):
+    """flash-attn's S_dmask, a testing aid: S[b, h, i, j] = exp(s_ij - max_j' s_ij') for the keys row i
+    sees (s = scaled scores), negated where dropout drops the pair (the forward's own bits, see
+    [Note] Dropout), 0 at keys the row does not see. Two passes over the keys (row max, then the
+    values), through masked pointers: no speed is asked of it."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    off_b = (pid_bh // H).to(tl.int64)
+    off_h = pid_bh % H
+    off_hk = gqa_kv_head(off_h, GROUP)
+    start_m = pid_m * BLOCK_M
+    if IS_VARLEN:
+        q_start = tl.load(Cu_seqlens_q + off_b)
+        M = tl.load(Cu_seqlens_q + off_b + 1) - q_start
+        if start_m >= M:
+            return
+        k_start = tl.load(Cu_seqlens_k + off_b)
+        N = tl.load(Cu_seqlens_k + off_b + 1) - k_start
+        Q += q_start.to(tl.int64) * stride_qm
+        K += k_start.to(tl.int64) * stride_kn
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    q = load_rows(tile_ptrs(Q + off_b * stride_qb + off_h.to(tl.int64) * stride_qh, start_m, stride_qm, BLOCK_M,
+                            offs_d), offs_m, M, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+    k_base = K + off_b * stride_kb + off_hk * stride_kh
+    row_limit = offs_m + N - M
+    if IS_CAUSAL:
+        n_end = tl.minimum(tl.maximum(start_m + BLOCK_M + N - M, 0), N)
+    else:
+        n_end = N
+    seed = tl.load(Rng)
+    salt = tl.load(Rng + 1)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for start_n in tl.range(0, n_end, BLOCK_N):
+        k = load_rows(tile_ptrs(k_base, start_n, stride_kn, BLOCK_N, offs_d), start_n + offs_n, n_end, offs_d,
+                      HEAD_DIM, HEAD_DIM_PAD, True)
+        s = mask_scores(tl.dot(q, tl.trans(k)) * softmax_scale, start_n + offs_n, n_end, row_limit, IS_CAUSAL)
+        m_i = tl.maximum(m_i, tl.max(s, 1))
+    m_i = tl.where(m_i == float("-inf"), 0.0, m_i)  # a row that sees no key: every exp is 0
+    s_base = S + off_b * stride_sb + off_h.to(tl.int64) * stride_sh
+    for start_n in tl.range(0, N, BLOCK_N):
+        k = load_rows(tile_ptrs(k_base, start_n, stride_kn, BLOCK_N, offs_d), start_n + offs_n, n_end, offs_d,
+                      HEAD_DIM, HEAD_DIM_PAD, True)
+        s = mask_scores(tl.dot(q, tl.trans(k)) * softmax_scale, start_n + offs_n, n_end, row_limit, IS_CAUSAL)
+        e = tl.exp(s - m_i[:, None])
+        e = tl.where(dropout_keep(seed, salt, pid_bh, offs_m, start_n, BLOCK_N, keep_threshold), e, -e)
+        cols = start_n + offs_n
+        tl.store(s_base + offs_m.to(tl.int64)[:, None] * stride_sm + cols[None, :], e.to(S.dtype.element_ty),
+                 mask=(offs_m[:, None] < M) & (cols[None, :] < N))
 
 
 # ============================================================================================
@@ -333,13 +432,15 @@ def bwd_preprocess_kernel(
 def bwd_dkdv_inner(
     dk, dv, k, v,
     q_src, do_src, lse_base, delta_base, stride_qm, stride_dom,
-    offs_n, offs_d, M, diag, qk_scale, lo, hi,
-    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr,
+    offs_n, offs_d, M, diag, qk_scale, lo, hi, dropout,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr, HAS_DROPOUT: tl.constexpr,
 ):
     """Accumulate dK, dV [BLOCK_N, D_PAD] over query rows [lo, hi) of one q head.
 
     q_src/do_src are tensor descriptors (USE_TMA) or base pointers of that head's (M, D) slice.
+    dropout: (seed, salt, bh, start_n, keep_threshold, dropout_scale) when HAS_DROPOUT, see [Note]
+    Dropout; start_n is the key block's first key.
     """
     offs_mb = tl.arange(0, BLOCK_M)
     q_rel = offs_mb[:, None] * stride_qm + offs_d[None, :]  # [BLOCK_M, D_PAD], small offsets
@@ -364,12 +465,19 @@ def bwd_dkdv_inner(
         else:
             do = load_rows(do_src + tl.cast(start_m, tl.int64) * stride_dom + do_rel, offs_m, M, offs_d,
                            HEAD_DIM, HEAD_DIM_PAD, MASKED)  # [BLOCK_M, D_PAD]
-        dv = tl.dot(pT.to(do.dtype), do, dv)  # [BLOCK_N, D_PAD]
+        if HAS_DROPOUT:  # dV = (P * Z / (1 - p))^T dO; dP reaches S through the same mask and scale
+            seed, salt, bh, start_n, keep_threshold, dropout_scale = dropout
+            keepT = tl.trans(dropout_keep(seed, salt, bh, offs_m, start_n, BLOCK_N, keep_threshold))
+            dv = tl.dot(tl.where(keepT, pT * dropout_scale, 0.0).to(do.dtype), do, dv)
+        else:
+            dv = tl.dot(pT.to(do.dtype), do, dv)  # [BLOCK_N, D_PAD]
         if MASKED:
             delta = tl.load(delta_base + offs_m, mask=offs_m < M, other=0.0)
         else:
             delta = tl.load(delta_base + offs_m)
         dpT = tl.dot(v, tl.trans(do))  # [BLOCK_N, BLOCK_M]
+        if HAS_DROPOUT:
+            dpT = tl.where(keepT, dpT * dropout_scale, 0.0)
         dsT = pT * (dpT - delta[None, :])
         dk = tl.dot(dsT.to(q.dtype), q, dk)  # [BLOCK_N, D_PAD]
     return dk, dv
@@ -388,6 +496,7 @@ def bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
     Cu_seqlens_q=None, Cu_seqlens_k=None, stride_lseh=None, IS_VARLEN: tl.constexpr = False,
+    Rng=None, keep_threshold=None, dropout_scale=None, HAS_DROPOUT: tl.constexpr = False,
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
     qk_scale = softmax_scale * LOG2E
@@ -441,6 +550,9 @@ def bwd_dkdv_kernel(
     m_full = M // BLOCK_M * BLOCK_M
     m_band_end = tl.minimum(m_mid, m_ceil)
     m_tail = tl.maximum(m_mid, m_full)
+    if HAS_DROPOUT:
+        seed = tl.load(Rng)
+        salt = tl.load(Rng + 1)
 
     # Every q head of this KV head's group adds into the same dK, dV. num_stages=1: this outer loop
     # creates tensor descriptors, which the software pipeliner cannot predicate, so it must never
@@ -458,15 +570,19 @@ def bwd_dkdv_kernel(
         else:
             lse_base = Lse + (off_b * H + off_h) * M
             delta_base = Delta + (off_b * H + off_h) * M
+        if HAS_DROPOUT:  # the forward's (batch, query head) coordinate
+            dropout = (seed, salt, off_b * H + off_h, start_n, keep_threshold, dropout_scale)
+        else:
+            dropout = (0, 0, 0, 0, 0, 0.0)
         dk, dv = bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qm, stride_dom,
-                                 offs_n, offs_d, M, diag, qk_scale, m_lo, m_band_end,
-                                 BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, IS_CAUSAL, True, USE_TMA)
+                                 offs_n, offs_d, M, diag, qk_scale, m_lo, m_band_end, dropout,
+                                 BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, IS_CAUSAL, True, USE_TMA, HAS_DROPOUT)
         dk, dv = bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qm, stride_dom,
-                                 offs_n, offs_d, M, diag, qk_scale, m_mid, m_full,
-                                 BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, IS_CAUSAL, False, USE_TMA)
+                                 offs_n, offs_d, M, diag, qk_scale, m_mid, m_full, dropout,
+                                 BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, IS_CAUSAL, False, USE_TMA, HAS_DROPOUT)
         dk, dv = bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qm, stride_dom,
-                                 offs_n, offs_d, M, diag, qk_scale, m_tail, m_ceil,
-                                 BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, IS_CAUSAL, True, USE_TMA)
+                                 offs_n, offs_d, M, diag, qk_scale, m_tail, m_ceil, dropout,
+                                 BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, IS_CAUSAL, True, USE_TMA, HAS_DROPOUT)
 
     dk = dk * softmax_scale
     store_rows(tile_ptrs(DK + off_b * stride_dkb + off_hk * stride_dkh, start_n, stride_dkn, BLOCK_N, offs_d),
@@ -487,6 +603,7 @@ def bwd_dq_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
     Cu_seqlens_q=None, Cu_seqlens_k=None, stride_lseh=None, IS_VARLEN: tl.constexpr = False,
+    Rng=None, keep_threshold=None, dropout_scale=None, HAS_DROPOUT: tl.constexpr = False,
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
     qk_scale = softmax_scale * LOG2E
@@ -540,6 +657,9 @@ def bwd_dq_kernel(
     lse2 = tl.load(Lse + row + offs_m, mask=offs_m < M, other=float("inf")) * LOG2E
     delta = tl.load(Delta + row + offs_m, mask=offs_m < M, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    if HAS_DROPOUT:
+        seed = tl.load(Rng)
+        salt = tl.load(Rng + 1)
 
     if IS_CAUSAL:
         diag = N - M
@@ -563,6 +683,9 @@ def bwd_dq_kernel(
         qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N]
         p = tl.math.exp2(qk * qk_scale - lse2[:, None])
         dp = tl.dot(do, tl.trans(v))  # [BLOCK_M, BLOCK_N]
+        if HAS_DROPOUT:
+            dp = tl.where(dropout_keep(seed, salt, pid_bh, offs_m, start_n, BLOCK_N, keep_threshold),
+                          dp * dropout_scale, 0.0)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq)  # [BLOCK_M, D_PAD]
         k_ptrs += BLOCK_N * stride_kn
@@ -578,6 +701,9 @@ def bwd_dq_kernel(
         qk = mask_scores(qk, start_n + offs_n, n_end, row_limit, IS_CAUSAL)
         p = tl.math.exp2(qk * qk_scale - lse2[:, None])
         dp = tl.dot(do, tl.trans(v))
+        if HAS_DROPOUT:
+            dp = tl.where(dropout_keep(seed, salt, pid_bh, offs_m, start_n, BLOCK_N, keep_threshold),
+                          dp * dropout_scale, 0.0)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq)
         k_ptrs += BLOCK_N * stride_kn

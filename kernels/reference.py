@@ -32,6 +32,9 @@ def attention_ref(
     softmax_scale: Optional[float] = None,
     causal: bool = False,
     key_padding_lengths: Optional[torch.Tensor] = None,
+    key_leftpad: Optional[torch.Tensor] = None,
+    dropout_mask: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
     upcast: bool = True,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Reference attention over (batch, seqlen, heads, headdim) tensors; returns (out, lse).
@@ -40,6 +43,11 @@ def attention_ref(
     dtype: the ground truth. upcast=False computes in the input dtype: PyTorch's own same-precision
     error, the yardstick for the kernels' error (flash-attn's test rule).
     key_padding_lengths (batch,): keys at or past each batch entry's length are masked (decode).
+    key_leftpad (batch,): keys before each batch entry's start are masked too (flash_attn_with_kvcache's
+    cache_leftpad, its keys rows [key_leftpad[b], seqlen_k) of k); the causal diagonal does not move:
+    query t of batch entry b sees key j iff key_leftpad[b] <= j <= t + seqlen_k - seqlen_q.
+    dropout_mask (batch, heads, seqlen_q, seqlen_k) bool, True = kept: the probabilities are masked and
+    the kept ones scaled by 1 / (1 - dropout_p) before the product with v (the lse is not affected).
     lse is (batch, heads, seqlen_q) float32, +inf for rows that see no key.
     """
     dtype = q.dtype
@@ -60,10 +68,15 @@ def attention_ref(
     if key_padding_lengths is not None:
         lengths = key_padding_lengths.to(q.device).view(batch, 1, 1, 1)
         visible = visible & (torch.arange(seqlen_k, device=q.device).view(1, 1, 1, -1) < lengths)
+    if key_leftpad is not None:
+        starts = key_leftpad.to(q.device).view(batch, 1, 1, 1)
+        visible = visible & (torch.arange(seqlen_k, device=q.device).view(1, 1, 1, -1) >= starts)
     scores = scores.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(scores.float(), dim=-1)  # (b, h, m), -inf for empty rows
     empty = ~visible.any(dim=-1)  # (b, 1, m)
     probs = torch.softmax(scores, dim=-1).masked_fill(empty[..., None], 0.0)
+    if dropout_mask is not None:
+        probs = probs.masked_fill(~dropout_mask, 0.0) / (1.0 - dropout_p)
     out = torch.einsum("bhmn,bnhd->bmhd", probs, v)
     lse = lse.masked_fill(empty.expand_as(lse), float("inf"))
     return out.to(dtype), lse

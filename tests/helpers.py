@@ -112,28 +112,35 @@ def make_qkv(
 # --------------------------------------------------------------------------------------------
 # References
 # --------------------------------------------------------------------------------------------
-def references(q, k, v, *, causal: bool, softmax_scale: Optional[float] = None):
+def references(q, k, v, *, causal: bool, softmax_scale: Optional[float] = None,
+               key_leftpad: Optional[torch.Tensor] = None):
     """(out_fp32, lse_fp32, out_same_dtype): the fp32 ground truth (output kept in fp32, not
-    rounded back) and PyTorch's eager result computed in the inputs' own dtype."""
-    out_fp32, lse = attention_ref(q.float(), k.float(), v.float(), causal=causal, softmax_scale=softmax_scale)
+    rounded back) and PyTorch's eager result computed in the inputs' own dtype. key_leftpad (batch,):
+    keys before it are masked (attention_ref's)."""
+    out_fp32, lse = attention_ref(q.float(), k.float(), v.float(), causal=causal, softmax_scale=softmax_scale,
+                                  key_leftpad=key_leftpad)
     if q.dtype == torch.float32:
         out_same = out_fp32
     else:
-        out_same, _ = attention_ref(q, k, v, causal=causal, softmax_scale=softmax_scale, upcast=False)
+        out_same, _ = attention_ref(q, k, v, causal=causal, softmax_scale=softmax_scale, key_leftpad=key_leftpad,
+                                    upcast=False)
     return out_fp32, lse, out_same
 
 
 def per_request_references(q, k_cache, v_cache, k, v, lengths, *, causal: bool,
-                           softmax_scale: Optional[float] = None):
+                           softmax_scale: Optional[float] = None, leftpad: Optional[list] = None):
     """`references` per request of a KV-cache call, concatenated over the batch: request b's queries
     over cache[b, :lengths[b]] plus, when given, its new keys/values k[b], v[b] (dense caches, or
-    paged pools gathered to dense first)."""
+    paged pools gathered to dense first); with `leftpad` (cache_leftpad as a list), the keys before
+    cache row leftpad[b] are masked."""
     outs32, lses, outs_same = [], [], []
     for b, length in enumerate(lengths):
         kk, vv = k_cache[b : b + 1, :length], v_cache[b : b + 1, :length]
         if k is not None:
             kk, vv = torch.cat([kk, k[b : b + 1]], 1), torch.cat([vv, v[b : b + 1]], 1)
-        out32, lse, out_same = references(q[b : b + 1], kk, vv, causal=causal, softmax_scale=softmax_scale)
+        start = None if leftpad is None else torch.tensor([leftpad[b]], device=q.device)
+        out32, lse, out_same = references(q[b : b + 1], kk, vv, causal=causal, softmax_scale=softmax_scale,
+                                          key_leftpad=start)
         outs32.append(out32)
         lses.append(lse)
         outs_same.append(out_same)

@@ -3,7 +3,7 @@
 For each card users bring (kernels._utils.TARGETS: T4, A100, A10, L4, H100/H200) the public functions
 are called under `kernels._launch.recording`, which plans each call for that card and records its
 launches instead of running them, across what changes the choice: head dim, dtype, causal, packed
-(varlen) or not, forward and backward, and for the KV-cache path the query rows per program
+(varlen) or not, dropout or not, forward and backward, and for the KV-cache path the query rows per program
 (seqlen_q x group size), dense or paged with several page sizes, append or not, split or not, and
 grids deep enough to change a paged plan. One launch of each tile class (`cross_compile.tile_key`: all
 but the integer and alignment specialisations) is cross-compiled for the card's architecture
@@ -71,8 +71,16 @@ def _prefill_calls(dtype: torch.dtype, target: Target):
             out = flash_attn_varlen_func(q, k, v, cu, cu, 40, 40, causal=causal)
             _backward(out, _empty(70, 4, head_dim, dtype=dtype), head_dim, target)
 
+        def dropout(head_dim=head_dim, causal=causal):  # its forward, backward and S_dmask kernels
+            cu = torch.tensor([0, 30, 70], dtype=torch.int32, device=DEVICE)
+            q = _empty(70, 4, head_dim, dtype=dtype).requires_grad_()
+            k = _empty(70, 2, head_dim, dtype=dtype).requires_grad_()
+            out, _, _ = flash_attn_varlen_func(q, k, k, cu, cu, 40, 40, 0.1, causal=causal, return_attn_probs=True)
+            _backward(out, _empty(70, 4, head_dim, dtype=dtype), head_dim, target)
+
         yield f"prefill D={head_dim} causal={causal}", dense
         yield f"varlen D={head_dim} causal={causal}", packed
+        yield f"dropout D={head_dim} causal={causal}", dropout
 
 
 def _kvcache_calls(dtype: torch.dtype, target: Target):
@@ -150,7 +158,8 @@ def test_every_config_fits_the_card(card):
         labels.setdefault(key, label)
     kernels = {spec["name"] for spec in specs.values()}
     assert kernels == {"fwd_kernel", "bwd_preprocess_kernel", "bwd_dkdv_kernel", "bwd_dq_kernel", "decode_kernel",
-                       "combine_kernel", "append_kernel"}, f"the calls launched only {sorted(kernels)}"
+                       "combine_kernel", "append_kernel", "dropout_probs_kernel"}, (
+        f"the calls launched only {sorted(kernels)}")
     results = cross_compile.shared_bytes(list(specs.values()))
     over, failed = [], []
     for (key, spec), result in zip(specs.items(), results):

@@ -147,7 +147,6 @@ def test_windows_that_mean_none(window):
     (dict(window_size=(1, 2, 3)), "pair of ints"),
     (dict(softcap=30.0), "softcap"),
     (dict(alibi_slopes=torch.ones(2)), "alibi"),
-    (dict(dropout_p=0.1), "dropout"),
 ], ids=lambda x: str(x)[:30])
 def test_variants_not_implemented_yet_raise(kwargs, match):
     """Variants not implemented yet raise before any launch (NotImplementedError is a RuntimeError, as
@@ -179,7 +178,7 @@ def test_kvcache_seqlens_none_means_full_cache(paged):
         assert torch.equal(flash_attn_with_kvcache(q, k_cache, v_cache), full)
 
 
-@pytest.mark.parametrize("name", ["cache_leftpad", "window", "softcap", "alibi"])
+@pytest.mark.parametrize("name", ["window", "softcap", "alibi"])
 def test_kvcache_not_implemented_yet_raise(name):
     """flash_attn_with_kvcache's options not implemented yet raise NotImplementedError before any launch,
     and the cache is untouched."""
@@ -187,8 +186,8 @@ def test_kvcache_not_implemented_yet_raise(name):
     k_cache, v_cache = randn(2, 16, 2, D), randn(2, 16, 2, D)
     before = k_cache.clone()
     ones = torch.ones(2, dtype=torch.int32, device=DEVICE)
-    kwargs = {"cache_leftpad": dict(cache_leftpad=ones), "window": dict(window_size=(3, 0)),
-              "softcap": dict(softcap=5.0), "alibi": dict(alibi_slopes=torch.ones(4, device=DEVICE))}[name]
+    kwargs = {"window": dict(window_size=(3, 0)), "softcap": dict(softcap=5.0),
+              "alibi": dict(alibi_slopes=torch.ones(4, device=DEVICE))}[name]
     with pytest.raises(NotImplementedError):
         flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=ones, **kwargs)
     assert torch.equal(k_cache, before)

@@ -169,11 +169,11 @@ def test_noncontiguous_last_dim_raises_value_error(which):
 # --------------------------------------------------------------------------------------------
 # Options
 # --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("dropout_p", [0.1, 0.5, 1.0])
-def test_dropout_raises_not_implemented(dropout_p):
-    """dropout_p != 0 raises NotImplementedError."""
+@pytest.mark.parametrize("dropout_p", [-0.5, 1.0, 1.5, float("nan")], ids=str)
+def test_dropout_outside_unit_interval_raises_value_error(dropout_p):
+    """dropout_p outside [0, 1) raises ValueError (1 would drop everything and scale by 1 / 0)."""
     q, k, v = qkv()
-    with pytest.raises(NotImplementedError, match=f"dropout_p={dropout_p} is not supported"):
+    with pytest.raises(ValueError, match=r"dropout_p in \[0, 1\)"):
         flash_attn_func(q, k, v, dropout_p)
 
 

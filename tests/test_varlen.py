@@ -302,7 +302,7 @@ SHAPE_ERRORS = {
     "max-tensor": (dict(max_seqlen_k=_cu(6)), TypeError, "Python int"),
     "q-4d": (dict(q=torch.zeros(1, 8, 4, 32, dtype=torch.float16, device=DEVICE)), ValueError, "3 dims"),
     "head-ratio": (dict(q=torch.zeros(8, 3, 32, dtype=torch.float16, device=DEVICE)), ValueError, "divisible"),
-    "dropout": (dict(dropout_p=0.1), NotImplementedError, "dropout"),
+    "dropout_p of 1": (dict(dropout_p=1.0), ValueError, "dropout_p"),
 }
 # Checks of the values: run only for CPU cu_seqlens (the interpreter's case); CUDA ones are trusted.
 VALUE_ERRORS = {

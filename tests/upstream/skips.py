@@ -45,12 +45,9 @@ def _same(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
-_DROPOUT = "dropout: not implemented yet (issue 28 item 3)"
 _WINDOW = "sliding window: issue 29"
 _SOFTCAP = "softcap: issue 29"
 _ALIBI = "ALiBi: issue 29"
-_CACHE_IDX = "cache_leftpad: issue 28 item 4"
-_PAGED_VARLEN = "paged varlen (block_table in flash_attn_varlen_func): issue 28"
 
 OUT_OF_SCOPE: List[Skip] = [
     Skip("test_flash_attn_generator_arg_must_be_none", None, None,
@@ -60,15 +57,10 @@ OUT_OF_SCOPE: List[Skip] = [
 ]
 
 PENDING: List[Skip] = [
-    # Every upstream non-zero dropout value is 0.17.
-    Skip("*", "dropout_p", 0.17, _DROPOUT),
     # `local` draws a random window_size; `causal` alone is supported.
     Skip("*", "local", True, _WINDOW),
     Skip("*", "softcap", 50.0, _SOFTCAP),
     Skip("*", "alibi", True, _ALIBI),
-    Skip("test_flash_attn_kvcache", "has_leftpad", True, _CACHE_IDX),
-    Skip("test_flash_attn_varlen_causal", "paged_kv_block_size", 256, _PAGED_VARLEN),
-    Skip("test_flash_attn_varlen_causal", "paged_kv_block_size", 512, _PAGED_VARLEN),
     # The test wants RuntimeError("...block_table...") when *CUDA* cache_seqlens overflow the block
     # table. Our kernels trust device-side lengths and clamp accesses instead of syncing to check
     # them (README, Limits); only host-known lengths are checked.
