@@ -246,8 +246,8 @@ def dropout_keep(seed, salt, bh, rows, start_n, BLOCK_N: tl.constexpr, keep_thre
     16-bit draws, one per key of an 8-key group; a key is kept when its draw is below
     keep_threshold = round((1 - dropout_p) * 2^16). The bits depend only on (seed, salt) and the
     element's coordinates, never on tiles, launch order or the GPU, so the backward (whose tiles
-    differ from the forward's) regenerates exactly the forward's mask. seed and salt come from
-    torch's CUDA generator (kernels/prefill.py `_draw_rng_state`).
+    differ from the forward's) regenerates exactly the forward's mask. seed and salt are drawn from
+    torch's generator of the inputs' device (kernels/prefill.py `dropout`).
     """
     groups = (start_n // 8 + tl.arange(0, BLOCK_N // 8)).to(tl.uint32)  # [BLOCK_N // 8]
     c0 = tl.broadcast_to(groups[None, :], (rows.shape[0], BLOCK_N // 8))

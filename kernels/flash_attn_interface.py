@@ -124,7 +124,7 @@ def _flash_attn_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     """
     _validate_qkv(q, k, v)
     options, drop = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
-                             dropout_p, k.shape[1], _forward_rng(dropout_p, rng_state))
+                             dropout_p, k.shape[1], _forward_rng(_validate_dropout(dropout_p), rng_state))
     softmax_lse = _backward_inputs(dout, q, out, softmax_lse, (q.shape[0], q.shape[2], q.shape[1]))
     grads = _check_grad_buffers((dq, dk, dv), (q, k, v))
     *_, delta = _prefill._flash_attn_backward(dout, q, k, v, out, softmax_lse, options, grads=grads, drop=drop)
@@ -174,7 +174,7 @@ def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_
     its copy per sequence; ours is unpadded)."""
     max_seqlen_q, max_seqlen_k = _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     options, drop = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
-                             dropout_p, max_seqlen_k, _forward_rng(dropout_p, rng_state))
+                             dropout_p, max_seqlen_k, _forward_rng(_validate_dropout(dropout_p), rng_state))
     softmax_lse = _backward_inputs(dout, q, out, softmax_lse, (q.shape[1], q.shape[0]))
     grads = _check_grad_buffers((dq, dk, dv), (q, k, v))
     cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()

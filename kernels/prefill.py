@@ -109,7 +109,9 @@ def _on_device(t: torch.Tensor):
 class Dropout:
     """Dropout of the attention probabilities (see [Note] Dropout in kernels/prefill_kernels.py).
 
-    p: the probability of dropping, in (0, 1); kept probabilities are scaled by 1 / (1 - p).
+    p: the probability of dropping, in (0, 1); a pair is kept when its 16-bit draw is below
+        keep_threshold = round((1 - p) * 2^16), and kept probabilities are scaled by 2^16 / keep_threshold
+        (1 / (1 - p) up to that rounding: the expectation stays exact).
     rng_state: int64 (2,) on the inputs' device, (seed, salt) of the Philox bits; the forward draws it
         (`dropout`), the backward and `dropout_probs` take the same one back.
     """
@@ -118,10 +120,14 @@ class Dropout:
     rng_state: torch.Tensor
 
     @property
+    def keep_threshold(self) -> int:
+        return round((1.0 - self.p) * 65536)
+
+    @property
     def kernel_args(self) -> dict:
         """The forward's and backward's dropout arguments."""
-        return dict(Rng=self.rng_state, keep_threshold=round((1.0 - self.p) * 65536),
-                    dropout_scale=1.0 / (1.0 - self.p), HAS_DROPOUT=True)
+        return dict(Rng=self.rng_state, keep_threshold=self.keep_threshold, dropout_scale=65536 / self.keep_threshold,
+                    HAS_DROPOUT=True)
 
 
 def dropout(p: float, device: torch.device, rng_state: Optional[torch.Tensor] = None) -> Optional[Dropout]:
@@ -130,6 +136,8 @@ def dropout(p: float, device: torch.device, rng_state: Optional[torch.Tensor] = 
     CUDA graph replay draws fresh bits (a graph-safe draw)."""
     if p == 0.0:
         return None
+    if round((1.0 - p) * 65536) == 0:
+        raise InputError(f"Expected dropout_p < 1 - 2^-17 (the keep rate is drawn in steps of 2^-16), got {p}.")
     if rng_state is None:
         rng_state = torch.randint(0, 2**62, (2,), dtype=torch.int64, device=device)
     elif not (isinstance(rng_state, torch.Tensor) and rng_state.dtype == torch.int64 and rng_state.numel() == 2
@@ -150,8 +158,9 @@ def dropout_probs(q: torch.Tensor, k: torch.Tensor, options: AttnOptions, drop: 
     `dropout_probs_kernel`): (batch, nheads, seqlen_q, seqlen_k) in q's dtype, S[b, h, i, j] =
     +-exp(score - row max), negative where the pair was dropped, 0 where row i does not see key j.
     Packed inputs give (batch, nheads, max_seqlen_q, max_seqlen_k), sequence b's pairs at its own
-    positions and zeros past its lengths. It costs 2 * batch * nheads * seqlen_q * seqlen_k bytes
-    (fp16) of memory and a second pass over the scores: a test's tool, not a training one."""
+    positions and zeros past its lengths (a sequence longer than max_seqlen_q / max_seqlen_k is cut to
+    them). It costs batch * nheads * seqlen_q * seqlen_k elements of q's dtype and a second pass over
+    the scores: a test's tool, not a training one."""
     if varlen is None:
         batch, seqlen_q, nheads, _ = q.shape
         seqlen_k = k.shape[1]
@@ -168,7 +177,7 @@ def dropout_probs(q: torch.Tensor, k: torch.Tensor, options: AttnOptions, drop: 
     grid = (triton.cdiv(seqlen_q, block_m), batch * nheads, 1)
     args = (q, k, probs, drop.rng_state, *_row_strides(q, packed), *_row_strides(k, packed), *probs.stride()[:3],
             nheads, seqlen_q, seqlen_k, nheads // k.shape[-2], options.softmax_scale,
-            drop.kernel_args["keep_threshold"])
+            drop.keep_threshold)
     kwargs = dict(**options.tile, BLOCK_M=block_m, BLOCK_N=block_n, IS_CAUSAL=options.causal, **extra)
     device_index = q.device.index if q.device.index is not None else 0
     with _on_device(q):
@@ -634,7 +643,8 @@ def flash_attn_func(
             without dropout; with dropout (batch, nheads, seqlen_q, seqlen_k) in q's dtype, S_dmask[b,
             h, i, j] = exp(score_ij - max_j' score_ij') (scores scaled), negated where the pair was
             dropped, 0 where query i does not see key j (`kernels.prefill.dropout_probs`). It costs an
-            extra pass over the scores and 2 bytes per (query, key) pair per head: a test's tool.
+            extra pass over the scores and one element of q's dtype per (query, key) pair per head: a
+            test's tool.
         return_softmax_lse (keyword only): also return the log-sum-exp of each row.
 
     Returns:
@@ -719,9 +729,10 @@ def flash_attn_varlen_func(
             first cu_seqlens_k[b + 1] - cu_seqlens_k[b] logical rows of block_table[b] (logical row j
             in row j % page_size of block block_table[b, j // page_size]), as in flash-attn. Forward
             only (its backward raises NotImplementedError; flash-attn has none either), no dropout.
-            Any page_size >= 1 (flash-attn asks for multiples of 256). Entries and lengths are checked
-            when they are on the host; device values are trusted and each entry is clamped into the
-            pool (wrong results, never an out-of-bounds read), as in flash_attn_with_kvcache.
+            Any page_size >= 1 (flash-attn asks for multiples of 256). With CPU cu_seqlens (the
+            interpreter's case) the lengths and the entries they use are checked; on a GPU they are
+            trusted and each entry is clamped into the pool (wrong results, never an out-of-bounds
+            read), as in flash_attn_with_kvcache.
         return_softmax_lse (keyword only): also return the log-sum-exp of each row.
 
     Returns:
@@ -791,6 +802,9 @@ def _varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                   "and the paged forward has no backward.")
     page_size = k_cache.shape[1]
     capacity = block_table.shape[1] * page_size
+    if k_cache.shape[0] < 1 or block_table.shape[1] < 1:
+        raise InputError(f"Expected a pool of >= 1 block and a block_table of >= 1 column, got pools "
+                         f"{tuple(k_cache.shape)} and block_table {tuple(block_table.shape)}.")
     block_table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
     if cu_seqlens_k.device.type == "cpu":  # host-known lengths (the interpreter's case): check them whole
         lengths = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).tolist()

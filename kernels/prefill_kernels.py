@@ -338,13 +338,13 @@ def dropout_probs_kernel(
     off_h = pid_bh % H
     off_hk = gqa_kv_head(off_h, GROUP)
     start_m = pid_m * BLOCK_M
-    if IS_VARLEN:
+    if IS_VARLEN:  # M, N are S's (max_seqlen_q, max_seqlen_k): a longer sequence is cut, never written past S
         q_start = tl.load(Cu_seqlens_q + off_b)
-        M = tl.load(Cu_seqlens_q + off_b + 1) - q_start
+        M = tl.minimum(tl.load(Cu_seqlens_q + off_b + 1) - q_start, M)
         if start_m >= M:
             return
         k_start = tl.load(Cu_seqlens_k + off_b)
-        N = tl.load(Cu_seqlens_k + off_b + 1) - k_start
+        N = tl.minimum(tl.load(Cu_seqlens_k + off_b + 1) - k_start, N)
         Q += q_start.to(tl.int64) * stride_qm
         K += k_start.to(tl.int64) * stride_kn
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -367,8 +367,8 @@ def dropout_probs_kernel(
         s = mask_scores(tl.dot(q, tl.trans(k)) * softmax_scale, start_n + offs_n, n_end, row_limit, IS_CAUSAL)
         m_i = tl.maximum(m_i, tl.max(s, 1))
     m_i = tl.where(m_i == float("-inf"), 0.0, m_i)  # a row that sees no key: every exp is 0
-    s_base = S + off_b * stride_sb + off_h.to(tl.int64) * stride_sh
-    for start_n in tl.range(0, N, BLOCK_N):
+    s_base = S + off_b * stride_sb + off_h.to(tl.int64) * stride_sh  # zero-filled: keys past n_end stay 0
+    for start_n in tl.range(0, n_end, BLOCK_N):
         k = load_rows(tile_ptrs(k_base, start_n, stride_kn, BLOCK_N, offs_d), start_n + offs_n, n_end, offs_d,
                       HEAD_DIM, HEAD_DIM_PAD, True)
         s = mask_scores(tl.dot(q, tl.trans(k)) * softmax_scale, start_n + offs_n, n_end, row_limit, IS_CAUSAL)
@@ -376,7 +376,7 @@ def dropout_probs_kernel(
         e = tl.where(dropout_keep(seed, salt, pid_bh, offs_m, start_n, BLOCK_N, keep_threshold), e, -e)
         cols = start_n + offs_n
         tl.store(s_base + offs_m.to(tl.int64)[:, None] * stride_sm + cols[None, :], e.to(S.dtype.element_ty),
-                 mask=(offs_m[:, None] < M) & (cols[None, :] < N))
+                 mask=(offs_m[:, None] < M) & (cols[None, :] < n_end))
 
 
 # ============================================================================================

@@ -91,6 +91,7 @@ def test_keep_rate(p):
 
 
 def test_mask_reproducible_under_manual_seed_and_fresh_otherwise():
+    """The same seed gives the same out and gradients bit for bit; the next call draws another mask."""
     q, k, v = randn(2, 48, 2, 32), randn(2, 48, 2, 32), randn(2, 48, 2, 32)
     dout = torch.randn(2, 48, 2, 32, device=DEVICE, dtype=torch.float16)
     runs = []
@@ -153,9 +154,24 @@ def test_primitives_carry_the_mask_in_rng_state():
 @pytest.mark.parametrize("p,error", [(-0.1, ValueError), (1.0, ValueError), ("0.1", TypeError),
                                      (torch.tensor(0.1), TypeError)], ids=str)
 def test_bad_dropout_p_raises(p, error):
+    """dropout_p outside [0, 1 - 2^-17) or not a number raises before any launch, in the primitives too."""
     q = randn(1, 8, 2, 32)
     with pytest.raises(error, match="dropout_p"):
         flash_attn_func(q, q, q, p)
+    with pytest.raises(error, match="dropout_p"):
+        _flash_attn_backward(q, q, q, q, q, torch.zeros(1, 2, 8, device=DEVICE), None, None, None, p, 1.0, False)
+
+
+def test_masks_differ_across_heads_and_batch_entries():
+    """Each (batch entry, query head) draws its own mask, also query heads that share a KV head (GQA)."""
+    q, k, v = randn(2, 64, 4, 16), randn(2, 64, 1, 16), randn(2, 64, 1, 16)
+    _, _, s_dmask = flash_attn_func(q, k, v, 0.5, return_attn_probs=True)
+    kept = s_dmask >= 0
+    pairs = [(kept[0, 0], kept[0, 1]), (kept[0, 0], kept[1, 0]), (kept[0, 2], kept[1, 3])]
+    for a, b in pairs:
+        assert (a != b).float().mean().item() > 0.3  # independent halves disagree on ~50%
+    with pytest.raises(ValueError, match="dropout_p"):
+        flash_attn_func(q, k, v, 1 - 2**-18)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")

@@ -40,6 +40,7 @@ def paged_case(lens_q, lens_k, page_size, nheads=4, nheads_k=2, seed=0):
 @pytest.mark.parametrize("page_size", [16, 48, 64, 128])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_paged_equals_packed(page_size, causal):
+    """out and lse over the pool equal those over the same keys packed, for evenly spaced and transposed pools."""
     lens_q, lens_k = [5, 0, 70, 33, 1], [130, 7, 70, 0, 64]
     q, k, v, k_pool, v_pool, table, cu_q, cu_k = paged_case(lens_q, lens_k, page_size)
     args = (cu_q, cu_k, max(lens_q), max(lens_k))
@@ -57,6 +58,7 @@ def test_paged_equals_packed(page_size, causal):
 
 
 def test_private_forward_takes_block_table():
+    """_flash_attn_varlen_forward with block_table: flash_attn_varlen_func's out and packed (nheads, total_q) lse."""
     lens_q, lens_k = [3, 9], [40, 17]
     q, k, v, k_pool, v_pool, table, cu_q, cu_k = paged_case(lens_q, lens_k, 16)
     ref, ref_lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 9, 40, causal=True, return_softmax_lse=True)
@@ -64,10 +66,14 @@ def test_private_forward_takes_block_table():
                                                       block_table=table)
     assert torch.equal(out, flash_attn_varlen_func(q, k_pool, v_pool, cu_q, cu_k, 9, 40, causal=True,
                                                    block_table=table))
-    assert s_dmask is None
+    tol = 2e-3 if ON_GPU else 1e-3
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
+    assert s_dmask is None and lse.shape == (4, sum(lens_q))
 
 
 def test_backward_raises():
+    """A paged forward under autograd runs; its backward says it does not exist."""
     q, k, v, k_pool, v_pool, table, cu_q, cu_k = paged_case([4, 6], [20, 30], 16)
     q.requires_grad_()
     out = flash_attn_varlen_func(q, k_pool, v_pool, cu_q, cu_k, 6, 30, block_table=table)
@@ -76,6 +82,7 @@ def test_backward_raises():
 
 
 def test_errors():
+    """Bad tables, pools, lengths and entries raise before any launch."""
     q, k, v, k_pool, v_pool, table, cu_q, cu_k = paged_case([4, 6], [20, 30], 16)
     args = (cu_q, cu_k, 6, 30)
     with pytest.raises(TypeError, match="int32"):
@@ -86,6 +93,8 @@ def test_errors():
         flash_attn_varlen_func(q, k, v, *args, block_table=table)
     with pytest.raises(NotImplementedError, match="dropout"):
         flash_attn_varlen_func(q, k_pool, v_pool, cu_q, cu_k, 6, 30, 0.1, block_table=table)
+    with pytest.raises(ValueError, match=">= 1 column"):
+        flash_attn_varlen_func(q, k_pool, v_pool, *args, block_table=table[:, :0])
     if DEVICE.type == "cpu":  # host-known lengths and entries are checked
         short = table[:, :1]
         with pytest.raises(ValueError, match="capacity"):
