@@ -34,11 +34,11 @@ def randn(*shape, dtype=DTYPE):
     return torch.randn(*shape, device=DEVICE, dtype=torch.float32).to(dtype)
 
 
-def inputs(seqlen_q, append, batch=4, cache_batch=None):
+def inputs(seqlen_q, append, batch=4, cache_batch=None, capacity=CAPACITY):
     """q, k_cache, v_cache (random everywhere, the padding included), k, v (or None)."""
     q = randn(batch, seqlen_q, NHEADS, HEAD_DIM)
     rows = cache_batch or batch
-    k_cache, v_cache = randn(rows, CAPACITY, NHEADS_K, HEAD_DIM), randn(rows, CAPACITY, NHEADS_K, HEAD_DIM)
+    k_cache, v_cache = randn(rows, capacity, NHEADS_K, HEAD_DIM), randn(rows, capacity, NHEADS_K, HEAD_DIM)
     k = randn(batch, seqlen_q, NHEADS_K, HEAD_DIM) if append else None
     v = randn(batch, seqlen_q, NHEADS_K, HEAD_DIM) if append else None
     return q, k_cache, v_cache, k, v
@@ -117,10 +117,12 @@ def test_zero_leftpad_equals_none(append):
 
 @pytest.fixture
 def prefill_calls(monkeypatch):
-    """Under the interpreter, dispatch to the chunked-prefill path from 8 new tokens (as
-    tests/test_chunked_prefill.py does); yields the list of q shapes that path was called with."""
+    """Dispatch num_splits=0 calls of >= CHUNKED_PREFILL_MIN_SEQLEN_Q new tokens (8 under the interpreter,
+    as tests/test_chunked_prefill.py does) to the chunked-prefill path even when its grid would not fill
+    the GPU; yields the list of q shapes that path was called with."""
     if INTERPRET:
         monkeypatch.setattr(decode, "CHUNKED_PREFILL_MIN_SEQLEN_Q", 8)
+    monkeypatch.setattr(decode, "_prefill_programs_fill", lambda *args: True)
     calls = []
     forward = decode._flash_attn_kvcache_forward
 
@@ -139,8 +141,9 @@ def test_chunked_prefill_path(prefill_calls, append, causal, batch_idx):
     """The chunked-prefill path (num_splits=0, a long chunk) with leftpad matches the reference and the
     decode kernel (num_splits=1), and both leave the same caches."""
     seqlen_q = max(decode.CHUNKED_PREFILL_MIN_SEQLEN_Q, 12)
-    lengths = [9, 50, CAPACITY - seqlen_q, 40]
-    q, k_cache, v_cache, k, v = inputs(seqlen_q, append, cache_batch=5 if batch_idx else None)
+    capacity = seqlen_q + CAPACITY  # room for the chunk after the longest cache
+    lengths = [9, 50, CAPACITY, 40]
+    q, k_cache, v_cache, k, v = inputs(seqlen_q, append, cache_batch=5 if batch_idx else None, capacity=capacity)
     idx = [3, 0, 4, 1] if batch_idx else None
     results = {}
     for num_splits in (0, 1):

@@ -211,7 +211,7 @@ def test_bad_call_allocates_nothing(monkeypatch):
         ((q, k, v), {"softmax_scale": -1.0}),  # bad scale
         ((q, k_fp32, v), {}),  # dtype mismatch
         ((q_strided, k, v), {}),  # strided head dim
-        ((q, k, v, 0.1), {}),  # dropout
+        ((q, k, v, 1.0), {}),  # dropout_p outside [0, 1)
     ]
     for args, kwargs in bad_calls:
         torch.cuda.synchronize()
