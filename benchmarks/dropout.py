@@ -12,7 +12,6 @@ results/<gpu>/bench_dropout.csv:
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 
@@ -22,7 +21,7 @@ import torch.nn.functional as F
 from kernels import attention_ref, flash_attn_func
 from kernels.testing import rel_err
 
-from .measure import time_fn
+from .measure import head_dim_bench_args, time_fn
 from .results import make_row, write_csv
 
 BATCH, SEQLEN, H = 4, 4096, 16
@@ -64,15 +63,8 @@ def steps(d: int, causal: bool, backward: bool):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--head-dims", default="64,128")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--rep", type=int, default=20)
-    p.add_argument("--out", default="results")
-    p.add_argument("--no-write", action="store_true")
-    a = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU")
+    a = head_dim_bench_args(argv, __doc__, "64,128", rep=20)
+    if a is None:
         return 2
     rows = []
     for d in (int(x) for x in a.head_dims.split(",")):

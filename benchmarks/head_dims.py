@@ -18,7 +18,6 @@ Each case is first checked against the fp32 reference. Rows go to results/<gpu>/
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 
@@ -28,7 +27,7 @@ from kernels import attention_ref, flash_attn_func, flash_attn_with_kvcache
 from kernels._utils import empty_aligned
 from kernels.testing import rel_err
 
-from .measure import time_fn
+from .measure import head_dim_bench_args, time_fn
 from .results import make_row, write_csv
 
 H, HK = 32, 8
@@ -103,15 +102,8 @@ def cases(d):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--head-dims", default=",".join(map(str, HEAD_DIMS)))
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--rep", type=int, default=30)
-    p.add_argument("--out", default="results")
-    p.add_argument("--no-write", action="store_true")
-    a = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU")
+    a = head_dim_bench_args(argv, __doc__, ",".join(map(str, HEAD_DIMS)), rep=30)
+    if a is None:
         return 2
     rows, worst = [], 0.0
     for d in (int(x) for x in a.head_dims.split(",")):

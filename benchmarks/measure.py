@@ -13,6 +13,7 @@ without one.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import math
 import time
@@ -429,3 +430,19 @@ def ceilings(*, matmul_n: int = 8192, copy_gib: float = 2.0) -> Dict[str, float]
     result["bandwidth_gbps"] = max(result["copy_gbps"], result["read_gbps"])
     torch.cuda.empty_cache()
     return result
+
+
+def head_dim_bench_args(argv, doc: str, head_dims: str, rep: int) -> Optional[argparse.Namespace]:
+    """The command line of a one-table benchmark over head dims (benchmarks.head_dims, benchmarks.dropout):
+    --head-dims, --rounds, --rep, --out, --no-write; None (after saying so) without a CUDA GPU."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--head-dims", default=head_dims)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rep", type=int, default=rep)
+    p.add_argument("--out", default="results")
+    p.add_argument("--no-write", action="store_true")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU")
+        return None
+    return a

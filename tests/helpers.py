@@ -180,6 +180,22 @@ def sdpa_references(q, k, v, *, causal: bool, softmax_scale: Optional[float] = N
 # --------------------------------------------------------------------------------------------
 # Error rules: kernels.testing's, with messages that say which bound failed and why
 # --------------------------------------------------------------------------------------------
+def record_chunked_prefill(monkeypatch) -> list:
+    """Make kernels.decode record each call of its chunked-prefill path (`_flash_attn_kvcache_forward`,
+    which still runs): returns the list the calls' q shapes are appended to."""
+    from kernels import decode
+
+    calls = []
+    forward = decode._flash_attn_kvcache_forward
+
+    def recording_forward(*args, **kwargs):
+        calls.append(args[0].shape)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(decode, "_flash_attn_kvcache_forward", recording_forward)
+    return calls
+
+
 def assert_close_to_ref(
     out: torch.Tensor,
     ref_fp32: torch.Tensor,

@@ -14,7 +14,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import DEVICE, INTERPRET, ON_GPU, assert_close_to_ref, assert_lse_close, per_request_references
+from helpers import (
+    DEVICE,
+    INTERPRET,
+    ON_GPU,
+    assert_close_to_ref,
+    assert_lse_close,
+    per_request_references,
+    record_chunked_prefill,
+)
 from kernels import decode, flash_attn_with_kvcache, rel_err
 from kernels.errors import InputError, InputTypeError
 from kernels.reference import rotary_ref
@@ -123,15 +131,7 @@ def prefill_calls(monkeypatch):
     if INTERPRET:
         monkeypatch.setattr(decode, "CHUNKED_PREFILL_MIN_SEQLEN_Q", 8)
     monkeypatch.setattr(decode, "_prefill_programs_fill", lambda *args: True)
-    calls = []
-    forward = decode._flash_attn_kvcache_forward
-
-    def recording_forward(*args, **kwargs):
-        calls.append(args[0].shape)
-        return forward(*args, **kwargs)
-
-    monkeypatch.setattr(decode, "_flash_attn_kvcache_forward", recording_forward)
-    return calls
+    return record_chunked_prefill(monkeypatch)
 
 
 @pytest.mark.parametrize("batch_idx", [False, True])

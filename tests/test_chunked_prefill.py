@@ -22,6 +22,7 @@ from helpers import (
     assert_close_to_ref,
     assert_lse_close,
     per_request_references,
+    record_chunked_prefill,
     references,
 )
 from kernels import decode, flash_attn_func, flash_attn_with_kvcache
@@ -172,14 +173,7 @@ def test_prompt_in_uneven_chunks_equals_one_shot(page_size):
 def test_dispatch_needs_enough_tokens_and_a_full_grid(monkeypatch):
     """num_splits=0 takes the prefill path only with >= CHUNKED_PREFILL_MIN_SEQLEN_Q new tokens AND a prefill
     grid filling CHUNKED_PREFILL_MIN_WAVE of the SMs; otherwise (and with num_splits >= 1) the decode kernel."""
-    calls = []
-    forward = decode._flash_attn_kvcache_forward
-
-    def recording_forward(*args, **kwargs):
-        calls.append(args[0].shape)
-        return forward(*args, **kwargs)
-
-    monkeypatch.setattr(decode, "_flash_attn_kvcache_forward", recording_forward)
+    calls = record_chunked_prefill(monkeypatch)
     dtype, head_dim = torch.float16, HEAD_DIM
     target = device_target(torch.device(DEVICE))
     sm_count = decode.planning_sm_count(target)
