@@ -10,6 +10,8 @@ Written once so their semantics cannot drift between kernels:
 - `merge_partials`: merge partial results (split-KV decode) by their log-sum-exp.
 - `kv_row_offsets`, `kv_block_offsets`, `physical_blocks`: where a cache row lives, dense or paged
   (decode and chunked prefill read caches through them; `wide_pages` is their host-side check).
+- `left_padding`: where a left-padded request's keys start (cache_leftpad), clamped the one way the
+  decode kernel and the cache-mode forward agree on.
 - `dropout_keep`: which attention probabilities dropout keeps (forward, backward and the S_dmask
   kernel draw the same bits for the same (batch, head, query, key)).
 
@@ -234,6 +236,15 @@ def physical_blocks(Table, start_n, rows, n_rows, NUM_BLOCKS, PAGE_SIZE: tl.cons
     else:
         blocks = tl.load(Table + rows // PAGE_SIZE, mask=rows < n_rows, other=0)  # [BLOCK_N]
     return tl.minimum(tl.maximum(blocks, 0), NUM_BLOCKS - 1)  # int32, widened where it is used
+
+
+@triton.jit
+def left_padding(Cache_leftpad, off_b, n_keys):
+    """Request off_b's first key row LP_b = cache_leftpad[off_b], clamped to [0, n_keys] (its cached keys'
+    end): a device value is trusted but never moves a base outside the request's rows. The caller
+    shifts its K/V base down LP_b rows and counts keys from there ([Note] Left padding in
+    kernels/decode_kernels.py)."""
+    return tl.minimum(tl.maximum(tl.load(Cache_leftpad + off_b), 0), n_keys)
 
 
 @triton.jit

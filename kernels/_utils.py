@@ -254,6 +254,32 @@ def _validate_dropout(dropout_p) -> float:
     return float(dropout_p)
 
 
+def _check_block_table_entries(block_table: torch.Tensor, host_lengths, seqlen_new: int, page_size: int,
+                               num_blocks: int) -> None:
+    """Raise ValueError if a CPU block_table entry that the call uses lies outside [0, num_blocks).
+
+    With host-known lengths (an int or a CPU tensor) request b uses its first
+    ceil((L_b + seqlen_new) / page_size) entries and only those are checked (the rest may hold
+    anything, e.g. -1); without them (lengths on the GPU) every entry is.
+    """
+    table = block_table.to(torch.int64)
+    bad = (table < 0) | (table >= num_blocks)  # (batch, max_blocks)
+    if host_lengths is not None:
+        if isinstance(host_lengths, int):
+            host_lengths = torch.full((table.shape[0],), host_lengths, dtype=torch.int64)
+        n_pages = (host_lengths.to(torch.int64).clamp(min=0) + seqlen_new + page_size - 1) // page_size
+        bad &= torch.arange(table.shape[1])[None, :] < n_pages[:, None]
+    if not bool(bad.any()):
+        return
+    b, j = (int(i) for i in bad.nonzero()[0])
+    which = (f"request {b} uses its first {int(n_pages[b])} entries" if host_lengths is not None
+             else "cache_seqlens is on the GPU, so every entry is checked")
+    raise InputError(
+        f"Expected block_table entries in [0, num_blocks = {num_blocks}) (physical blocks of k_cache), got "
+        f"block_table[{b}, {j}] = {int(table[b, j])} ({which}); entries past a request's pages may hold any value."
+    )
+
+
 def _validate_max_seqlen(name: str, value) -> int:
     """max_seqlen_q / max_seqlen_k: a host int >= 0 (a tensor would need a device sync to read)."""
     if isinstance(value, (bool, torch.Tensor)) or not hasattr(value, "__index__"):

@@ -87,6 +87,7 @@ from ._launch import DirectLaunch, LaunchCache, launch_hooks_active, recording_a
 from ._options import AttnOptions, attn_options, head_dim_tile, resolve_variants
 from ._utils import (
     Target,
+    _check_block_table_entries,
     _validate_devices,
     _validate_dtypes,
     _validate_head_dim,
@@ -311,32 +312,6 @@ def _resolve_cache_leftpad(cache_leftpad, q, k_cache, cache_seqlens) -> torch.Te
             f"{int(ends[b])}."
         )
     return cache_leftpad.contiguous().to(q.device)
-
-
-def _check_block_table_entries(block_table: torch.Tensor, host_lengths, seqlen_new: int, page_size: int,
-                               num_blocks: int) -> None:
-    """Raise ValueError if a CPU block_table entry that the call uses lies outside [0, num_blocks).
-
-    With host-known lengths (an int or a CPU tensor) request b uses its first
-    ceil((L_b + seqlen_new) / page_size) entries and only those are checked (the rest may hold
-    anything, e.g. -1); without them (lengths on the GPU) every entry is.
-    """
-    table = block_table.to(torch.int64)
-    bad = (table < 0) | (table >= num_blocks)  # (batch, max_blocks)
-    if host_lengths is not None:
-        if isinstance(host_lengths, int):
-            host_lengths = torch.full((table.shape[0],), host_lengths, dtype=torch.int64)
-        n_pages = (host_lengths.to(torch.int64).clamp(min=0) + seqlen_new + page_size - 1) // page_size
-        bad &= torch.arange(table.shape[1])[None, :] < n_pages[:, None]
-    if not bool(bad.any()):
-        return
-    b, j = (int(i) for i in bad.nonzero()[0])
-    which = (f"request {b} uses its first {int(n_pages[b])} entries" if host_lengths is not None
-             else "cache_seqlens is on the GPU, so every entry is checked")
-    raise InputError(
-        f"Expected block_table entries in [0, num_blocks = {num_blocks}) (physical blocks of k_cache), got "
-        f"block_table[{b}, {j}] = {int(table[b, j])} ({which}); entries past a request's pages may hold any value."
-    )
 
 
 def _resolve_paging(block_table, cache_seqlens, batch: int, seqlen_new: int, k_cache: torch.Tensor,

@@ -194,6 +194,7 @@ from ._jit import (
     gqa_q_head,
     kv_block_offsets,
     kv_row_offsets,
+    left_padding,
     load_rows,
     mask_scores,
     merge_partials,
@@ -319,7 +320,7 @@ def decode_kernel(
     seqlen = tl.minimum(tl.maximum(tl.load(Cache_seqlens + off_b), 0), N_CACHE)  # L_b
     n_cache = N_CACHE  # buffer rows from the request's first key on
     if HAS_LEFTPAD:  # the keys start at row LP_b: count from there, see [Note] Left padding
-        left = tl.minimum(tl.maximum(tl.load(Cache_leftpad + off_b), 0), seqlen)  # LP_b
+        left = left_padding(Cache_leftpad, off_b, seqlen)  # LP_b
         seqlen -= left
         n_cache -= left
     if APPEND:  # M_NEW <= M new keys; the M queries are the last M of the n_total keys' positions

@@ -22,6 +22,7 @@ from ._launch import LaunchCache
 from ._options import AttnOptions, attn_options, resolve_variants
 from ._utils import (
     Target,
+    _check_block_table_entries,
     _validate_cu_seqlens,
     _validate_cu_seqlens_values,
     _validate_devices,
@@ -665,8 +666,14 @@ def flash_attn_func(
         out, lse = _FlashAttnFunc.apply(q, k, v, options, drop)
     else:
         out, lse = _flash_attn_forward(q, k, v, options, drop=drop)
+    probs = dropout_probs(q, k, options, drop) if return_attn_probs and drop is not None else None
+    return _results(out, lse, probs, return_attn_probs, return_softmax_lse)
+
+
+def _results(out, lse, probs, return_attn_probs: bool, return_softmax_lse: bool):
+    """flash-attn's return convention ((out, softmax_lse, S_dmask) with return_attn_probs), then ours."""
     if return_attn_probs:
-        return out, lse, (dropout_probs(q, k, options, drop) if drop is not None else None)
+        return out, lse, probs
     return (out, lse) if return_softmax_lse else out
 
 
@@ -770,12 +777,10 @@ def flash_attn_varlen_func(
         out, lse = _FlashAttnVarlenFunc.apply(*args, drop)
     else:
         out, lse = _flash_attn_varlen_forward(*args, drop=drop)
-    if return_attn_probs:
-        probs = None
-        if drop is not None:
-            probs = dropout_probs(q, k, options, drop, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
-        return out, lse, probs
-    return (out, lse) if return_softmax_lse else out
+    probs = None
+    if return_attn_probs and drop is not None:
+        probs = dropout_probs(q, k, options, drop, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+    return _results(out, lse, probs, return_attn_probs, return_softmax_lse)
 
 
 def _varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
@@ -807,15 +812,12 @@ def _varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                          f"{tuple(k_cache.shape)} and block_table {tuple(block_table.shape)}.")
     block_table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
     if cu_seqlens_k.device.type == "cpu":  # host-known lengths (the interpreter's case): check them whole
-        lengths = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).tolist()
-        if max(lengths, default=0) > capacity:
+        lengths = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+        if lengths.numel() and int(lengths.max()) > capacity:
             raise InputError(f"Expected every key length <= the block table's capacity max_blocks_per_seq * "
-                             f"page_size = {capacity}, got lengths {lengths}.")
-        for b, length in enumerate(lengths):
-            used = block_table[b, : -(-length // page_size)]
-            if used.numel() and not (0 <= int(used.min()) and int(used.max()) < k_cache.shape[0]):
-                raise InputError(f"Expected block_table[{b}]'s first {used.numel()} entries in [0, "
-                                 f"{k_cache.shape[0]}) (the pool's blocks), got {used.tolist()}.")
+                             f"page_size = {capacity}, got lengths {lengths.tolist()}.")
+        if block_table.device.type == "cpu":
+            _check_block_table_entries(block_table, lengths, 0, page_size, k_cache.shape[0])
     causal = resolve_variants(window_size, softcap, alibi_slopes, causal, max_seqlen_k)
     options = attn_options(q.shape[2], softmax_scale, causal)
     args = (q, k_cache, v_cache, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, block_table,
@@ -824,9 +826,7 @@ def _varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         out, lse = _FlashAttnVarlenPagedFunc.apply(*args)
     else:
         out, lse = _flash_attn_varlen_paged_forward(*args)
-    if return_attn_probs:
-        return out, lse, None
-    return (out, lse) if return_softmax_lse else out
+    return _results(out, lse, None, return_attn_probs, return_softmax_lse)
 
 
 class _FlashAttnVarlenPagedFunc(torch.autograd.Function):

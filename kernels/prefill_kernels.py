@@ -90,6 +90,7 @@ from ._jit import (
     gqa_kv_head,
     gqa_q_head,
     kv_block_offsets,
+    left_padding,
     load_rows,
     mask_scores,
     online_softmax,
@@ -163,7 +164,7 @@ def fwd_kernel(
         else:
             N = n_cached
         if HAS_LEFTPAD:  # keys start at cache row LP_b, see [Note] Left padding in kernels/decode_kernels.py
-            left = tl.minimum(tl.maximum(tl.load(Cache_leftpad + off_b), 0), n_cached)
+            left = left_padding(Cache_leftpad, off_b, n_cached)
             N -= left
             K += left.to(tl.int64) * stride_kn
             V += left.to(tl.int64) * stride_vn

@@ -101,5 +101,5 @@ def test_errors():
             flash_attn_varlen_func(q, k_pool, v_pool, *args, block_table=short)
         bad = table.clone()
         bad[1, 1] = k_pool.shape[0]
-        with pytest.raises(ValueError, match=r"block_table\[1\]"):
+        with pytest.raises(ValueError, match=r"block_table\[1, 1\] = "):
             flash_attn_varlen_func(q, k_pool, v_pool, *args, block_table=bad)
