@@ -275,16 +275,25 @@ def _varlen_args(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q
     return dict(Cu_seqlens_q=cu_seqlens_q, Cu_seqlens_k=cu_seqlens_k, stride_lseh=total_q, IS_VARLEN=True)
 
 
+def _forward_plan(q: torch.Tensor, options: AttnOptions, config: Optional[AttnConfig],
+                  *caches: torch.Tensor) -> Tuple[Optional[Target], AttnConfig, bool]:
+    """A forward launcher's (target, config, planned): `config` or the table's, and whether tensor
+    descriptors are planned (`_tma_planned`; a cache that cannot be copied must have aligned rows
+    itself: KVCache and PagedKVCache align them)."""
+    target = device_target(q.device)
+    if config is None:
+        config = prefill_fwd_config(options.head_dim_pad, q.dtype, options.causal, target)
+    planned = _tma_planned(config.use_tma, target, q.dtype) and all(rows_aligned(t) for t in caches)
+    return target, config, planned
+
+
 def _flash_attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttnOptions,
                         config: Optional[AttnConfig] = None,
                         drop: Optional[Dropout] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel on validated inputs (with dropout `drop`); returns (out, softmax_lse)."""
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k = k.shape[1]
-    target = device_target(q.device)
-    if config is None:
-        config = prefill_fwd_config(options.head_dim_pad, q.dtype, options.causal, target)
-    planned = _tma_planned(config.use_tma, target, q.dtype)
+    target, config, planned = _forward_plan(q, options, config)
     out = empty_aligned((batch, seqlen_q, nheads, head_dim), q.dtype, q.device, aligned=planned)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
@@ -318,11 +327,7 @@ def _flash_attn_kvcache_forward(
     (kernels.decode does it; its `launch_key` holds the inputs' signature and alignment, see
     _launch_forward); returns (out (B, M, H, D), lse (B, H, M) float32)."""
     batch, seqlen_q, nheads, head_dim = q.shape
-    target = device_target(q.device)
-    if config is None:
-        config = prefill_fwd_config(options.head_dim_pad, q.dtype, options.causal, target)
-    # The cache cannot be copied (KVCache and PagedKVCache align its rows); q and out follow it.
-    planned = _tma_planned(config.use_tma, target, q.dtype) and rows_aligned(k_cache) and rows_aligned(v_cache)
+    target, config, planned = _forward_plan(q, options, config, k_cache, v_cache)  # q and out follow the cache
     out = empty_aligned((batch, seqlen_q, nheads, head_dim), q.dtype, q.device, aligned=planned)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
@@ -452,10 +457,7 @@ def _flash_attn_varlen_forward(
     softmax_lse (nheads, total_q))."""
     total_q, nheads, head_dim = q.shape
     batch = cu_seqlens_q.numel() - 1
-    target = device_target(q.device)
-    if config is None:
-        config = prefill_fwd_config(options.head_dim_pad, q.dtype, options.causal, target)
-    planned = _tma_planned(config.use_tma, target, q.dtype)
+    target, config, planned = _forward_plan(q, options, config)
     out = empty_aligned((total_q, nheads, head_dim), q.dtype, q.device, aligned=planned)
     lse = torch.empty((nheads, total_q), dtype=torch.float32, device=q.device)
     if out.numel() == 0 or batch == 0 or max_seqlen_q == 0:
@@ -485,10 +487,7 @@ def _flash_attn_varlen_paged_forward(
     (see [Note] Packed sequences); returns (out, softmax_lse (nheads, total_q))."""
     total_q, nheads, head_dim = q.shape
     batch = cu_seqlens_q.numel() - 1
-    target = device_target(q.device)
-    if config is None:
-        config = prefill_fwd_config(options.head_dim_pad, q.dtype, options.causal, target)
-    planned = _tma_planned(config.use_tma, target, q.dtype) and rows_aligned(k_cache) and rows_aligned(v_cache)
+    target, config, planned = _forward_plan(q, options, config, k_cache, v_cache)
     out = empty_aligned((total_q, nheads, head_dim), q.dtype, q.device, aligned=planned)
     lse = torch.empty((nheads, total_q), dtype=torch.float32, device=q.device)
     if out.numel() == 0 or batch == 0 or max_seqlen_q == 0:
