@@ -35,6 +35,10 @@ def attention_ref(
     key_leftpad: Optional[torch.Tensor] = None,
     dropout_mask: Optional[torch.Tensor] = None,
     dropout_p: float = 0.0,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    sinks: Optional[torch.Tensor] = None,
     upcast: bool = True,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Reference attention over (batch, seqlen, heads, headdim) tensors; returns (out, lse).
@@ -48,7 +52,18 @@ def attention_ref(
     query t of batch entry b sees key j iff key_leftpad[b] <= j <= t + seqlen_k - seqlen_q.
     dropout_mask (batch, heads, seqlen_q, seqlen_k) bool, True = kept: the probabilities are masked and
     the kept ones scaled by 1 / (1 - dropout_p) before the product with v (the lse is not affected).
-    lse is (batch, heads, seqlen_q) float32, +inf for rows that see no key.
+
+    The variants, in the order they apply to the scaled scores s[i, j] = q_i . k_j * softmax_scale, with
+    d_i = i + seqlen_k - seqlen_q query i's bottom-right aligned position:
+    softcap c > 0: s = c * tanh(s / c) (Gemma-2's logit softcap);
+    alibi_slopes fp32 (heads,) or (batch, heads): s -= slope * |d_i - j| (ALiBi);
+    window_size (left, right), -1 unbounded: query i sees keys d_i - left <= j <= d_i + right (causal
+    makes right 0; (-1, -1) and causal is plain causal);
+    sinks fp32 (heads,) (gpt-oss's learnable logit, not scaled): each row's softmax gains a column of
+    value sinks[h] that takes part in the row max and the denominator and multiplies no value, so the
+    row's probabilities sum to less than 1, a row that sees no key outputs zeros, and the lse includes
+    it (logsumexp over the keys and the sink: sinks[h] for a row that sees no key).
+    lse is (batch, heads, seqlen_q) float32, +inf for rows that see no key (without sinks).
     """
     dtype = q.dtype
     if upcast:
@@ -61,9 +76,20 @@ def attention_ref(
     k = k.repeat_interleave(group, dim=2)
     v = v.repeat_interleave(group, dim=2)
     scores = torch.einsum("bmhd,bnhd->bhmn", q * scale, k)
+    if softcap > 0.0:
+        scores = softcap * torch.tanh(scores / softcap)
+    rows = torch.arange(seqlen_q, device=q.device)[:, None] + (seqlen_k - seqlen_q)  # d_i
+    cols = torch.arange(seqlen_k, device=q.device)[None, :]
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(device=q.device, dtype=scores.dtype).reshape(-1, nheads, 1, 1)
+        scores = scores - slopes * (rows - cols).abs().to(scores.dtype)
+    left, right = (int(x) for x in window_size)
+    right = 0 if causal else right
     visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device)
-    if causal:
-        visible = causal_mask(seqlen_q, seqlen_k, q.device)
+    if right >= 0:
+        visible = visible & (cols <= rows + right)
+    if left >= 0:
+        visible = visible & (cols >= rows - left)
     visible = visible[None, None].expand(batch, 1, seqlen_q, seqlen_k)
     if key_padding_lengths is not None:
         lengths = key_padding_lengths.to(q.device).view(batch, 1, 1, 1)
@@ -72,9 +98,16 @@ def attention_ref(
         starts = key_leftpad.to(q.device).view(batch, 1, 1, 1)
         visible = visible & (torch.arange(seqlen_k, device=q.device).view(1, 1, 1, -1) >= starts)
     scores = scores.masked_fill(~visible, float("-inf"))
-    lse = torch.logsumexp(scores.float(), dim=-1)  # (b, h, m), -inf for empty rows
-    empty = ~visible.any(dim=-1)  # (b, 1, m)
-    probs = torch.softmax(scores, dim=-1).masked_fill(empty[..., None], 0.0)
+    if sinks is not None:  # one more column per row: the sink's logit, which weighs no value
+        sink = sinks.to(device=q.device, dtype=scores.dtype).view(1, nheads, 1, 1).expand(batch, nheads, seqlen_q, 1)
+        with_sink = torch.cat([scores, sink], dim=-1)
+        lse = torch.logsumexp(with_sink.float(), dim=-1)
+        probs = torch.softmax(with_sink, dim=-1)[..., :-1]
+        empty = torch.zeros(batch, 1, seqlen_q, dtype=torch.bool, device=q.device)  # the sink is always seen
+    else:
+        lse = torch.logsumexp(scores.float(), dim=-1)  # (b, h, m), -inf for empty rows
+        empty = ~visible.any(dim=-1)  # (b, 1, m)
+        probs = torch.softmax(scores, dim=-1).masked_fill(empty[..., None], 0.0)
     if dropout_mask is not None:
         probs = probs.masked_fill(~dropout_mask, 0.0) / (1.0 - dropout_p)
     out = torch.einsum("bhmn,bnhd->bmhd", probs, v)
