@@ -3,7 +3,9 @@
 Written once so their semantics cannot drift between kernels:
 
 - `gqa_kv_head`, `gqa_q_head`: the GQA head mapping (query head h reads KV head h // G).
-- `mask_scores`: the length mask and the bottom-right causal mask.
+- `window_extent`, `key_range`, `in_band`, `mask_scores`: which keys a row sees (length, bottom-right
+  causal mask, sliding window), which key blocks a query block visits, and the mask itself.
+- `score_units`, `score_mods`, `tanh`: the variants' scores (softcap, ALiBi).
 - `online_softmax`: one step of the streaming softmax (FlashAttention-2, base 2).
 - `finalize`: the epilogue that turns (acc, m_i, l_i) into the output and its log-sum-exp.
 - `load_rows`: a [rows, HEAD_DIM_PAD] tile load masked by row count and by head-dim padding.
@@ -18,17 +20,26 @@ Written once so their semantics cannot drift between kernels:
 Notation: m_i is the running row max of the *scaled* scores in base 2 (scores * softmax_scale *
 log2(e)), l_i the running sum of exp2(scaled score - m_i), acc the unnormalised [rows, D] output.
 
+[Note] Key band. Query i of seqlen_q = M over seqlen_k = N keys has the diagonal key d = i + N - M
+(bottom-right alignment) and sees keys d - left <= j <= d + right: causal is right = 0, a sliding
+window bounds either side, and an unbounded side is M + N (`window_extent`). A query block's keys
+split into whole blocks (no mask) and the band's two edges (masked), and blocks outside the band are
+never visited (`key_range`), so a window costs what its width costs, not what N costs.
+
 [Note] Fully masked rows. A query row that sees no key keeps m_i = -inf and l_i = 0. `online_softmax`
 with MASKED=True subtracts 0 instead of -inf, so no `-inf - -inf = NaN` appears; `finalize` turns
 l_i = 0 into an output of zeros and an LSE of +inf (flash-attn's convention), so every consumer of
 the LSE (backward: exp(s - lse) = 0; split merges: weight exp(lse_i - lse) = 0) gives zeros too.
 """
 
+import os
+
 import triton
 import triton.language as tl
 
 LN2 = tl.constexpr(0.6931471805599453)  # ln(2): log(x) == log2(x) * LN2
 LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): exp(x) == exp2(x * LOG2E)
+INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")  # no PTX under the interpreter
 
 
 @triton.jit
@@ -45,16 +56,102 @@ def gqa_q_head(off_hk, GROUP, g):
 
 
 @triton.jit
-def mask_scores(qk, offs_n, n_end, row_limit, IS_CAUSAL: tl.constexpr):
-    """Set scores of keys at or past `n_end` (and, when causal, past each row's limit) to -inf.
+def window_extent(window_left, window_right, M, N, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """(left, right): how many keys left and right of its diagonal key a row sees (see [Note] Key band).
 
-    row_limit[r] is the last key index row r may see: for a query at position i of seqlen_q over
-    seqlen_k keys, bottom-right aligned, it is i + seqlen_k - seqlen_q.
+    An unbounded side becomes M + N, which reaches past every key of an (M, N) problem; without a
+    window, right is 0 (causal; unused otherwise) and left M + N.
     """
+    if HAS_WINDOW:
+        left = tl.where(window_left < 0, M + N, window_left)
+        right = tl.where(window_right < 0, M + N, window_right)
+    else:
+        left = M + N
+        right = 0
+    return left, right
+
+
+@triton.jit
+def key_range(start_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, diag, N, left, right,
+              IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """The keys query rows [start_m, start_m + BLOCK_M) visit, as four bounds n_lo <= n_full_lo <=
+    n_full_hi <= n_end: [n_lo, n_full_lo) is the left edge of the band (masked), [n_full_lo, n_full_hi)
+    is seen whole by every row (no mask, multiples of BLOCK_N), [n_full_hi, n_end) is the right edge
+    and the ragged tail (masked). Keys outside [n_lo, n_end) are never loaded.
+    """
+    if IS_CAUSAL or HAS_WINDOW:
+        n_end = tl.minimum(tl.maximum(start_m + BLOCK_M + diag + right, 0), N)
+        n_full_hi = tl.minimum(tl.maximum(start_m + diag + right + 1, 0) // BLOCK_N * BLOCK_N, N // BLOCK_N * BLOCK_N)
+    else:
+        n_end = N
+        n_full_hi = N // BLOCK_N * BLOCK_N
+    if HAS_WINDOW:
+        n_lo = tl.minimum(tl.maximum(start_m + diag - left, 0) // BLOCK_N * BLOCK_N, n_end)
+        n_full_lo = tl.minimum(tl.cdiv(tl.maximum(start_m + BLOCK_M - 1 + diag - left, 0), BLOCK_N) * BLOCK_N, n_end)
+        n_full_lo = tl.maximum(n_full_lo, n_lo)
+        n_full_hi = tl.maximum(n_full_hi, n_full_lo)
+    else:
+        n_lo = 0
+        n_full_lo = 0
+    return n_lo, n_full_lo, n_full_hi, n_end
+
+
+@triton.jit
+def in_band(q_pos, k_pos, diag, left, right, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """Whether query q_pos sees key k_pos (broadcastable index tensors): d - left <= k_pos <= d + right
+    for d = q_pos + diag, each side only where it is bounded (causal: right = 0). Call it only when
+    IS_CAUSAL or HAS_WINDOW."""
+    seen = k_pos <= q_pos + (diag + right)
+    if HAS_WINDOW:
+        seen = seen & (k_pos >= q_pos + (diag - left))
+    return seen
+
+
+@triton.jit
+def mask_scores(qk, offs_m, offs_n, n_end, diag, left, right, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """Set scores [rows, keys] of keys at or past `n_end`, and of keys outside each row's band
+    (`in_band`), to -inf. offs_m are the rows' query positions, offs_n the keys'."""
     mask = offs_n[None, :] < n_end
-    if IS_CAUSAL:
-        mask = mask & (offs_n[None, :] <= row_limit[:, None])
+    if IS_CAUSAL or HAS_WINDOW:
+        mask = mask & in_band(offs_m[:, None], offs_n[None, :], diag, left, right, IS_CAUSAL, HAS_WINDOW)
     return tl.where(mask, qk, float("-inf"))
+
+
+@triton.jit
+def tanh(x):
+    """tanh(x) in fp32: the single MUFU instruction tanh.approx.f32 on the GPU (relative error about
+    2^-11), 1 - 2 / (exp(2x) + 1) under the interpreter, which runs no PTX."""
+    if INTERPRET:
+        return 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E)) + 1.0)
+    else:
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+
+
+@triton.jit
+def score_units(softmax_scale, softcap, HAS_SOFTCAP: tl.constexpr):
+    """(unit, cap_scale): the kernels keep scores in units of `unit` (softmax_scale, or softcap with
+    HAS_SOFTCAP) so that one multiply by unit * log2(e) makes base-2 logits; cap_scale =
+    softmax_scale / softcap turns q.k into tanh's argument (see `score_mods`)."""
+    if HAS_SOFTCAP:
+        return softcap, softmax_scale / softcap
+    else:
+        return softmax_scale, 1.0
+
+
+@triton.jit
+def score_mods(qk, q_pos, k_pos, diag, cap_scale, slope, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """The variants' scores, in `score_units`: (u, t) with u = t - slope * |q_pos + diag - k_pos| and t =
+    tanh(qk * cap_scale) with HAS_SOFTCAP (else t = qk); slope is ALiBi's slope divided by the unit.
+    q_pos, k_pos broadcast against qk. t is what the backward needs for tanh's derivative 1 - t^2."""
+    if HAS_SOFTCAP:
+        t = tanh(qk * cap_scale)
+    else:
+        t = qk
+    u = t
+    if HAS_ALIBI:
+        u = u - slope * tl.abs(q_pos + diag - k_pos).to(tl.float32)
+    return u, t
 
 
 @triton.jit

@@ -17,10 +17,11 @@ Attention kernels take `**options.constexprs, **options.runtime`; helper kernels
 (the backward's preprocessing, the cache append, the split combine) take `**options.tile`. A kernel
 that lacks a parameter for an option fails at its first launch (an unexpected keyword), never silently.
 
-Adding an option (a sliding window, say) -- see docs/design.md:
+Adding an option (the sliding window is one) -- see docs/design.md:
 1. a field here whose default means "off", validated in `attn_options`;
 2. its compiled part in `constexprs` (HAS_WINDOW) and its values in `runtime` (window_left,
-   window_right), so a new window size is a new argument, not a new kernel;
+   window_right), so a new window size is a new argument, not a new kernel (the kernels list such
+   integers in `do_not_specialize`, so that not even Triton's divisibility specialisation recompiles);
 3. the parameters in every attention kernel and one place in kernels/_jit.py (the mask) that they call;
 4. the reference (kernels/reference.py) and the tests (tests/test_options.py checks every field).
 """
@@ -46,22 +47,39 @@ class AttnOptions:
 
     head_dim: compiled (HEAD_DIM, and HEAD_DIM_PAD = `head_dim_tile(head_dim)`).
     softmax_scale: runtime; the scores are q @ k^T * softmax_scale.
-    causal: compiled (IS_CAUSAL); bottom-right aligned.
+    causal: compiled (IS_CAUSAL); bottom-right aligned: query i sees keys j <= i + seqlen_k - seqlen_q.
+    window_left, window_right: a sliding window, -1 for an unbounded side: query i, whose diagonal key is
+        d = i + seqlen_k - seqlen_q, sees keys d - window_left <= j <= d + window_right (causal: the
+        right side is 0). Compiled as HAS_WINDOW (either side bounded); the sizes are runtime.
+    softcap: runtime, compiled as HAS_SOFTCAP (> 0): scaled scores s become softcap * tanh(s / softcap).
+    alibi: compiled (HAS_ALIBI): the scores gain -slope * |d - j|, slopes passed per call (a tensor).
+    sinks: compiled (HAS_SINKS): each row's softmax denominator gains exp(sink), per head (a tensor).
     """
 
     head_dim: int
     softmax_scale: float
     causal: bool = False
+    window_left: int = -1
+    window_right: int = -1
+    softcap: float = 0.0
+    alibi: bool = False
+    sinks: bool = False
+
+    @property
+    def has_window(self) -> bool:
+        return self.window_left >= 0 or self.window_right >= 0
 
     @functools.cached_property
     def constexprs(self) -> Dict[str, Any]:
         """The compiled part, by kernel parameter name."""
-        return {**self.tile, "IS_CAUSAL": self.causal}
+        return {**self.tile, "IS_CAUSAL": self.causal, "HAS_WINDOW": self.has_window,
+                "HAS_SOFTCAP": self.softcap > 0.0, "HAS_ALIBI": self.alibi, "HAS_SINKS": self.sinks}
 
     @functools.cached_property
     def runtime(self) -> Dict[str, Any]:
         """The runtime part, by kernel parameter name."""
-        return {"softmax_scale": self.softmax_scale}
+        return {"softmax_scale": self.softmax_scale, "window_left": self.window_left,
+                "window_right": self.window_right, "softcap": self.softcap}
 
     @functools.cached_property
     def tile(self) -> Dict[str, int]:
@@ -76,6 +94,11 @@ class AttnOptions:
     @property
     def head_dim_pad(self) -> int:
         return self.tile["HEAD_DIM_PAD"]
+
+    @property
+    def has_variant(self) -> bool:
+        """A window, softcap, ALiBi or sinks: what only the prefill kernels implement."""
+        return self.has_window or self.softcap > 0.0 or self.alibi or self.sinks
 
 
 def _resolve_scale(softmax_scale, head_dim: int) -> float:
@@ -95,12 +118,25 @@ def _resolve_scale(softmax_scale, head_dim: int) -> float:
 
 
 @functools.lru_cache(maxsize=1024)
-def _cached_options(head_dim: int, softmax_scale: Optional[float], causal: bool) -> AttnOptions:
-    return AttnOptions(head_dim, _resolve_scale(softmax_scale, head_dim), causal)
+def _cached_options(head_dim: int, softmax_scale: Optional[float], causal: bool, window: Tuple[int, int],
+                    softcap: float, alibi: bool, sinks: bool) -> AttnOptions:
+    left, right = (max(w, -1) for w in window)  # any negative side is unbounded
+    if causal:
+        right = 0
+    if (left, right) == (-1, 0):  # a window bounded only on the right at the diagonal is causal
+        causal = True
+    if causal and left == -1:
+        right = -1  # plain causal: no window
+    return AttnOptions(head_dim, _resolve_scale(softmax_scale, head_dim), causal, left, right, softcap, alibi, sinks)
 
 
-def attn_options(head_dim: int, softmax_scale=None, causal=False) -> AttnOptions:
+def attn_options(head_dim: int, softmax_scale=None, causal=False, window=(-1, -1), softcap=0.0, alibi=False,
+                 sinks=False) -> AttnOptions:
     """Validated `AttnOptions` (softmax_scale None: head_dim ** -0.5; it must be finite and positive).
+
+    window (left, right) is normalised: a negative side is unbounded (-1), causal makes the right side
+    0, and (-1, 0) is causal attention without a window, so equal semantics give equal options.
+    softcap must be finite and >= 0 (0: off).
 
     Options are cached by value, so a decode loop builds each one once (a tensor softmax_scale is
     read when the options are built). The head dim itself is checked by the public functions
@@ -109,7 +145,19 @@ def attn_options(head_dim: int, softmax_scale=None, causal=False) -> AttnOptions
     causal, head_dim = bool(causal), int(head_dim)
     if type(softmax_scale) not in (float, int, type(None)):  # a numpy scalar, a 0-d tensor: its value now
         softmax_scale = _resolve_scale(softmax_scale, head_dim)
-    return _cached_options(head_dim, softmax_scale, causal)
+    window = _window_pair(window) if type(window) is not tuple or window != (-1, -1) else window
+    return _cached_options(head_dim, softmax_scale, causal, window, _resolve_softcap(softcap), bool(alibi),
+                           bool(sinks))
+
+
+def _resolve_softcap(softcap) -> float:
+    try:
+        cap = float(softcap if softcap is not None else 0.0)
+    except (TypeError, ValueError):
+        raise InputTypeError(f"Expected softcap to be a number, got {type(softcap).__name__}.") from None
+    if not (cap >= 0.0 and math.isfinite(cap)):
+        raise InputError(f"Expected softcap to be finite and >= 0 (0: off), got {softcap}.")
+    return cap
 
 
 def _window_pair(window_size) -> Tuple[int, int]:
@@ -125,26 +173,40 @@ def _window_pair(window_size) -> Tuple[int, int]:
     return int(left), int(right)
 
 
-def resolve_variants(window_size, softcap, alibi_slopes, causal: bool, seqlen_k: int) -> bool:
-    """flash-attn's variant arguments, checked before any launch; returns `causal` as they leave it.
+def resolve_variants(window_size, softcap, causal: bool, seqlen_k: int) -> dict:
+    """flash-attn's window_size and softcap as `attn_options` keywords (causal, window, softcap),
+    checked before any launch.
 
-    window_size (left, right), a negative side unbounded, follows flash-attn's rules: causal means
-    right = 0, a side reaching past seqlen_k is unbounded, so (-1, -1) is no window and (-1, 0) is
-    causal. Sliding windows, softcap > 0 and alibi_slopes are not implemented yet: NotImplementedError.
+    flash-attn's rules: a negative side is unbounded, causal means right = 0, and a side reaching
+    seqlen_k or past it is unbounded, so (-1, -1) is no window and (-1, 0) is causal; softcap <= 0 is
+    off. For packed sequences seqlen_k is max_seqlen_k.
     """
     if type(window_size) is not tuple or window_size != (-1, -1):
         left, right = _window_pair(window_size)
-        right = 0 if causal else right
         left = -1 if left < 0 or left >= seqlen_k else left
         right = -1 if right < 0 or right >= seqlen_k else right
-        if left != -1 or right not in (-1, 0):
-            raise NotImplementedError(
-                f"window_size={tuple(_window_pair(window_size))} (a sliding window) is not implemented yet; "
-                "only (-1, -1) and, for causal attention, (-1, 0)."
-            )
-        causal = right == 0
-    if softcap is not None and softcap > 0.0:
-        raise NotImplementedError(f"softcap={softcap} is not implemented yet; only softcap=0.0.")
-    if alibi_slopes is not None:
-        raise NotImplementedError("alibi_slopes (ALiBi) is not implemented yet; pass None.")
-    return bool(causal)
+        window_size = (left, right)
+    try:
+        softcap = max(float(softcap if softcap is not None else 0.0), 0.0)
+    except (TypeError, ValueError):
+        raise InputTypeError(f"Expected softcap to be a number, got {type(softcap).__name__}.") from None
+    return dict(causal=bool(causal), window=window_size, softcap=softcap)
+
+
+def refuse_variants(options: AttnOptions, where: str) -> None:
+    """NotImplementedError, before any launch, for a variant that `where` does not implement."""
+    if options.has_variant:
+        asked = [name for name, on in (("a sliding window", options.has_window), ("softcap", options.softcap > 0),
+                                       ("ALiBi", options.alibi), ("sinks", options.sinks)) if on]
+        raise NotImplementedError(f"{where} does not implement {', '.join(asked)} yet; flash_attn_func and "
+                                  "flash_attn_varlen_func do.")
+
+
+def causal_without_variants(window_size, softcap, alibi_slopes, causal: bool, seqlen_k: int, where: str) -> bool:
+    """For a path without the variants: flash-attn's window_size / softcap / alibi_slopes resolved
+    (`resolve_variants`), NotImplementedError if they ask for a variant, else the causal flag they
+    leave ((-1, 0) is causal)."""
+    options = attn_options(16, None, alibi=alibi_slopes is not None, **resolve_variants(window_size, softcap, causal,
+                                                                                        seqlen_k))
+    refuse_variants(options, where)
+    return options.causal

@@ -254,6 +254,30 @@ def _validate_dropout(dropout_p) -> float:
     return float(dropout_p)
 
 
+def _validate_alibi_slopes(alibi_slopes, batch: int, nheads: int, device) -> torch.Tensor:
+    """ALiBi's slopes: float32 (nheads,) or (batch, nheads) on q's device (flash-attn's rule); returns
+    them with a contiguous last dim."""
+    if not isinstance(alibi_slopes, torch.Tensor):
+        raise InputTypeError(f"Expected alibi_slopes to be a torch.Tensor or None, got {type(alibi_slopes).__name__}.")
+    if alibi_slopes.dtype != torch.float32:
+        raise InputTypeError(f"Expected alibi_slopes of dtype float32, got {alibi_slopes.dtype}.")
+    if tuple(alibi_slopes.shape) not in ((nheads,), (batch, nheads)) or alibi_slopes.device != device:
+        raise InputError(f"Expected alibi_slopes of shape ({nheads},) or ({batch}, {nheads}) on {device}, got "
+                         f"{tuple(alibi_slopes.shape)} on {alibi_slopes.device}.")
+    return alibi_slopes if alibi_slopes.stride(-1) == 1 else alibi_slopes.contiguous()
+
+
+def _validate_sinks(sinks, nheads: int, device) -> None:
+    """Attention sinks: a floating (nheads,) tensor on q's device, one logit per query head."""
+    if not isinstance(sinks, torch.Tensor):
+        raise InputTypeError(f"Expected sinks to be a torch.Tensor or None, got {type(sinks).__name__}.")
+    if not sinks.is_floating_point():
+        raise InputTypeError(f"Expected sinks of a floating dtype, got {sinks.dtype}.")
+    if tuple(sinks.shape) != (nheads,) or sinks.device != device:
+        raise InputError(f"Expected sinks of shape ({nheads},) (one per query head) on {device}, got "
+                         f"{tuple(sinks.shape)} on {sinks.device}.")
+
+
 def _check_block_table_entries(block_table: torch.Tensor, host_lengths, seqlen_new: int, page_size: int,
                                num_blocks: int) -> None:
     """Raise ValueError if a CPU block_table entry that the call uses lies outside [0, num_blocks).

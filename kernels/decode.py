@@ -84,7 +84,7 @@ from ._configs import (
 )
 from ._jit import wide_pages
 from ._launch import DirectLaunch, LaunchCache, launch_hooks_active, recording_active
-from ._options import AttnOptions, attn_options, head_dim_tile, resolve_variants
+from ._options import AttnOptions, attn_options, causal_without_variants, head_dim_tile
 from ._utils import (
     Target,
     _check_block_table_entries,
@@ -856,7 +856,8 @@ def flash_attn_with_kvcache(
         except (AttributeError, IndexError):  # not tensors: validation names the problem
             capacity = 0
         cache_seqlens = capacity if cache_seqlens is None else cache_seqlens
-        causal = resolve_variants(window_size, softcap, alibi_slopes, causal, capacity)
+        causal = causal_without_variants(window_size, softcap, alibi_slopes, causal, capacity,
+                                         "flash_attn_with_kvcache")
         if rotary_cos is not None or rotary_sin is not None:
             q, k = _rotate(q, k, v, rotary_cos, rotary_sin, cache_seqlens, capacity, rotary_interleaved, causal)
     return _kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, num_splits,

@@ -292,8 +292,12 @@ def decode_kernel(
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, WIDE_PAGES: tl.constexpr,
     EARLY_NEW: tl.constexpr, ONE_LOOP: tl.constexpr, USE_PDL: tl.constexpr,
     Cache_leftpad=None, HAS_LEFTPAD: tl.constexpr = False,  # None (compiled out) without left padding
+    window_left=-1, window_right=-1, softcap=0.0,  # the variants' options: not implemented in decode yet
+    HAS_WINDOW: tl.constexpr = False, HAS_SOFTCAP: tl.constexpr = False, HAS_ALIBI: tl.constexpr = False,
+    HAS_SINKS: tl.constexpr = False,
 ):
     tl.static_assert(BLOCK_H >= 16 and BLOCK_N >= 16 and BLOCK_NEW >= 16, "tl.dot needs tiles of at least 16")
+    tl.static_assert(not (HAS_WINDOW or HAS_SOFTCAP or HAS_ALIBI or HAS_SINKS), "decode has no variants yet")
     qk_scale = softmax_scale * LOG2E  # scores to base-2 logits
     if USE_PDL:  # let the combine launch now; it waits for this grid to finish, see [Note] Combine launch
         tl.extra.cuda.gdc_launch_dependents()
@@ -327,7 +331,7 @@ def decode_kernel(
         n_total = seqlen + M_NEW
     else:
         n_total = seqlen
-    row_limit = offs_t + (n_total - M)  # [BLOCK_H] last key each row may see (causal)
+    diag = n_total - M  # row t's last key when causal is t + diag
 
     # -- this split's range of cached keys, see [Note] Empty KV splits -----------------------------
     lo = split * SPLIT_N
@@ -406,7 +410,7 @@ def decode_kernel(
         k_offs = kv_block_offsets(blocks, start_n, offs_n, stride_kb, stride_kn, PAGE_SIZE, PAGED, WIDE_PAGES, BLOCK_N)
         k = load_rows(k_head + k_offs[:, None] + offs_d[None, :], rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
         qk = tl.dot(q, tl.trans(k))
-        qk = mask_scores(qk, rows, hi, row_limit, IS_CAUSAL)
+        qk = mask_scores(qk, offs_t, rows, hi, diag, 0, 0, IS_CAUSAL, False)
         p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, True)
         v_offs = kv_block_offsets(blocks, start_n, offs_n, stride_vb, stride_vn, PAGE_SIZE, PAGED, WIDE_PAGES, BLOCK_N)
         v = load_rows(v_head + v_offs[:, None] + offs_d[None, :], rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
@@ -417,7 +421,7 @@ def decode_kernel(
         if split == num_splits - 1:
             if EARLY_NEW:  # the first chunk, loaded at the start
                 qk = tl.dot(q, tl.trans(kn0))  # [BLOCK_H, BLOCK_NEW]
-                qk = mask_scores(qk, seqlen + offs_u, n_total, row_limit, IS_CAUSAL)
+                qk = mask_scores(qk, offs_t, seqlen + offs_u, n_total, diag, 0, 0, IS_CAUSAL, False)
                 p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, True)
                 acc = tl.dot(p.to(vn0.dtype), vn0, acc)
                 if pid_rb == 0:  # one row block writes the cache
@@ -429,7 +433,7 @@ def decode_kernel(
                 kn = load_rows(kn_head + us[:, None].to(tl.int64) * stride_knm + offs_d[None, :],
                                us, M_NEW, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)  # [BLOCK_NEW, D_PAD]
                 qk = tl.dot(q, tl.trans(kn))  # [BLOCK_H, BLOCK_NEW]
-                qk = mask_scores(qk, seqlen + us, n_total, row_limit, IS_CAUSAL)
+                qk = mask_scores(qk, offs_t, seqlen + us, n_total, diag, 0, 0, IS_CAUSAL, False)
                 p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, True)
                 vn = load_rows(vn_head + us[:, None].to(tl.int64) * stride_vnm + offs_d[None, :],
                                us, M_NEW, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)

@@ -15,7 +15,6 @@ from typing import Optional, Tuple
 import torch
 
 from . import prefill as _prefill
-from ._options import attn_options, resolve_variants
 from ._utils import _validate_dropout, _validate_tensor
 from .decode import flash_attn_with_kvcache
 from .errors import InputError
@@ -43,11 +42,14 @@ __all__ = [
 
 
 def _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes, dropout_p,
-             seqlen_k, rng_state=None):
-    """The call's AttnOptions and Dropout (None without dropout; rng_state None: a fresh draw)."""
+             seqlen_k, batch, rng_state=None):
+    """The call's AttnOptions, the variants' kernel arguments (`prefill.variant_args`) and Dropout (None
+    without dropout; rng_state None: a fresh draw)."""
     dropout_p = _validate_dropout(dropout_p)
-    causal = resolve_variants((window_size_left, window_size_right), softcap, alibi_slopes, causal, seqlen_k)
-    return attn_options(q.shape[-1], softmax_scale, causal), _prefill.dropout(dropout_p, q.device, rng_state)
+    options, variants = _prefill.variant_options(q.shape[-1], softmax_scale, causal,
+                                                 (window_size_left, window_size_right), softcap, alibi_slopes, None,
+                                                 seqlen_k, batch, q.shape[-2], q.device)
+    return options, variants, _prefill.dropout(dropout_p, q.device, rng_state)
 
 
 def _rng_state(drop, device) -> torch.Tensor:
@@ -100,10 +102,12 @@ def _flash_attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropo
     takes back to regenerate the mask.
     """
     _validate_qkv(q, k, v)
-    options, drop = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
-                             dropout_p, k.shape[1])
-    out, lse = _prefill._flash_attn_forward(q, k, v, options, drop=drop)
-    probs = _prefill.dropout_probs(q, k, options, drop) if return_softmax and drop is not None else None
+    options, variants, drop = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap,
+                                       alibi_slopes, dropout_p, k.shape[1], q.shape[0])
+    out, lse = _prefill._flash_attn_forward(q, k, v, options, drop=drop, variants=variants)
+    probs = None
+    if return_softmax and drop is not None:
+        probs = _prefill.dropout_probs(q, k, options, drop, variants=variants)
     return out, lse, probs, _rng_state(drop, q.device)
 
 
@@ -123,11 +127,13 @@ def _flash_attn_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     rng_state must be the forward's.
     """
     _validate_qkv(q, k, v)
-    options, drop = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
-                             dropout_p, k.shape[1], _forward_rng(_validate_dropout(dropout_p), rng_state))
+    options, variants, drop = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap,
+                                       alibi_slopes, dropout_p, k.shape[1], q.shape[0],
+                                       _forward_rng(_validate_dropout(dropout_p), rng_state))
     softmax_lse = _backward_inputs(dout, q, out, softmax_lse, (q.shape[0], q.shape[2], q.shape[1]))
     grads = _check_grad_buffers((dq, dk, dv), (q, k, v))
-    *_, delta = _prefill._flash_attn_backward(dout, q, k, v, out, softmax_lse, options, grads=grads, drop=drop)
+    delta = _prefill._flash_attn_backward(dout, q, k, v, out, softmax_lse, options, grads=grads, drop=drop,
+                                          variants=variants)[3]
     return delta
 
 
@@ -156,13 +162,14 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
                 return_softmax_lse=True)
         return out, lse, None, _rng_state(None, q.device)
     max_seqlen_q, max_seqlen_k = _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    options, drop = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
-                             dropout_p, max_seqlen_k)
+    options, variants, drop = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap,
+                                       alibi_slopes, dropout_p, max_seqlen_k, cu_seqlens_q.numel() - 1)
     cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
-    out, lse = _prefill._flash_attn_varlen_forward(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, options, drop=drop)
+    out, lse = _prefill._flash_attn_varlen_forward(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, options, drop=drop,
+                                                   variants=variants)
     probs = None
     if return_softmax and drop is not None:
-        probs = _prefill.dropout_probs(q, k, options, drop, (cu_q, cu_k, max_seqlen_q, max_seqlen_k))
+        probs = _prefill.dropout_probs(q, k, options, drop, (cu_q, cu_k, max_seqlen_q, max_seqlen_k), variants)
     return out, lse, probs, _rng_state(drop, q.device)
 
 
@@ -173,13 +180,14 @@ def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_
     """`_flash_attn_backward` over packed sequences; returns softmax_d (nheads, total_q) (flash-attn pads
     its copy per sequence; ours is unpadded)."""
     max_seqlen_q, max_seqlen_k = _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    options, drop = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
-                             dropout_p, max_seqlen_k, _forward_rng(_validate_dropout(dropout_p), rng_state))
+    options, variants, drop = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap,
+                                       alibi_slopes, dropout_p, max_seqlen_k, cu_seqlens_q.numel() - 1,
+                                       _forward_rng(_validate_dropout(dropout_p), rng_state))
     softmax_lse = _backward_inputs(dout, q, out, softmax_lse, (q.shape[1], q.shape[0]))
     grads = _check_grad_buffers((dq, dk, dv), (q, k, v))
     cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
-    *_, delta = _prefill._flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, cu_q, cu_k, max_seqlen_q,
-                                                     max_seqlen_k, options, grads=grads, drop=drop)
+    delta = _prefill._flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, cu_q, cu_k, max_seqlen_q,
+                                                 max_seqlen_k, options, grads=grads, drop=drop, variants=variants)[3]
     return delta
 
 

@@ -19,10 +19,11 @@ import triton
 from ._configs import AttnConfig, prefill_bwd_config, prefill_bwd_unsupported, prefill_fwd_config
 from ._jit import wide_pages
 from ._launch import LaunchCache
-from ._options import AttnOptions, attn_options, resolve_variants
+from ._options import AttnOptions, attn_options, refuse_variants, resolve_variants
 from ._utils import (
     Target,
     _check_block_table_entries,
+    _validate_alibi_slopes,
     _validate_cu_seqlens,
     _validate_cu_seqlens_values,
     _validate_devices,
@@ -31,6 +32,7 @@ from ._utils import (
     _validate_head_dim,
     _validate_heads,
     _validate_max_seqlen,
+    _validate_sinks,
     _validate_tensor,
     device_target,
     empty_aligned,
@@ -153,15 +155,41 @@ def _dropout_args(drop: Optional[Dropout]) -> dict:
     return drop.kernel_args if drop is not None else {}
 
 
+def variant_args(options: AttnOptions, alibi_slopes: Optional[torch.Tensor], sinks: Optional[torch.Tensor],
+                 batch: int, nheads: int, device: torch.device) -> dict:
+    """The attention kernels' arguments for the variants' per-call tensors, validated: ALiBi's slopes
+    (Alibi, and stride_alibi_b: 0 for one slope per head) and the sinks (Sinks, as float32); {}
+    without them. Whether they are on is the options' (HAS_ALIBI, HAS_SINKS)."""
+    args = {}
+    if options.alibi:
+        slopes = _validate_alibi_slopes(alibi_slopes, batch, nheads, device)
+        args.update(Alibi=slopes, stride_alibi_b=slopes.stride(0) if slopes.dim() == 2 else 0)
+    if options.sinks:
+        _validate_sinks(sinks, nheads, device)
+        args["Sinks"] = sinks.detach().to(torch.float32).contiguous()
+    return args
+
+
+def variant_options(head_dim: int, softmax_scale, causal: bool, window_size, softcap, alibi_slopes, sinks,
+                    seqlen_k: int, batch: int, nheads: int, device: torch.device) -> Tuple[AttnOptions, dict]:
+    """A public function's AttnOptions from flash-attn's variant arguments (and our sinks), with the
+    kernel arguments of their tensors (`variant_args`); everything checked before any launch."""
+    options = attn_options(head_dim, softmax_scale, alibi=alibi_slopes is not None, sinks=sinks is not None,
+                           **resolve_variants(window_size, softcap, causal, seqlen_k))
+    return options, variant_args(options, alibi_slopes, sinks, batch, nheads, device)
+
+
 def dropout_probs(q: torch.Tensor, k: torch.Tensor, options: AttnOptions, drop: Dropout,
-                  varlen: Optional[Tuple[torch.Tensor, torch.Tensor, int, int]] = None) -> torch.Tensor:
+                  varlen: Optional[Tuple[torch.Tensor, torch.Tensor, int, int]] = None,
+                  variants: Optional[dict] = None) -> torch.Tensor:
     """flash-attn's S_dmask for a forward that ran with `drop` (its testing aid; see
     `dropout_probs_kernel`): (batch, nheads, seqlen_q, seqlen_k) in q's dtype, S[b, h, i, j] =
     +-exp(score - row max), negative where the pair was dropped, 0 where row i does not see key j.
     Packed inputs give (batch, nheads, max_seqlen_q, max_seqlen_k), sequence b's pairs at its own
     positions and zeros past its lengths (a sequence longer than max_seqlen_q / max_seqlen_k is cut to
-    them). It costs batch * nheads * seqlen_q * seqlen_k elements of q's dtype and a second pass over
-    the scores: a test's tool, not a training one."""
+    them). The scores are those the softmax sees (softcap, ALiBi and window applied; `variants` as
+    `variant_args` gives them); a sink takes no part. It costs batch * nheads * seqlen_q * seqlen_k
+    elements of q's dtype and a second pass over the scores: a test's tool, not a training one."""
     if varlen is None:
         batch, seqlen_q, nheads, _ = q.shape
         seqlen_k = k.shape[1]
@@ -177,9 +205,9 @@ def dropout_probs(q: torch.Tensor, k: torch.Tensor, options: AttnOptions, drop: 
     block_m, block_n = (64, 64) if options.head_dim_pad <= 64 else (32, 32) if options.head_dim_pad <= 128 else (16, 32)
     grid = (triton.cdiv(seqlen_q, block_m), batch * nheads, 1)
     args = (q, k, probs, drop.rng_state, *_row_strides(q, packed), *_row_strides(k, packed), *probs.stride()[:3],
-            nheads, seqlen_q, seqlen_k, nheads // k.shape[-2], options.softmax_scale,
-            drop.keep_threshold)
-    kwargs = dict(**options.tile, BLOCK_M=block_m, BLOCK_N=block_n, IS_CAUSAL=options.causal, **extra)
+            nheads, seqlen_q, seqlen_k, nheads // k.shape[-2])
+    kwargs = dict(**options.runtime, keep_threshold=drop.keep_threshold, **options.constexprs, BLOCK_M=block_m,
+                  BLOCK_N=block_n, **extra, **(variants or {}))
     device_index = q.device.index if q.device.index is not None else 0
     with _on_device(q):
         _launch_dropout_probs(None, grid, args, 4, 1, kwargs, device_index)
@@ -233,9 +261,11 @@ def _backward_configs(options: AttnOptions, dtype: torch.dtype, target: Optional
 
 
 def _launch_backward(dout, q, k, v, out, lse, dq, dk, dv, delta, batch, seqlen_q, seqlen_k, options: AttnOptions,
-                     configs, varlen, drop: Optional[Dropout] = None):
+                     configs, varlen, drop: Optional[Dropout] = None,
+                     variants: Optional[dict] = None) -> Optional[torch.Tensor]:
     """Launch the three backward kernels (`configs` from _backward_configs); `varlen` as in _launch_forward;
-    `drop` the forward's dropout."""
+    `drop` the forward's dropout, `variants` its `variant_args`. Returns dsinks (nheads,) float32 with
+    sinks (the preprocessing's per-block shares summed in a fixed order: deterministic), else None."""
     nheads, nheads_k = q.shape[-2], k.shape[-2]
     target = device_target(q.device)
     cfg_kv, cfg_q = configs
@@ -245,13 +275,20 @@ def _launch_backward(dout, q, k, v, out, lse, dq, dk, dv, delta, batch, seqlen_q
     packed = bool(varlen)
     varlen_pre = {key: val for key, val in varlen.items() if key != "Cu_seqlens_k"}  # preprocess reads no keys
     q_s, k_s, v_s, do_s = (_row_strides(t, packed) for t in (q, k, v, dout))
-    attention = dict(**options.runtime, **options.constexprs, USE_TMA=use_tma, **varlen, **_dropout_args(drop))
+    variants = variants or {}
+    attention = dict(**options.runtime, **options.constexprs, USE_TMA=use_tma, **varlen, **_dropout_args(drop),
+                     **variants)
+    pre_grid = (triton.cdiv(seqlen_q, 64), batch * nheads, 1)
+    dsinks_part, sinks_args = None, {}
+    if options.sinks:  # one share of dsinks per preprocessing program, zero where a program exits early
+        dsinks_part = torch.zeros(pre_grid[:2], dtype=torch.float32, device=q.device)
+        sinks_args = dict(Lse=lse, Sinks=variants["Sinks"], Dsinks_part=dsinks_part, HAS_SINKS=True)
     device_index = q.device.index if q.device.index is not None else 0
     with _on_device(q):
         _launch_bwd_preprocess(  # Triton's default 4 warps and 3 stages
-            None, (triton.cdiv(seqlen_q, 64), batch * nheads, 1),
+            None, pre_grid,
             (out, dout, delta, *_row_strides(out, packed), *do_s, nheads, seqlen_q), 4, 3,
-            dict(**options.tile, BLOCK_M=64, **varlen_pre), device_index,
+            dict(**options.tile, BLOCK_M=64, **varlen_pre, **sinks_args), device_index,
         )
         _launch_bwd_dkdv(
             None, (triton.cdiv(seqlen_k, cfg_kv.block_n), batch * nheads_k, 1),
@@ -268,6 +305,7 @@ def _launch_backward(dout, q, k, v, out, lse, dq, dk, dv, delta, batch, seqlen_q
             cfg_q.num_warps, cfg_q.num_stages,
             dict(BLOCK_M=cfg_q.block_m, BLOCK_N=cfg_q.block_n, **attention), device_index,
         )
+    return None if dsinks_part is None else dsinks_part.view(-1, batch, nheads).sum((0, 1))
 
 
 def _varlen_args(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int) -> dict:
@@ -288,21 +326,32 @@ def _forward_plan(q: torch.Tensor, options: AttnOptions, config: Optional[AttnCo
 
 
 def _flash_attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttnOptions,
-                        config: Optional[AttnConfig] = None,
-                        drop: Optional[Dropout] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Launch the forward kernel on validated inputs (with dropout `drop`); returns (out, softmax_lse)."""
+                        config: Optional[AttnConfig] = None, drop: Optional[Dropout] = None,
+                        variants: Optional[dict] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward kernel on validated inputs (with dropout `drop`, and the variants' tensors as
+    `variant_args` gives them); returns (out, softmax_lse)."""
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k = k.shape[1]
     target, config, planned = _forward_plan(q, options, config)
     out = empty_aligned((batch, seqlen_q, nheads, head_dim), q.dtype, q.device, aligned=planned)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
-        lse.fill_(float("inf"))
+        _empty_rows_lse(lse, options, variants)
         return out, lse
     q, k, v = _aligned_operands(planned, q, k, v)
-    _launch_forward(q, k, v, out, lse, batch, seqlen_q, seqlen_k, options, config, _dropout_args(drop),
+    _launch_forward(q, k, v, out, lse, batch, seqlen_q, seqlen_k, options, config,
+                    dict(_dropout_args(drop), **(variants or {})),
                     use_tma=_use_tma(config.use_tma, target, q, k, v, out))
     return out, lse
+
+
+def _empty_rows_lse(lse: torch.Tensor, options: AttnOptions, variants: Optional[dict]) -> None:
+    """The LSE of rows that see no key without a launch: +inf, or each head's sink with sinks (the
+    softmax over the sink alone); lse is (..., nheads, rows)."""
+    if options.sinks and lse.numel():
+        lse.copy_(variants["Sinks"][:, None].expand(lse.shape))
+    else:
+        lse.fill_(float("inf"))
 
 
 def _flash_attn_kvcache_forward(
@@ -378,10 +427,12 @@ def _flash_attn_backward(
     configs: Optional[Tuple[AttnConfig, AttnConfig]] = None,
     grads: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
     drop: Optional[Dropout] = None,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the backward kernels (of a forward that ran with dropout `drop`); returns (dq, dk, dv)
-    shaped like (q, k, v), written into `grads` when given (validated buffers with a contiguous last
-    dim), and delta = rowsum(dout * out) (batch, nheads, seqlen_q) float32."""
+    variants: Optional[dict] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Launch the backward kernels (of a forward that ran with dropout `drop` and the variants'
+    tensors `variants`); returns (dq, dk, dv) shaped like (q, k, v), written into `grads` when given
+    (validated buffers with a contiguous last dim), delta = rowsum(dout * out) (batch, nheads,
+    seqlen_q) float32, and dsinks (nheads,) float32 with sinks (else None)."""
     batch, seqlen_q, nheads, _ = q.shape
     seqlen_k = k.shape[1]
     target = device_target(q.device)
@@ -398,10 +449,15 @@ def _flash_attn_backward(
     if dq.numel() == 0 or dk.numel() == 0:
         dq.zero_()
         delta.zero_()
-        return dq, dk, dv, delta
-    _launch_backward(dout, q, k, v, out, lse, dq, dk, dv, delta, batch, seqlen_q, seqlen_k, options, configs, {},
-                     drop)
-    return dq, dk, dv, delta
+        return dq, dk, dv, delta, _no_dsinks(options, nheads, q.device)
+    dsinks = _launch_backward(dout, q, k, v, out, lse, dq, dk, dv, delta, batch, seqlen_q, seqlen_k, options, configs,
+                              {}, drop, variants)
+    return dq, dk, dv, delta, dsinks
+
+
+def _no_dsinks(options: AttnOptions, nheads: int, device: torch.device) -> Optional[torch.Tensor]:
+    """dsinks of a backward with no launch: zeros (the output is empty or zeros, so delta is 0)."""
+    return torch.zeros(nheads, dtype=torch.float32, device=device) if options.sinks else None
 
 
 def _empty_grads(q, k, v) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -452,9 +508,10 @@ def _flash_attn_varlen_forward(
     options: AttnOptions,
     config: Optional[AttnConfig] = None,
     drop: Optional[Dropout] = None,
+    variants: Optional[dict] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Launch the forward kernel on validated packed inputs (with dropout `drop`); returns (out,
-    softmax_lse (nheads, total_q))."""
+    """Launch the forward kernel on validated packed inputs (with dropout `drop` and the variants'
+    tensors `variants`); returns (out, softmax_lse (nheads, total_q))."""
     total_q, nheads, head_dim = q.shape
     batch = cu_seqlens_q.numel() - 1
     target, config, planned = _forward_plan(q, options, config)
@@ -462,11 +519,11 @@ def _flash_attn_varlen_forward(
     lse = torch.empty((nheads, total_q), dtype=torch.float32, device=q.device)
     if out.numel() == 0 or batch == 0 or max_seqlen_q == 0:
         out.zero_()
-        lse.fill_(float("inf"))
+        _empty_rows_lse(lse, options, variants)
         return out, lse
     q, k, v = _aligned_operands(planned, q, k, v)
     _launch_forward(q, k, v, out, lse, batch, max_seqlen_q, max_seqlen_k, options, config,
-                    dict(_varlen_args(cu_seqlens_q, cu_seqlens_k, total_q), **_dropout_args(drop)),
+                    dict(_varlen_args(cu_seqlens_q, cu_seqlens_k, total_q), **_dropout_args(drop), **(variants or {})),
                     use_tma=_use_tma(config.use_tma, target, q, k, v, out))
     return out, lse
 
@@ -520,8 +577,9 @@ def _flash_attn_varlen_backward(
     configs: Optional[Tuple[AttnConfig, AttnConfig]] = None,
     grads: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
     drop: Optional[Dropout] = None,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the backward kernels in packed mode; returns (dq, dk, dv, delta) as
+    variants: Optional[dict] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Launch the backward kernels in packed mode; returns (dq, dk, dv, delta, dsinks) as
     _flash_attn_backward, delta (nheads, total_q)."""
     total_q, nheads, _ = q.shape
     batch = cu_seqlens_q.numel() - 1
@@ -538,48 +596,61 @@ def _flash_attn_varlen_backward(
         dk.zero_()
         dv.zero_()
         delta.zero_()
-        return dq, dk, dv, delta
-    _launch_backward(dout, q, k, v, out, lse, dq, dk, dv, delta, batch, max_seqlen_q, max_seqlen_k, options,
-                     configs, _varlen_args(cu_seqlens_q, cu_seqlens_k, total_q), drop)
-    return dq, dk, dv, delta
+        return dq, dk, dv, delta, _no_dsinks(options, nheads, q.device)
+    dsinks = _launch_backward(dout, q, k, v, out, lse, dq, dk, dv, delta, batch, max_seqlen_q, max_seqlen_k, options,
+                              configs, _varlen_args(cu_seqlens_q, cu_seqlens_k, total_q), drop, variants)
+    return dq, dk, dv, delta, dsinks
 
 
 # ============================================================================================
 # Autograd
 # ============================================================================================
+def _sinks_grad(ctx, dsinks: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """dsinks in the sinks' own dtype, where they take a gradient."""
+    return dsinks.to(ctx.sinks_dtype) if dsinks is not None and ctx.needs_input_grad[3] else None
+
+
+def _wants_grad(*tensors: Optional[torch.Tensor]) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 class _FlashAttnFunc(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, options, drop):
-        out, lse = _flash_attn_forward(q, k, v, options, drop=drop)
+    def forward(ctx, q, k, v, sinks, options, drop, variants):
+        out, lse = _flash_attn_forward(q, k, v, options, drop=drop, variants=variants)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.options, ctx.drop = options, drop
+        ctx.options, ctx.drop, ctx.variants = options, drop, variants
+        ctx.sinks_dtype = sinks.dtype if sinks is not None else None
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv, _ = _flash_attn_backward(dout, q, k, v, out, lse, ctx.options, drop=ctx.drop)
-        return dq, dk, dv, None, None
+        dq, dk, dv, _, dsinks = _flash_attn_backward(dout, q, k, v, out, lse, ctx.options, drop=ctx.drop,
+                                                     variants=ctx.variants)
+        return dq, dk, dv, _sinks_grad(ctx, dsinks), None, None, None
 
 
 class _FlashAttnVarlenFunc(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, drop):
+    def forward(ctx, q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, drop, variants):
         out, lse = _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                              options, drop=drop)
+                                              options, drop=drop, variants=variants)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
         ctx.max_seqlen_q, ctx.max_seqlen_k = max_seqlen_q, max_seqlen_k
-        ctx.options, ctx.drop = options, drop
+        ctx.options, ctx.drop, ctx.variants = options, drop, variants
+        ctx.sinks_dtype = sinks.dtype if sinks is not None else None
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-        dq, dk, dv, _ = _flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                                                 ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.options, drop=ctx.drop)
-        return dq, dk, dv, None, None, None, None, None, None
+        dq, dk, dv, _, dsinks = _flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                                            ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.options,
+                                                            drop=ctx.drop, variants=ctx.variants)
+        return dq, dk, dv, _sinks_grad(ctx, dsinks), None, None, None, None, None, None, None
 
 
 # ============================================================================================
@@ -599,6 +670,7 @@ def flash_attn_func(
     return_attn_probs: bool = False,
     *,
     return_softmax_lse: bool = False,
+    sinks: Optional[torch.Tensor] = None,
 ):
     """Attention softmax(q @ k^T * softmax_scale) @ v with flash-attn 2's signature.
 
@@ -658,14 +730,14 @@ def flash_attn_func(
     """
     dropout_p = _validate_dropout(dropout_p)
     _validate_qkv(q, k, v)
-    causal = resolve_variants(window_size, softcap, alibi_slopes, causal, k.shape[1])
-    options = attn_options(q.shape[3], softmax_scale, causal)
+    options, variants = variant_options(q.shape[3], softmax_scale, causal, window_size, softcap, alibi_slopes, sinks,
+                                        k.shape[1], q.shape[0], q.shape[2], q.device)
     drop = dropout(dropout_p, q.device)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        out, lse = _FlashAttnFunc.apply(q, k, v, options, drop)
+    if _wants_grad(q, k, v, sinks):
+        out, lse = _FlashAttnFunc.apply(q, k, v, sinks, options, drop, variants)
     else:
-        out, lse = _flash_attn_forward(q, k, v, options, drop=drop)
-    probs = dropout_probs(q, k, options, drop) if return_attn_probs and drop is not None else None
+        out, lse = _flash_attn_forward(q, k, v, options, drop=drop, variants=variants)
+    probs = dropout_probs(q, k, options, drop, variants=variants) if return_attn_probs and drop is not None else None
     return _results(out, lse, probs, return_attn_probs, return_softmax_lse)
 
 
@@ -695,6 +767,7 @@ def flash_attn_varlen_func(
     block_table: Optional[torch.Tensor] = None,
     *,
     return_softmax_lse: bool = False,
+    sinks: Optional[torch.Tensor] = None,
 ):
     """Attention over a batch of sequences of different lengths packed without padding (flash-attn's
     varlen interface). Sequence b's queries attend only to sequence b's keys.
@@ -765,25 +838,26 @@ def flash_attn_varlen_func(
     if block_table is not None:
         return _varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                              causal, window_size, softcap, alibi_slopes, return_attn_probs, block_table,
-                             return_softmax_lse)
+                             return_softmax_lse, sinks)
     max_seqlen_q, max_seqlen_k = _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    causal = resolve_variants(window_size, softcap, alibi_slopes, causal, max_seqlen_k)
-    options = attn_options(q.shape[2], softmax_scale, causal)
+    options, variants = variant_options(q.shape[2], softmax_scale, causal, window_size, softcap, alibi_slopes, sinks,
+                                        max_seqlen_k, cu_seqlens_q.numel() - 1, q.shape[1], q.device)
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
-    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options)
+    args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options)
     drop = dropout(dropout_p, q.device)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        out, lse = _FlashAttnVarlenFunc.apply(*args, drop)
+    if _wants_grad(q, k, v, sinks):
+        out, lse = _FlashAttnVarlenFunc.apply(q, k, v, sinks, *args, drop, variants)
     else:
-        out, lse = _flash_attn_varlen_forward(*args, drop=drop)
+        out, lse = _flash_attn_varlen_forward(q, k, v, *args, drop=drop, variants=variants)
     probs = None
     if return_attn_probs and drop is not None:
-        probs = dropout_probs(q, k, options, drop, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+        probs = dropout_probs(q, k, options, drop, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), variants)
     return _results(out, lse, probs, return_attn_probs, return_softmax_lse)
 
 
 def _varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                  causal, window_size, softcap, alibi_slopes, return_attn_probs, block_table, return_softmax_lse):
+                  causal, window_size, softcap, alibi_slopes, return_attn_probs, block_table, return_softmax_lse,
+                  sinks):
     """flash_attn_varlen_func with block_table: validated here, forward only (see its docstring)."""
     _validate_tensor("k", k_cache, 4, "(num_blocks, page_size, nheads_k, headdim) with block_table")
     _validate_tensor("v", v_cache, 4, "(num_blocks, page_size, nheads_k, headdim) with block_table")
@@ -817,8 +891,9 @@ def _varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                              f"page_size = {capacity}, got lengths {lengths.tolist()}.")
         if block_table.device.type == "cpu":
             _check_block_table_entries(block_table, lengths, 0, page_size, k_cache.shape[0])
-    causal = resolve_variants(window_size, softcap, alibi_slopes, causal, max_seqlen_k)
-    options = attn_options(q.shape[2], softmax_scale, causal)
+    options = attn_options(q.shape[2], softmax_scale, alibi=alibi_slopes is not None, sinks=sinks is not None,
+                           **resolve_variants(window_size, softcap, causal, max_seqlen_k))
+    refuse_variants(options, "flash_attn_varlen_func with block_table (a paged K/V)")
     args = (q, k_cache, v_cache, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, block_table,
             options)
     if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad):
@@ -858,44 +933,44 @@ def _unpack(name: str, packed: torch.Tensor, ndim: int, count: int, layout: str)
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                               softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                              return_softmax_lse=False):
+                              return_softmax_lse=False, sinks=None):
     """flash_attn_func over q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], with qkv
     (batch, seqlen, 3, nheads, headdim) as a fused QKV projection gives it (MHA). Arguments and
     results as in flash_attn_func; the gradient is qkv-shaped."""
     q, k, v = _unpack("qkv", qkv, 5, 3, "(batch, seqlen, 3, nheads, headdim)")
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                           deterministic, return_attn_probs, return_softmax_lse=return_softmax_lse)
+                           deterministic, return_attn_probs, return_softmax_lse=return_softmax_lse, sinks=sinks)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                             return_softmax_lse=False):
+                             return_softmax_lse=False, sinks=None):
     """flash_attn_func over k, v = kv[:, :, 0], kv[:, :, 1], with kv (batch, seqlen_k, 2, nheads_k,
     headdim) (MHA/GQA/MQA). Arguments and results as in flash_attn_func; the gradient is kv-shaped."""
     k, v = _unpack("kv", kv, 5, 2, "(batch, seqlen_k, 2, nheads_k, headdim)")
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                           deterministic, return_attn_probs, return_softmax_lse=return_softmax_lse)
+                           deterministic, return_attn_probs, return_softmax_lse=return_softmax_lse, sinks=sinks)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
                                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                                     return_attn_probs=False, *, return_softmax_lse=False):
+                                     return_attn_probs=False, *, return_softmax_lse=False, sinks=None):
     """flash_attn_varlen_func over q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2], with qkv
     (total, 3, nheads, headdim) and one cu_seqlens / max_seqlen for queries and keys. Arguments and
     results as in flash_attn_varlen_func."""
     q, k, v = _unpack("qkv", qkv, 4, 3, "(total, 3, nheads, headdim)")
     return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
                                   causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
-                                  return_softmax_lse=return_softmax_lse)
+                                  return_softmax_lse=return_softmax_lse, sinks=sinks)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                                     alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                                    return_softmax_lse=False):
+                                    return_softmax_lse=False, sinks=None):
     """flash_attn_varlen_func over k, v = kv[:, 0], kv[:, 1], with kv (total_k, 2, nheads_k, headdim).
     Arguments and results as in flash_attn_varlen_func."""
     k, v = _unpack("kv", kv, 4, 2, "(total_k, 2, nheads_k, headdim)")
     return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                   softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                                  return_attn_probs, return_softmax_lse=return_softmax_lse)
+                                  return_attn_probs, return_softmax_lse=return_softmax_lse, sinks=sinks)

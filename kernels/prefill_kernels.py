@@ -89,14 +89,19 @@ from ._jit import (
     finalize,
     gqa_kv_head,
     gqa_q_head,
+    in_band,
+    key_range,
     kv_block_offsets,
     left_padding,
     load_rows,
     mask_scores,
     online_softmax,
     physical_blocks,
+    score_mods,
+    score_units,
     store_rows,
     tile_ptrs,
+    window_extent,
 )
 
 
@@ -114,16 +119,66 @@ def page_row(Table, start_n, n_rows, NUM_BLOCKS, PAGE_SIZE: tl.constexpr):
 
 
 @triton.jit
+def variant_scores(qk, offs_m, offs_n, n_end, diag, left, right, cap_scale, slope, MASKED: tl.constexpr,
+                   IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                   HAS_ALIBI: tl.constexpr):
+    """A forward block's raw scores qk [BLOCK_M, BLOCK_N] made ready for `online_softmax`: softcap
+    and ALiBi applied (kernels/_jit.py `score_mods`), then, in a masked block, the length and band mask."""
+    if HAS_SOFTCAP or HAS_ALIBI:
+        qk, _ = score_mods(qk, offs_m[:, None], offs_n[None, :], diag, cap_scale, slope, HAS_SOFTCAP, HAS_ALIBI)
+    if MASKED:
+        qk = mask_scores(qk, offs_m, offs_n, n_end, diag, left, right, IS_CAUSAL, HAS_WINDOW)
+    return qk
+
+
+@triton.jit
+def fwd_inner(
+    acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, lo, hi,
+    offs_m, offs_n, offs_d, n_end, diag, left, right, qk_scale, cap_scale, slope, dropout,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, MASKED: tl.constexpr,
+    USE_TMA: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+):
+    """Stream key blocks [lo, hi) of a dense K/V into (acc, m_i, l_i). k_src/v_src are tensor
+    descriptors (USE_TMA) or base pointers of the (batch, KV head)'s [N, D] slice; MASKED blocks are
+    bounds-checked and masked (see [Note] Masking layout). dropout: (seed, salt, bh, keep_threshold)."""
+    k_rel = offs_n[:, None] * stride_kn + offs_d[None, :]  # [BLOCK_N, D_PAD], small offsets
+    v_rel = offs_n[:, None] * stride_vn + offs_d[None, :]
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        if USE_TMA:
+            k = k_src.load([start_n, 0])  # [BLOCK_N, D_PAD]
+        else:
+            k = load_rows(k_src + tl.cast(start_n, tl.int64) * stride_kn + k_rel, start_n + offs_n, n_end, offs_d,
+                          HEAD_DIM, HEAD_DIM_PAD, MASKED)
+        qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N]
+        qk = variant_scores(qk, offs_m, start_n + offs_n, n_end, diag, left, right, cap_scale, slope, MASKED,
+                            IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
+        p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, MASKED)
+        if HAS_DROPOUT:
+            seed, salt, bh, keep_threshold = dropout
+            p = tl.where(dropout_keep(seed, salt, bh, offs_m, start_n, BLOCK_N, keep_threshold), p, 0.0)
+        if USE_TMA:
+            v = v_src.load([start_n, 0])
+        else:
+            v = load_rows(v_src + tl.cast(start_n, tl.int64) * stride_vn + v_rel, start_n + offs_n, n_end, offs_d,
+                          HEAD_DIM, HEAD_DIM_PAD, MASKED)
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, m_i, l_i
+
+
+@triton.jit(do_not_specialize=["window_left", "window_right"])  # a new window size is not a new kernel
 def fwd_kernel(
     Q, K, V, Out, Lse,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_ob, stride_om, stride_oh,
-    H, M, N, GROUP, softmax_scale,
+    H, M, N, GROUP, softmax_scale, window_left, window_right, softcap,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,
+    Alibi=None, stride_alibi_b=None, Sinks=None,
     Cu_seqlens_q=None, Cu_seqlens_k=None, stride_lseh=None, IS_VARLEN: tl.constexpr = False,
     Rng=None, keep_threshold=None, dropout_scale=None, HAS_DROPOUT: tl.constexpr = False,
     Cache_seqlens=None, Block_table=None, stride_btb=None, NUM_BLOCKS=None, stride_kblk=None, stride_vblk=None,
@@ -133,7 +188,10 @@ def fwd_kernel(
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
     tl.static_assert(not (HAS_DROPOUT and IS_KVCACHE), "dropout is a training option: no cache mode")
-    qk_scale = softmax_scale * LOG2E  # scores to base-2 logits
+    tl.static_assert(not (IS_KVCACHE and (HAS_WINDOW or HAS_SOFTCAP or HAS_ALIBI or HAS_SINKS)),
+                     "the cache mode has no variants yet")
+    unit, cap_scale = score_units(softmax_scale, softcap, HAS_SOFTCAP)
+    qk_scale = unit * LOG2E  # scores to base-2 logits
     # -- which query block and head ------------------------------------------------------------
     if IS_CAUSAL:  # heaviest blocks first: the last query blocks see the most keys
         pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -164,10 +222,10 @@ def fwd_kernel(
         else:
             N = n_cached
         if HAS_LEFTPAD:  # keys start at cache row LP_b, see [Note] Left padding in kernels/decode_kernels.py
-            left = left_padding(Cache_leftpad, off_b, n_cached)
-            N -= left
-            K += left.to(tl.int64) * stride_kn
-            V += left.to(tl.int64) * stride_vn
+            pad = left_padding(Cache_leftpad, off_b, n_cached)
+            N -= pad
+            K += pad.to(tl.int64) * stride_kn
+            V += pad.to(tl.int64) * stride_vn
 
     q_base = Q + off_b * stride_qb + off_h.to(tl.int64) * stride_qh
     k_base = K + off_b * stride_kb + off_hk * stride_kh
@@ -179,28 +237,31 @@ def fwd_kernel(
     offs_d = tl.arange(0, HEAD_DIM_PAD)  # [D_PAD]
 
     # -- the KV range this block visits (see [Note] Masking layout) ------------------------------
-    if IS_CAUSAL:
-        diag = N - M  # row i sees keys j <= i + diag
-        row_limit = offs_m + diag  # [BLOCK_M]
-        n_full = tl.minimum(tl.maximum(start_m + diag + 1, 0) // BLOCK_N * BLOCK_N, N // BLOCK_N * BLOCK_N)
-        n_end = tl.minimum(tl.maximum(start_m + BLOCK_M + diag, 0), N)
+    diag = N - M  # row i's diagonal key is i + diag
+    left, right = window_extent(window_left, window_right, M, N, IS_CAUSAL, HAS_WINDOW)
+    n_lo, n_full_lo, n_full, n_end = key_range(start_m, BLOCK_M, BLOCK_N, diag, N, left, right, IS_CAUSAL, HAS_WINDOW)
+    if HAS_ALIBI:  # in score units: the scores are divided by `unit` until the softmax
+        slope = tl.load(Alibi + off_b * stride_alibi_b + off_h) / unit
     else:
-        row_limit = offs_m  # unused
-        n_full = N // BLOCK_N * BLOCK_N
-        n_end = N
+        slope = 0.0
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_SINKS:  # the sink is a key of score `sink` and no value: it starts the row's max and sum
+        m_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32) + tl.load(Sinks + off_h).to(tl.float32) * LOG2E
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     if HAS_DROPOUT:  # see [Note] Dropout
-        seed = tl.load(Rng)
-        salt = tl.load(Rng + 1)
+        dropout = (tl.load(Rng), tl.load(Rng + 1), pid_bh, keep_threshold)
+    else:
+        dropout = (0, 0, 0, 0)
 
-    if USE_TMA:
-        # Hopper tensor descriptors bounded by this (batch, head)'s [rows, D] slice: out-of-range
-        # rows and padded head dims read as zero and are never written.
-        q_desc = tl.make_tensor_descriptor(q_base, [M, HEAD_DIM], [stride_qm, 1], [BLOCK_M, HEAD_DIM_PAD])
-        if PAGED:  # the whole pool as [NUM_BLOCKS * P, D] rows; see [Note] Chunked prefill over a cache
+    if IS_KVCACHE and PAGED:
+        if USE_TMA:
+            # Hopper tensor descriptors: the whole pool as [NUM_BLOCKS * P, D] rows; see [Note]
+            # Chunked prefill over a cache
+            q_desc = tl.make_tensor_descriptor(q_base, [M, HEAD_DIM], [stride_qm, 1], [BLOCK_M, HEAD_DIM_PAD])
             k_desc = tl.make_tensor_descriptor(k_base, [NUM_BLOCKS * PAGE_SIZE, HEAD_DIM], [stride_kn, 1],
                                                [BLOCK_N, HEAD_DIM_PAD])
             v_desc = tl.make_tensor_descriptor(v_base, [NUM_BLOCKS * PAGE_SIZE, HEAD_DIM], [stride_vn, 1],
@@ -224,83 +285,61 @@ def fwd_kernel(
                 next_row = page_row(table, start_n + BLOCK_N, n_end, NUM_BLOCKS, PAGE_SIZE)
                 k = k_desc.load([row, 0])
                 qk = tl.dot(q, tl.trans(k))
-                qk = mask_scores(qk, start_n + offs_n, n_end, row_limit, IS_CAUSAL)
+                qk = mask_scores(qk, offs_m, start_n + offs_n, n_end, diag, left, right, IS_CAUSAL, False)
                 p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, True)
                 v = v_desc.load([row, 0])
                 v = tl.where((start_n + offs_n)[:, None] < n_end, v, 0.0)
                 acc = tl.dot(p.to(v.dtype), v, acc)
-        else:
-            k_desc = tl.make_tensor_descriptor(k_base, [N, HEAD_DIM], [stride_kn, 1], [BLOCK_N, HEAD_DIM_PAD])
-            v_desc = tl.make_tensor_descriptor(v_base, [N, HEAD_DIM], [stride_vn, 1], [BLOCK_N, HEAD_DIM_PAD])
-            q = q_desc.load([start_m, 0])  # [BLOCK_M, D_PAD]
-            # stage 1: blocks every row sees whole, no mask
-            for start_n in tl.range(0, n_full, BLOCK_N):
-                k = k_desc.load([start_n, 0])  # [BLOCK_N, D_PAD]
-                qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N]
-                p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, False)
-                if HAS_DROPOUT:
-                    p = tl.where(dropout_keep(seed, salt, pid_bh, offs_m, start_n, BLOCK_N, keep_threshold), p, 0.0)
-                v = v_desc.load([start_n, 0])
-                acc = tl.dot(p.to(v.dtype), v, acc)
-            # stage 2: diagonal band and ragged tail, masked
-            for start_n in tl.range(n_full, n_end, BLOCK_N):
-                k = k_desc.load([start_n, 0])
+        else:  # pointer path over a paged pool: each key block finds its rows through the block table
+            q = load_rows(tile_ptrs(q_base, start_m, stride_qm, BLOCK_M, offs_d), offs_m, M, offs_d,
+                          HEAD_DIM, HEAD_DIM_PAD, True)
+            table = Block_table + off_b * stride_btb
+            next_blocks = physical_blocks(table, 0, offs_n, n_end, NUM_BLOCKS, PAGE_SIZE, BLOCK_N)
+            for start_n in tl.range(0, n_end, BLOCK_N):  # one loop: the masks are cheap next to the gathers
+                rows = start_n + offs_n
+                blocks = next_blocks
+                next_blocks = physical_blocks(table, start_n + BLOCK_N, rows + BLOCK_N, n_end, NUM_BLOCKS, PAGE_SIZE,
+                                              BLOCK_N)
+                k_offs = kv_block_offsets(blocks, start_n, offs_n, stride_kblk, stride_kn, PAGE_SIZE, True,
+                                          WIDE_PAGES, BLOCK_N)
+                k = load_rows(k_base + k_offs[:, None] + offs_d[None, :], rows, n_end, offs_d, HEAD_DIM, HEAD_DIM_PAD,
+                              True)
                 qk = tl.dot(q, tl.trans(k))
-                qk = mask_scores(qk, start_n + offs_n, n_end, row_limit, IS_CAUSAL)
+                qk = mask_scores(qk, offs_m, rows, n_end, diag, left, right, IS_CAUSAL, False)
                 p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, True)
-                if HAS_DROPOUT:
-                    p = tl.where(dropout_keep(seed, salt, pid_bh, offs_m, start_n, BLOCK_N, keep_threshold), p, 0.0)
-                v = v_desc.load([start_n, 0])
+                v_offs = kv_block_offsets(blocks, start_n, offs_n, stride_vblk, stride_vn, PAGE_SIZE, True,
+                                          WIDE_PAGES, BLOCK_N)
+                v = load_rows(v_base + v_offs[:, None] + offs_d[None, :], rows, n_end, offs_d, HEAD_DIM, HEAD_DIM_PAD,
+                              True)
                 acc = tl.dot(p.to(v.dtype), v, acc)
-    elif PAGED:  # pointer path over a paged pool: each key block finds its rows through the block table
-        q = load_rows(tile_ptrs(q_base, start_m, stride_qm, BLOCK_M, offs_d), offs_m, M, offs_d,
-                      HEAD_DIM, HEAD_DIM_PAD, True)
-        table = Block_table + off_b * stride_btb
-        next_blocks = physical_blocks(table, 0, offs_n, n_end, NUM_BLOCKS, PAGE_SIZE, BLOCK_N)
-        for start_n in tl.range(0, n_end, BLOCK_N):  # one loop: the masks are cheap next to the gathers
-            rows = start_n + offs_n
-            blocks = next_blocks
-            next_blocks = physical_blocks(table, start_n + BLOCK_N, rows + BLOCK_N, n_end, NUM_BLOCKS, PAGE_SIZE,
-                                          BLOCK_N)
-            k_offs = kv_block_offsets(blocks, start_n, offs_n, stride_kblk, stride_kn, PAGE_SIZE, True, WIDE_PAGES,
-                                      BLOCK_N)
-            k = load_rows(k_base + k_offs[:, None] + offs_d[None, :], rows, n_end, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
-            qk = tl.dot(q, tl.trans(k))
-            qk = mask_scores(qk, rows, n_end, row_limit, IS_CAUSAL)
-            p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, True)
-            v_offs = kv_block_offsets(blocks, start_n, offs_n, stride_vblk, stride_vn, PAGE_SIZE, True, WIDE_PAGES,
-                                      BLOCK_N)
-            v = load_rows(v_base + v_offs[:, None] + offs_d[None, :], rows, n_end, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
-            acc = tl.dot(p.to(v.dtype), v, acc)
     else:
-        q = load_rows(tile_ptrs(q_base, start_m, stride_qm, BLOCK_M, offs_d), offs_m, M, offs_d,
-                      HEAD_DIM, HEAD_DIM_PAD, True)  # [BLOCK_M, D_PAD]
-        # Offsets inside a tile stay small (int32); the tile's start moves by 64-bit pointer steps.
-        k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :]  # [BLOCK_N, D_PAD]
-        v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :]  # [BLOCK_N, D_PAD]
+        if USE_TMA:
+            # Hopper tensor descriptors bounded by this (batch, head)'s [rows, D] slice: out-of-range
+            # rows and padded head dims read as zero and are never written.
+            q = tl.make_tensor_descriptor(q_base, [M, HEAD_DIM], [stride_qm, 1], [BLOCK_M, HEAD_DIM_PAD]).load(
+                [start_m, 0])  # [BLOCK_M, D_PAD]
+            k_src = tl.make_tensor_descriptor(k_base, [N, HEAD_DIM], [stride_kn, 1], [BLOCK_N, HEAD_DIM_PAD])
+            v_src = tl.make_tensor_descriptor(v_base, [N, HEAD_DIM], [stride_vn, 1], [BLOCK_N, HEAD_DIM_PAD])
+        else:
+            q = load_rows(tile_ptrs(q_base, start_m, stride_qm, BLOCK_M, offs_d), offs_m, M, offs_d,
+                          HEAD_DIM, HEAD_DIM_PAD, True)  # [BLOCK_M, D_PAD]
+            k_src = k_base
+            v_src = v_base
+        if HAS_WINDOW:  # stage 0: the window's left edge, masked
+            acc, m_i, l_i = fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, n_lo, n_full_lo,
+                                      offs_m, offs_n, offs_d, n_end, diag, left, right, qk_scale, cap_scale, slope,
+                                      dropout, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, USE_TMA, IS_CAUSAL, HAS_WINDOW,
+                                      HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
         # stage 1: blocks every row sees whole, no mask
-        for start_n in tl.range(0, n_full, BLOCK_N):
-            k = load_rows(k_ptrs, offs_n, BLOCK_N, offs_d, HEAD_DIM, HEAD_DIM_PAD, False)
-            qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N]
-            p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, False)
-            if HAS_DROPOUT:
-                p = tl.where(dropout_keep(seed, salt, pid_bh, offs_m, start_n, BLOCK_N, keep_threshold), p, 0.0)
-            v = load_rows(v_ptrs, offs_n, BLOCK_N, offs_d, HEAD_DIM, HEAD_DIM_PAD, False)
-            acc = tl.dot(p.to(v.dtype), v, acc)
-            k_ptrs += BLOCK_N * stride_kn
-            v_ptrs += BLOCK_N * stride_vn
-        # stage 2: diagonal band and ragged tail, masked
-        for start_n in tl.range(n_full, n_end, BLOCK_N):
-            k = load_rows(k_ptrs, start_n + offs_n, n_end, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
-            qk = tl.dot(q, tl.trans(k))
-            qk = mask_scores(qk, start_n + offs_n, n_end, row_limit, IS_CAUSAL)
-            p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, True)
-            if HAS_DROPOUT:
-                p = tl.where(dropout_keep(seed, salt, pid_bh, offs_m, start_n, BLOCK_N, keep_threshold), p, 0.0)
-            v = load_rows(v_ptrs, start_n + offs_n, n_end, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
-            acc = tl.dot(p.to(v.dtype), v, acc)
-            k_ptrs += BLOCK_N * stride_kn
-            v_ptrs += BLOCK_N * stride_vn
+        acc, m_i, l_i = fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, n_full_lo, n_full,
+                                  offs_m, offs_n, offs_d, n_end, diag, left, right, qk_scale, cap_scale, slope,
+                                  dropout, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, USE_TMA, IS_CAUSAL, HAS_WINDOW,
+                                  HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
+        # stage 2: the diagonal band (or the window's right edge) and the ragged tail, masked
+        acc, m_i, l_i = fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, n_full, n_end,
+                                  offs_m, offs_n, offs_d, n_end, diag, left, right, qk_scale, cap_scale, slope,
+                                  dropout, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, USE_TMA, IS_CAUSAL, HAS_WINDOW,
+                                  HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
 
     # -- epilogue: normalise, store the output and the LSE ---------------------------------------
     out, lse = finalize(acc, m_i, l_i)
@@ -318,34 +357,40 @@ def fwd_kernel(
                    offs_m, M, offs_d, HEAD_DIM, HEAD_DIM_PAD)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window_left", "window_right"])
 def dropout_probs_kernel(
     Q, K, S, Rng,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_sb, stride_sh, stride_sm,
-    H, M, N, GROUP, softmax_scale, keep_threshold,
+    H, M, N, GROUP, softmax_scale, window_left, window_right, softcap, keep_threshold,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,
+    Alibi=None, stride_alibi_b=None, Sinks=None,
     Cu_seqlens_q=None, Cu_seqlens_k=None, IS_VARLEN: tl.constexpr = False,
 ):
     """flash-attn's S_dmask, a testing aid: S[b, h, i, j] = exp(s_ij - max_j' s_ij') for the keys row i
-    sees (s = scaled scores), negated where dropout drops the pair (the forward's own bits, see
-    [Note] Dropout), 0 at keys the row does not see. Two passes over the keys (row max, then the
-    values), through masked pointers: no speed is asked of it."""
+    sees (s = the scores as the softmax sees them: scaled, softcapped, with ALiBi; a sink takes no
+    part), negated where dropout drops the pair (the forward's own bits, see [Note] Dropout), 0 at keys
+    the row does not see. Two passes over the keys (row max, then the values), through masked
+    pointers: no speed is asked of it."""
+    unit, cap_scale = score_units(softmax_scale, softcap, HAS_SOFTCAP)
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     off_b = (pid_bh // H).to(tl.int64)
     off_h = pid_bh % H
     off_hk = gqa_kv_head(off_h, GROUP)
     start_m = pid_m * BLOCK_M
-    if IS_VARLEN:  # M, N are S's (max_seqlen_q, max_seqlen_k): a longer sequence is cut, never written past S
+    s_rows = M  # S's (rows, columns) per head: a longer packed sequence is cut, never written past S
+    s_cols = N
+    if IS_VARLEN:  # M, N are S's (max_seqlen_q, max_seqlen_k); each sequence keeps its own alignment
         q_start = tl.load(Cu_seqlens_q + off_b)
-        M = tl.minimum(tl.load(Cu_seqlens_q + off_b + 1) - q_start, M)
-        if start_m >= M:
+        M = tl.load(Cu_seqlens_q + off_b + 1) - q_start
+        if start_m >= tl.minimum(M, s_rows):
             return
         k_start = tl.load(Cu_seqlens_k + off_b)
-        N = tl.minimum(tl.load(Cu_seqlens_k + off_b + 1) - k_start, N)
+        N = tl.load(Cu_seqlens_k + off_b + 1) - k_start
         Q += q_start.to(tl.int64) * stride_qm
         K += k_start.to(tl.int64) * stride_kn
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -354,30 +399,34 @@ def dropout_probs_kernel(
     q = load_rows(tile_ptrs(Q + off_b * stride_qb + off_h.to(tl.int64) * stride_qh, start_m, stride_qm, BLOCK_M,
                             offs_d), offs_m, M, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
     k_base = K + off_b * stride_kb + off_hk * stride_kh
-    row_limit = offs_m + N - M
-    if IS_CAUSAL:
-        n_end = tl.minimum(tl.maximum(start_m + BLOCK_M + N - M, 0), N)
+    diag = N - M  # each sequence's own alignment, also where S cuts it
+    left, right = window_extent(window_left, window_right, M, N, IS_CAUSAL, HAS_WINDOW)
+    n_lo, _, _, n_end = key_range(start_m, BLOCK_M, BLOCK_N, diag, N, left, right, IS_CAUSAL, HAS_WINDOW)
+    if HAS_ALIBI:
+        slope = tl.load(Alibi + off_b * stride_alibi_b + off_h) / unit
     else:
-        n_end = N
+        slope = 0.0
     seed = tl.load(Rng)
     salt = tl.load(Rng + 1)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    for start_n in tl.range(0, n_end, BLOCK_N):
+    for start_n in tl.range(n_lo, n_end, BLOCK_N):
         k = load_rows(tile_ptrs(k_base, start_n, stride_kn, BLOCK_N, offs_d), start_n + offs_n, n_end, offs_d,
                       HEAD_DIM, HEAD_DIM_PAD, True)
-        s = mask_scores(tl.dot(q, tl.trans(k)) * softmax_scale, start_n + offs_n, n_end, row_limit, IS_CAUSAL)
+        s = variant_scores(tl.dot(q, tl.trans(k)), offs_m, start_n + offs_n, n_end, diag, left, right, cap_scale,
+                           slope, True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI) * unit
         m_i = tl.maximum(m_i, tl.max(s, 1))
     m_i = tl.where(m_i == float("-inf"), 0.0, m_i)  # a row that sees no key: every exp is 0
     s_base = S + off_b * stride_sb + off_h.to(tl.int64) * stride_sh  # zero-filled: keys past n_end stay 0
-    for start_n in tl.range(0, n_end, BLOCK_N):
+    for start_n in tl.range(n_lo, n_end, BLOCK_N):
         k = load_rows(tile_ptrs(k_base, start_n, stride_kn, BLOCK_N, offs_d), start_n + offs_n, n_end, offs_d,
                       HEAD_DIM, HEAD_DIM_PAD, True)
-        s = mask_scores(tl.dot(q, tl.trans(k)) * softmax_scale, start_n + offs_n, n_end, row_limit, IS_CAUSAL)
+        s = variant_scores(tl.dot(q, tl.trans(k)), offs_m, start_n + offs_n, n_end, diag, left, right, cap_scale,
+                           slope, True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI) * unit
         e = tl.exp(s - m_i[:, None])
         e = tl.where(dropout_keep(seed, salt, pid_bh, offs_m, start_n, BLOCK_N, keep_threshold), e, -e)
         cols = start_n + offs_n
         tl.store(s_base + offs_m.to(tl.int64)[:, None] * stride_sm + cols[None, :], e.to(S.dtype.element_ty),
-                 mask=(offs_m[:, None] < M) & (cols[None, :] < n_end))
+                 mask=(offs_m[:, None] < tl.minimum(M, s_rows)) & (cols[None, :] < tl.minimum(n_end, s_cols)))
 
 
 # ============================================================================================
@@ -403,7 +452,11 @@ def bwd_preprocess_kernel(
     H, M,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     Cu_seqlens_q=None, stride_lseh=None, IS_VARLEN: tl.constexpr = False,
+    Lse=None, Sinks=None, Dsinks_part=None, HAS_SINKS: tl.constexpr = False,
 ):
+    """delta = rowsum(dO * O); with sinks also this block's share of dsink[h] = -sum_i P_i,sink * delta_i
+    (P_i,sink = exp(sink - lse_i), see [Note] Sinks), written to Dsinks_part[pid_m, pid_bh] (zeros where
+    a program exits early) for the launcher to sum in a fixed order: deterministic."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     off_b = (pid_bh // H).to(tl.int64)
@@ -418,30 +471,39 @@ def bwd_preprocess_kernel(
         Out += q_start.to(tl.int64) * stride_om
         DO += q_start.to(tl.int64) * stride_dom
         Delta += q_start  # Delta is (H, total_q), like Lse
+        if HAS_SINKS:
+            Lse += q_start
     o_ptrs = tile_ptrs(Out + off_b * stride_ob + off_h * stride_oh, pid_m * BLOCK_M, stride_om, BLOCK_M, offs_d)
     do_ptrs = tile_ptrs(DO + off_b * stride_dob + off_h * stride_doh, pid_m * BLOCK_M, stride_dom, BLOCK_M, offs_d)
     o = load_rows(o_ptrs, offs_m, M, offs_d, HEAD_DIM, HEAD_DIM_PAD, True).to(tl.float32)
     do = load_rows(do_ptrs, offs_m, M, offs_d, HEAD_DIM, HEAD_DIM_PAD, True).to(tl.float32)
     delta = tl.sum(o * do, 1)  # [BLOCK_M]
     if IS_VARLEN:
-        tl.store(Delta + off_h * stride_lseh + offs_m, delta, mask=offs_m < M)
+        row = off_h * stride_lseh
     else:
-        tl.store(Delta + pid_bh.to(tl.int64) * M + offs_m, delta, mask=offs_m < M)
+        row = pid_bh.to(tl.int64) * M
+    tl.store(Delta + row + offs_m, delta, mask=offs_m < M)
+    if HAS_SINKS:
+        lse = tl.load(Lse + row + offs_m, mask=offs_m < M, other=float("inf"))
+        p_sink = tl.exp(tl.load(Sinks + off_h).to(tl.float32) - lse)
+        tl.store(Dsinks_part + pid_m * tl.num_programs(1) + pid_bh, -tl.sum(p_sink * delta, 0))
 
 
 @triton.jit
 def bwd_dkdv_inner(
     dk, dv, k, v,
     q_src, do_src, lse_base, delta_base, stride_qm, stride_dom,
-    offs_n, offs_d, M, diag, qk_scale, lo, hi, dropout,
+    offs_n, offs_d, M, diag, left, right, qk_scale, cap_scale, slope, lo, hi, dropout,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
 ):
     """Accumulate dK, dV [BLOCK_N, D_PAD] over query rows [lo, hi) of one q head.
 
     q_src/do_src are tensor descriptors (USE_TMA) or base pointers of that head's (M, D) slice.
     dropout: (seed, salt, bh, start_n, keep_threshold, dropout_scale) when HAS_DROPOUT, see [Note]
-    Dropout; start_n is the key block's first key.
+    Dropout; start_n is the key block's first key. Scores are in `score_units` (qk_scale, cap_scale,
+    slope as in the forward); with softcap dS carries tanh's derivative 1 - t^2.
     """
     offs_mb = tl.arange(0, BLOCK_M)
     q_rel = offs_mb[:, None] * stride_qm + offs_d[None, :]  # [BLOCK_M, D_PAD], small offsets
@@ -458,9 +520,11 @@ def bwd_dkdv_inner(
         else:
             lse2 = tl.load(lse_base + offs_m) * LOG2E
         qkT = tl.dot(k, tl.trans(q))  # [BLOCK_N, BLOCK_M]
+        if HAS_SOFTCAP or HAS_ALIBI:
+            qkT, tT = score_mods(qkT, offs_m[None, :], offs_n[:, None], diag, cap_scale, slope, HAS_SOFTCAP, HAS_ALIBI)
         pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])  # [BLOCK_N, BLOCK_M]
-        if MASKED and IS_CAUSAL:
-            pT = tl.where(offs_n[:, None] <= offs_m[None, :] + diag, pT, 0.0)
+        if MASKED and (IS_CAUSAL or HAS_WINDOW):
+            pT = tl.where(in_band(offs_m[None, :], offs_n[:, None], diag, left, right, IS_CAUSAL, HAS_WINDOW), pT, 0.0)
         if USE_TMA:
             do = do_src.load([start_m, 0])
         else:
@@ -480,11 +544,14 @@ def bwd_dkdv_inner(
         if HAS_DROPOUT:
             dpT = tl.where(keepT, dpT * dropout_scale, 0.0)
         dsT = pT * (dpT - delta[None, :])
+        if HAS_SOFTCAP:
+            dsT = dsT * (1.0 - tT * tT)
         dk = tl.dot(dsT.to(q.dtype), q, dk)  # [BLOCK_N, D_PAD]
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["M"])  # M == 1 as a constant folds the query loops away (see below)
+# M == 1 as a constant folds the query loops away (see below); a new window size is not a new kernel
+@triton.jit(do_not_specialize=["M", "window_left", "window_right"])
 def bwd_dkdv_kernel(
     Q, K, V, DO, Lse, Delta, DK, DV,
     stride_qb, stride_qm, stride_qh,
@@ -493,14 +560,17 @@ def bwd_dkdv_kernel(
     stride_dob, stride_dom, stride_doh,
     stride_dkb, stride_dkn, stride_dkh,
     stride_dvb, stride_dvn, stride_dvh,
-    H, M, N, GROUP, softmax_scale,
+    H, M, N, GROUP, softmax_scale, window_left, window_right, softcap,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,
+    Alibi=None, stride_alibi_b=None, Sinks=None,
     Cu_seqlens_q=None, Cu_seqlens_k=None, stride_lseh=None, IS_VARLEN: tl.constexpr = False,
     Rng=None, keep_threshold=None, dropout_scale=None, HAS_DROPOUT: tl.constexpr = False,
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
-    qk_scale = softmax_scale * LOG2E
+    unit, cap_scale = score_units(softmax_scale, softcap, HAS_SOFTCAP)
+    qk_scale = unit * LOG2E
     pid_n = tl.program_id(0)
     pid_bhk = tl.program_id(1)
     H_KV = H // GROUP
@@ -538,19 +608,26 @@ def bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
 
-    # Query ranges: [m_lo, m_mid) is the diagonal band (causal mask), [m_mid, m_full) is seen
-    # whole and in bounds (no mask), [max(m_mid, m_full), m_ceil) is the ragged row tail.
-    diag = N - M  # query i sees key j iff j <= i + diag
-    if IS_CAUSAL:
-        m_lo = tl.maximum(start_n - diag, 0) // BLOCK_M * BLOCK_M
-        m_mid = (tl.maximum(start_n + BLOCK_N - 1 - diag, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    # Query ranges (see [Note] Key band in kernels/_jit.py; row i sees key j iff
+    # i + diag - left <= j <= i + diag + right): [m_lo, m_mid) is the band's diagonal edge (masked),
+    # [m_mid, m_whole) is seen whole and in bounds (no mask), [max(m_mid, m_whole), m_end) is the
+    # window's far edge and the ragged row tail (masked). Rows outside [m_lo, m_end) see no key here.
+    diag = N - M
+    left, right = window_extent(window_left, window_right, M, N, IS_CAUSAL, HAS_WINDOW)
+    m_ceil = tl.cdiv(M, BLOCK_M) * BLOCK_M
+    if IS_CAUSAL or HAS_WINDOW:
+        m_lo = tl.minimum(tl.maximum(start_n - diag - right, 0) // BLOCK_M * BLOCK_M, m_ceil)
+        m_mid = (tl.maximum(start_n + BLOCK_N - 1 - diag - right, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     else:
         m_lo = 0
         m_mid = 0
-    m_ceil = tl.cdiv(M, BLOCK_M) * BLOCK_M
-    m_full = M // BLOCK_M * BLOCK_M
-    m_band_end = tl.minimum(m_mid, m_ceil)
-    m_tail = tl.maximum(m_mid, m_full)
+    m_whole = M // BLOCK_M * BLOCK_M
+    m_end = m_ceil
+    if HAS_WINDOW:  # rows past start_n - diag + left no longer see the block's first key
+        m_whole = tl.minimum(m_whole, tl.maximum(start_n - diag + left + 1, 0) // BLOCK_M * BLOCK_M)
+        m_end = tl.minimum(tl.cdiv(tl.maximum(start_n + BLOCK_N - diag + left, 0), BLOCK_M) * BLOCK_M, m_ceil)
+    m_band_end = tl.minimum(m_mid, m_end)
+    m_tail = tl.maximum(m_mid, m_whole)
     if HAS_DROPOUT:
         seed = tl.load(Rng)
         salt = tl.load(Rng + 1)
@@ -575,15 +652,22 @@ def bwd_dkdv_kernel(
             dropout = (seed, salt, off_b * H + off_h, start_n, keep_threshold, dropout_scale)
         else:
             dropout = (0, 0, 0, 0, 0, 0.0)
+        if HAS_ALIBI:  # this q head's slope, in score units
+            slope = tl.load(Alibi + off_b * stride_alibi_b + off_h) / unit
+        else:
+            slope = 0.0
         dk, dv = bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qm, stride_dom,
-                                 offs_n, offs_d, M, diag, qk_scale, m_lo, m_band_end, dropout,
-                                 BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, IS_CAUSAL, True, USE_TMA, HAS_DROPOUT)
+                                 offs_n, offs_d, M, diag, left, right, qk_scale, cap_scale, slope, m_lo, m_band_end,
+                                 dropout, BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, IS_CAUSAL, True, USE_TMA,
+                                 HAS_DROPOUT, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
         dk, dv = bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qm, stride_dom,
-                                 offs_n, offs_d, M, diag, qk_scale, m_mid, m_full, dropout,
-                                 BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, IS_CAUSAL, False, USE_TMA, HAS_DROPOUT)
+                                 offs_n, offs_d, M, diag, left, right, qk_scale, cap_scale, slope, m_mid, m_whole,
+                                 dropout, BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, IS_CAUSAL, False, USE_TMA,
+                                 HAS_DROPOUT, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
         dk, dv = bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qm, stride_dom,
-                                 offs_n, offs_d, M, diag, qk_scale, m_tail, m_ceil, dropout,
-                                 BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, IS_CAUSAL, True, USE_TMA, HAS_DROPOUT)
+                                 offs_n, offs_d, M, diag, left, right, qk_scale, cap_scale, slope, m_tail, m_end,
+                                 dropout, BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, IS_CAUSAL, True, USE_TMA,
+                                 HAS_DROPOUT, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
 
     dk = dk * softmax_scale
     store_rows(tile_ptrs(DK + off_b * stride_dkb + off_hk * stride_dkh, start_n, stride_dkn, BLOCK_N, offs_d),
@@ -593,6 +677,46 @@ def bwd_dkdv_kernel(
 
 
 @triton.jit
+def bwd_dq_inner(
+    dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, lo, hi,
+    offs_m, offs_n, offs_d, n_end, diag, left, right, qk_scale, cap_scale, slope, dropout,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, MASKED: tl.constexpr,
+    USE_TMA: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+):
+    """Accumulate dQ [BLOCK_M, D_PAD] over key blocks [lo, hi) (k_src/v_src as in `fwd_inner`).
+    dropout: (seed, salt, bh, keep_threshold, dropout_scale)."""
+    k_rel = offs_n[:, None] * stride_kn + offs_d[None, :]
+    v_rel = offs_n[:, None] * stride_vn + offs_d[None, :]
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        if USE_TMA:
+            k = k_src.load([start_n, 0])
+            v = v_src.load([start_n, 0])
+        else:
+            k = load_rows(k_src + tl.cast(start_n, tl.int64) * stride_kn + k_rel, start_n + offs_n, n_end, offs_d,
+                          HEAD_DIM, HEAD_DIM_PAD, MASKED)  # [BLOCK_N, D_PAD]
+            v = load_rows(v_src + tl.cast(start_n, tl.int64) * stride_vn + v_rel, start_n + offs_n, n_end, offs_d,
+                          HEAD_DIM, HEAD_DIM_PAD, MASKED)
+        qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N]
+        if HAS_SOFTCAP or HAS_ALIBI:
+            qk, t = score_mods(qk, offs_m[:, None], (start_n + offs_n)[None, :], diag, cap_scale, slope, HAS_SOFTCAP,
+                               HAS_ALIBI)
+        if MASKED:
+            qk = mask_scores(qk, offs_m, start_n + offs_n, n_end, diag, left, right, IS_CAUSAL, HAS_WINDOW)
+        p = tl.math.exp2(qk * qk_scale - lse2[:, None])
+        dp = tl.dot(do, tl.trans(v))  # [BLOCK_M, BLOCK_N]
+        if HAS_DROPOUT:
+            seed, salt, bh, keep_threshold, dropout_scale = dropout
+            dp = tl.where(dropout_keep(seed, salt, bh, offs_m, start_n, BLOCK_N, keep_threshold), dp * dropout_scale,
+                          0.0)
+        ds = p * (dp - delta[:, None])
+        if HAS_SOFTCAP:
+            ds = ds * (1.0 - t * t)
+        dq = tl.dot(ds.to(k.dtype), k, dq)  # [BLOCK_M, D_PAD]
+    return dq
+
+
+@triton.jit(do_not_specialize=["window_left", "window_right"])
 def bwd_dq_kernel(
     Q, K, V, DO, Lse, Delta, DQ,
     stride_qb, stride_qm, stride_qh,
@@ -600,14 +724,17 @@ def bwd_dq_kernel(
     stride_vb, stride_vn, stride_vh,
     stride_dob, stride_dom, stride_doh,
     stride_dqb, stride_dqm, stride_dqh,
-    H, M, N, GROUP, softmax_scale,
+    H, M, N, GROUP, softmax_scale, window_left, window_right, softcap,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,
+    Alibi=None, stride_alibi_b=None, Sinks=None,
     Cu_seqlens_q=None, Cu_seqlens_k=None, stride_lseh=None, IS_VARLEN: tl.constexpr = False,
     Rng=None, keep_threshold=None, dropout_scale=None, HAS_DROPOUT: tl.constexpr = False,
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
-    qk_scale = softmax_scale * LOG2E
+    unit, cap_scale = score_units(softmax_scale, softcap, HAS_SOFTCAP)
+    qk_scale = unit * LOG2E
     if IS_CAUSAL:
         pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     else:
@@ -644,13 +771,15 @@ def bwd_dq_kernel(
         q = tl.make_tensor_descriptor(q_base, [M, HEAD_DIM], [stride_qm, 1], [BLOCK_M, HEAD_DIM_PAD]).load([start_m, 0])
         do = tl.make_tensor_descriptor(do_base, [M, HEAD_DIM], [stride_dom, 1], [BLOCK_M, HEAD_DIM_PAD]).load(
             [start_m, 0])
-        k_desc = tl.make_tensor_descriptor(k_base, [N, HEAD_DIM], [stride_kn, 1], [BLOCK_N, HEAD_DIM_PAD])
-        v_desc = tl.make_tensor_descriptor(v_base, [N, HEAD_DIM], [stride_vn, 1], [BLOCK_N, HEAD_DIM_PAD])
+        k_src = tl.make_tensor_descriptor(k_base, [N, HEAD_DIM], [stride_kn, 1], [BLOCK_N, HEAD_DIM_PAD])
+        v_src = tl.make_tensor_descriptor(v_base, [N, HEAD_DIM], [stride_vn, 1], [BLOCK_N, HEAD_DIM_PAD])
     else:
         q = load_rows(tile_ptrs(q_base, start_m, stride_qm, BLOCK_M, offs_d), offs_m, M, offs_d,
                       HEAD_DIM, HEAD_DIM_PAD, True)  # [BLOCK_M, D_PAD]
         do = load_rows(tile_ptrs(do_base, start_m, stride_dom, BLOCK_M, offs_d), offs_m, M, offs_d,
                        HEAD_DIM, HEAD_DIM_PAD, True)
+        k_src = k_base
+        v_src = v_base
     if IS_VARLEN:
         row = off_h * stride_lseh
     else:
@@ -659,58 +788,33 @@ def bwd_dq_kernel(
     delta = tl.load(Delta + row + offs_m, mask=offs_m < M, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     if HAS_DROPOUT:
-        seed = tl.load(Rng)
-        salt = tl.load(Rng + 1)
-
-    if IS_CAUSAL:
-        diag = N - M
-        row_limit = offs_m + diag
-        n_full = tl.minimum(tl.maximum(start_m + diag + 1, 0) // BLOCK_N * BLOCK_N, N // BLOCK_N * BLOCK_N)
-        n_end = tl.minimum(tl.maximum(start_m + BLOCK_M + diag, 0), N)
+        dropout = (tl.load(Rng), tl.load(Rng + 1), pid_bh, keep_threshold, dropout_scale)
     else:
-        row_limit = offs_m
-        n_full = N // BLOCK_N * BLOCK_N
-        n_end = N
+        dropout = (0, 0, 0, 0, 0.0)
+    if HAS_ALIBI:
+        slope = tl.load(Alibi + off_b * stride_alibi_b + off_h) / unit
+    else:
+        slope = 0.0
 
-    k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :]  # [BLOCK_N, D_PAD]
-    v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :]
-    for start_n in tl.range(0, n_full, BLOCK_N):  # blocks every row sees whole
-        if USE_TMA:
-            k = k_desc.load([start_n, 0])
-            v = v_desc.load([start_n, 0])
-        else:
-            k = load_rows(k_ptrs, offs_n, BLOCK_N, offs_d, HEAD_DIM, HEAD_DIM_PAD, False)  # [BLOCK_N, D_PAD]
-            v = load_rows(v_ptrs, offs_n, BLOCK_N, offs_d, HEAD_DIM, HEAD_DIM_PAD, False)
-        qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N]
-        p = tl.math.exp2(qk * qk_scale - lse2[:, None])
-        dp = tl.dot(do, tl.trans(v))  # [BLOCK_M, BLOCK_N]
-        if HAS_DROPOUT:
-            dp = tl.where(dropout_keep(seed, salt, pid_bh, offs_m, start_n, BLOCK_N, keep_threshold),
-                          dp * dropout_scale, 0.0)
-        ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, dq)  # [BLOCK_M, D_PAD]
-        k_ptrs += BLOCK_N * stride_kn
-        v_ptrs += BLOCK_N * stride_vn
-    for start_n in tl.range(n_full, n_end, BLOCK_N):  # diagonal band and ragged tail
-        if USE_TMA:
-            k = k_desc.load([start_n, 0])
-            v = v_desc.load([start_n, 0])
-        else:
-            k = load_rows(k_ptrs, start_n + offs_n, n_end, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
-            v = load_rows(v_ptrs, start_n + offs_n, n_end, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
-        qk = tl.dot(q, tl.trans(k))
-        qk = mask_scores(qk, start_n + offs_n, n_end, row_limit, IS_CAUSAL)
-        p = tl.math.exp2(qk * qk_scale - lse2[:, None])
-        dp = tl.dot(do, tl.trans(v))
-        if HAS_DROPOUT:
-            dp = tl.where(dropout_keep(seed, salt, pid_bh, offs_m, start_n, BLOCK_N, keep_threshold),
-                          dp * dropout_scale, 0.0)
-        ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, dq)
-        k_ptrs += BLOCK_N * stride_kn
-        v_ptrs += BLOCK_N * stride_vn
+    diag = N - M
+    left, right = window_extent(window_left, window_right, M, N, IS_CAUSAL, HAS_WINDOW)
+    n_lo, n_full_lo, n_full, n_end = key_range(start_m, BLOCK_M, BLOCK_N, diag, N, left, right, IS_CAUSAL, HAS_WINDOW)
+    if HAS_WINDOW:  # the window's left edge
+        dq = bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, n_lo, n_full_lo,
+                          offs_m, offs_n, offs_d, n_end, diag, left, right, qk_scale, cap_scale, slope, dropout,
+                          BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, USE_TMA, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
+                          HAS_ALIBI, HAS_DROPOUT)
+    # blocks every row sees whole
+    dq = bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, n_full_lo, n_full,
+                      offs_m, offs_n, offs_d, n_end, diag, left, right, qk_scale, cap_scale, slope, dropout,
+                      BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, USE_TMA, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
+                      HAS_ALIBI, HAS_DROPOUT)
+    # the diagonal band (or the window's right edge) and the ragged tail
+    dq = bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, n_full, n_end,
+                      offs_m, offs_n, offs_d, n_end, diag, left, right, qk_scale, cap_scale, slope, dropout,
+                      BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, USE_TMA, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
+                      HAS_ALIBI, HAS_DROPOUT)
 
     dq = dq * softmax_scale
     store_rows(tile_ptrs(DQ + off_b * stride_dqb + off_h * stride_dqh, start_m, stride_dqm, BLOCK_M, offs_d),
                dq.to(DQ.dtype.element_ty), offs_m, M, offs_d, HEAD_DIM, HEAD_DIM_PAD)
-
