@@ -15,6 +15,7 @@ from kernels import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvc
 from kernels._options import attn_options
 from kernels.errors import InputError
 from kernels.reference import attention_ref
+from kernels.testing import rel_err
 
 DTYPES = [torch.float16, torch.bfloat16] if ON_GPU else [torch.float16, torch.float32]
 
@@ -51,10 +52,11 @@ if ON_GPU:
     SHAPES += [(2, 300, 517, 8, 2, 128), (1, 513, 257, 4, 4, 64), (1, 200, 200, 2, 1, 256)]
 
 
-def ref_kwargs(kw: dict, dtype: torch.dtype) -> dict:
-    """The reference's keywords for a variant case, its tensors in the reference's dtype."""
-    out = dict(causal=kw.get("causal", False), window_size=kw.get("window_size", (-1, -1)),
-               softcap=kw.get("softcap", 0.0))
+def ref_kwargs(kw: dict, dtype: torch.dtype, seqlen_k: int) -> dict:
+    """The reference's keywords for a variant case, its tensors in the reference's dtype. The window as
+    flash-attn reads it: a side reaching seqlen_k (max_seqlen_k when packed) is unbounded."""
+    window = tuple(-1 if w >= seqlen_k else w for w in kw.get("window_size", (-1, -1)))
+    out = dict(causal=kw.get("causal", False), window_size=window, softcap=kw.get("softcap", 0.0))
     if kw.get("alibi_slopes") is not None:
         out["alibi_slopes"] = kw["alibi_slopes"]
     if kw.get("sinks") is not None:
@@ -65,8 +67,9 @@ def ref_kwargs(kw: dict, dtype: torch.dtype) -> dict:
 def check_against_reference(q, k, v, kw, out, lse, dtype):
     """out and lse, then dq / dk / dv (and dsinks) for a random dout, against the reference."""
     ins = [q, k, v] + ([kw["sinks"]] if kw.get("sinks") is not None else [])
-    out32, lse_ref = attention_ref(q.float(), k.float(), v.float(), **ref_kwargs(kw, torch.float32))
-    same = out32 if dtype == torch.float32 else attention_ref(q, k, v, upcast=False, **ref_kwargs(kw, dtype))[0]
+    out32, lse_ref = attention_ref(q.float(), k.float(), v.float(), **ref_kwargs(kw, torch.float32, k.shape[1]))
+    same = out32 if dtype == torch.float32 else attention_ref(q, k, v, upcast=False,
+                                                              **ref_kwargs(kw, dtype, k.shape[1]))[0]
     assert_close_to_ref(out, out32, same, msg="out")
     assert_lse_close(lse, lse_ref, dtype)
     dout = torch.randn_like(out)
@@ -74,10 +77,12 @@ def check_against_reference(q, k, v, kw, out, lse, dtype):
     grads32 = torch.autograd.grad(out32, ins, dout.float())
     grads_same = grads32 if dtype == torch.float32 else torch.autograd.grad(same, ins, dout)
     for name, g, g32, gs in zip(["q", "k", "v", "sinks"], grads, grads32, grads_same):
-        if name == "sinks":  # fp32 parameters and fp32 accumulation: an fp32 bound
+        if name == "sinks":  # fp32, but a sum over rows of P_sink * rowsum(dO * O) with O rounded to q's
+            # dtype, which cancels: bounded by PyTorch's own same-dtype error on it, as for dq / dk / dv
             assert g.dtype == kw["sinks"].dtype
-            err = ((g.double() - g32.double()).norm() / g32.double().norm().clamp_min(1e-6)).item()
-            assert err <= (2e-2 if dtype != torch.float32 else 1e-4), f"dsinks rel err {err:.2e}"
+            err, eager = rel_err(g, g32), rel_err(gs, g32)
+            bound = 1e-4 if dtype == torch.float32 else 3 * eager + 1e-2
+            assert err <= bound, f"dsinks rel err {err:.2e} > {bound:.2e} (eager {dtype}: {eager:.2e})"
         else:
             assert_close_to_ref(g, g32, gs, grad=True, msg=f"d{name}")
 
@@ -141,8 +146,9 @@ def test_varlen_per_sequence_alignment(variant):
         if "sinks" in kw:
             kwb["sinks"] = kw["sinks"].detach().clone().requires_grad_()
         ins_b = [qb, kb, vb] + ([kwb["sinks"]] if "sinks" in kw else [])
-        out32, lse_ref = attention_ref(qb.float(), kb.float(), vb.float(), **ref_kwargs(kwb, torch.float32))
-        same, _ = attention_ref(qb, kb, vb, upcast=False, **ref_kwargs(kwb, qb.dtype))
+        out32, lse_ref = attention_ref(qb.float(), kb.float(), vb.float(),
+                                       **ref_kwargs(kwb, torch.float32, max(lens_k)))
+        same, _ = attention_ref(qb, kb, vb, upcast=False, **ref_kwargs(kwb, qb.dtype, max(lens_k)))
         assert_close_to_ref(out[rows][None], out32, same, msg=f"out of sequence {b}")
         assert_lse_close(lse[:, rows][None], lse_ref, qb.dtype, msg=f"sequence {b}")
         g32 = torch.autograd.grad(out32, ins_b, dout[rows][None].float())
@@ -166,8 +172,8 @@ def test_dropout_with_variants(variant):
     mask = s_dmask >= 0
     ins = [q, k, v] + ([kw["sinks"]] if "sinks" in kw else [])
     out32, lse_ref = attention_ref(q.float(), k.float(), v.float(), dropout_mask=mask, dropout_p=0.17,
-                                   **ref_kwargs(kw, torch.float32))
-    same, _ = attention_ref(q, k, v, dropout_mask=mask, dropout_p=0.17, upcast=False, **ref_kwargs(kw, q.dtype))
+                                   **ref_kwargs(kw, torch.float32, 61))
+    same, _ = attention_ref(q, k, v, dropout_mask=mask, dropout_p=0.17, upcast=False, **ref_kwargs(kw, q.dtype, 61))
     assert_close_to_ref(out, out32, same, msg="out")
     assert_lse_close(lse, lse_ref, q.dtype)
     dout = torch.randn_like(out)
