@@ -1,16 +1,16 @@
-"""Every launch the config selection can choose fits the shared memory of the card it is chosen for.
-
-For each card users bring (kernels._utils.TARGETS: T4, A100, A10, L4, H100/H200) the public functions
-are called under `kernels._launch.recording`, which plans each call for that card and records its
-launches instead of running them, across what changes the choice: head dim, dtype, causal, packed
-(varlen) or not, dropout or not, forward and backward, and for the KV-cache path the query rows per program
-(seqlen_q x group size), dense or paged with several page sizes, append or not, split or not, and
-grids deep enough to change a paged plan. One launch of each tile class (`cross_compile.tile_key`: all
-but the integer and alignment specialisations) is cross-compiled for the card's architecture
-(tests/cross_compile.py: Triton without a GPU) and its shared memory compared with the card's limit.
-bf16 plans must equal fp16 ones (same bytes per element; compiled once, as fp16); where no tile fits
-(a T4's fp32 backward above head dim 128, its fp32 decode with an append at 256) the call must say so
-before launching, and a card without bf16 (T4) must refuse bf16 before any launch.
+"""Every launch the config selection can choose fits the shared memory of the card it is chosen for. For
+each card users bring (kernels._utils.TARGETS: T4, A100, A10, L4, H100/H200) the public functions are
+called under `kernels._launch.recording`, which plans each call for that card and records its launches
+instead of running them, across what changes the choice: head dim, dtype, causal, packed (varlen) or
+not, dropout or not, the attention variants (all on at once) or not, forward and backward, and for the
+KV-cache path the query rows per program (seqlen_q x group size), dense or paged with several page
+sizes, append or not, split or not, and grids deep enough to change a paged plan. One launch of each
+tile class (`cross_compile.tile_key`: all but the integer and alignment specialisations) is cross-
+compiled for the card's architecture (tests/cross_compile.py: Triton without a GPU) and its shared
+memory compared with the card's limit. bf16 plans must equal fp16 ones (same bytes per element; compiled
+once, as fp16); where no tile fits (a T4's fp32 backward above head dim 128, its fp32 decode with an
+append at 256) the call must say so before launching, and a card without bf16 (T4) must refuse bf16
+before any launch.
 """
 
 from __future__ import annotations
@@ -78,9 +78,18 @@ def _prefill_calls(dtype: torch.dtype, target: Target):
             out, _, _ = flash_attn_varlen_func(q, k, k, cu, cu, 40, 40, 0.1, causal=causal, return_attn_probs=True)
             _backward(out, _empty(70, 4, head_dim, dtype=dtype), head_dim, target)
 
+        def variants(head_dim=head_dim, causal=causal):  # every variant on: the most code in one kernel
+            q = _empty(1, 70, 4, head_dim, dtype=dtype).requires_grad_()
+            k = _empty(1, 90, 2, head_dim, dtype=dtype).requires_grad_()
+            sinks = torch.zeros(4, device=DEVICE, requires_grad=True)
+            out = flash_attn_func(q, k, k, causal=causal, window_size=(30, 10), softcap=5.0,
+                                  alibi_slopes=torch.ones(4, device=DEVICE), sinks=sinks)
+            _backward(out, _empty(1, 70, 4, head_dim, dtype=dtype), head_dim, target)
+
         yield f"prefill D={head_dim} causal={causal}", dense
         yield f"varlen D={head_dim} causal={causal}", packed
         yield f"dropout D={head_dim} causal={causal}", dropout
+        yield f"variants D={head_dim} causal={causal}", variants
 
 
 def _kvcache_calls(dtype: torch.dtype, target: Target):
