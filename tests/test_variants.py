@@ -248,3 +248,14 @@ def test_new_window_size_or_softcap_does_not_recompile():
         out = flash_attn_func(q, k, v, window_size=window, softcap=cap)
         torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
     assert compiled() == before
+
+
+@pytest.mark.parametrize("window,causal", [((70, 0), True), ((50, 30), False), ((100, 0), True), ((5, 120), False)])
+def test_window_spans_many_blocks(window, causal):
+    """Windows wider than a tile and narrower than the sequence: left edges, whole blocks and right edges
+    in one query block's loop (the interpreter's 32-row tiles; a GPU's 64 / 128), forward and backward."""
+    q = randn(1, 200, 2, 32)
+    k, v = randn(1, 230, 1, 32), randn(1, 230, 1, 32)
+    kw = dict(window_size=window, causal=causal)
+    out, lse = flash_attn_func(q, k, v, return_softmax_lse=True, **kw)
+    check_against_reference(q, k, v, kw, out, lse, q.dtype)
