@@ -16,13 +16,21 @@ Supported: fp16/bf16 (fp32 accumulation), fp32 (tf32 matmuls on GPUs, exact unde
 interpreter); head dims that are multiples of 8 in [16, 256] (padded to D_PAD inside the kernel
 with masks); any seqlen_q, seqlen_k (including seqlen_q != seqlen_k and 0); any strides with a
 contiguous last dim; causal masks aligned to the bottom-right corner; batches of sequences of
-different lengths packed without padding (flash_attn_varlen_func); dropout of the probabilities.
+different lengths packed without padding (flash_attn_varlen_func); dropout of the probabilities;
+the variants (sliding window, softcap, ALiBi, sinks; kernels/_jit.py [Note] Key band, [Note] Sinks
+below).
 
 [Note] Masking layout. The KV loop is split in two ranges. Blocks in [0, n_full) are seen whole by
 every row of the query block (in bounds and, when causal, left of the diagonal band): they run
 without any mask. Blocks in [n_full, n_end) are the diagonal band and the ragged tail: their loads
 are bounds-checked and their scores masked. Blocks at or past n_end are never visited, so a causal
-program does about half the work of a non-causal one.
+program does about half the work of a non-causal one. A sliding window adds a third range in front,
+[n_lo, n_full_lo), its left edge (masked), and starts there (`key_range`).
+
+[Note] Sinks. A sink is a key with a logit (`Sinks`, per head, not scaled) and no value: the forward
+starts each row's running max at it and its sum at 1, so the output's denominator and the LSE
+include it; a row that sees no key gives zeros and LSE = sink. Its gradient, dsink = -sum_i
+exp(sink - lse_i) * delta_i, is summed per preprocessing block and then in a fixed order.
 
 [Note] Two load paths. On Hopper (capability >= 9) with 2-byte dtypes and 16-byte aligned bases and
 strides, tiles are loaded through device-side tensor descriptors (TMA) bounded by each (batch,
