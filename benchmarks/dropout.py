@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from kernels import attention_ref, flash_attn_func
 from kernels.testing import rel_err
 
-from .measure import head_dim_bench_args, time_fn
+from .measure import table_bench_args, time_fn
 from .results import make_row, write_csv
 
 BATCH, SEQLEN, H = 4, 4096, 16
@@ -63,7 +63,7 @@ def steps(d: int, causal: bool, backward: bool):
 
 
 def main(argv=None) -> int:
-    a = head_dim_bench_args(argv, __doc__, "64,128", rep=20)
+    a = table_bench_args(argv, __doc__, rep=20, extra=[("--head-dims", dict(default="64,128"))])
     if a is None:
         return 2
     rows = []

@@ -27,7 +27,7 @@ from kernels import attention_ref, flash_attn_func, flash_attn_with_kvcache
 from kernels._utils import empty_aligned
 from kernels.testing import rel_err
 
-from .measure import head_dim_bench_args, time_fn
+from .measure import table_bench_args, time_fn
 from .results import make_row, write_csv
 
 H, HK = 32, 8
@@ -102,7 +102,7 @@ def cases(d):
 
 
 def main(argv=None) -> int:
-    a = head_dim_bench_args(argv, __doc__, ",".join(map(str, HEAD_DIMS)), rep=30)
+    a = table_bench_args(argv, __doc__, rep=30, extra=[("--head-dims", dict(default=",".join(map(str, HEAD_DIMS))))])
     if a is None:
         return 2
     rows, worst = [], 0.0

@@ -432,12 +432,14 @@ def ceilings(*, matmul_n: int = 8192, copy_gib: float = 2.0) -> Dict[str, float]
     return result
 
 
-def head_dim_bench_args(argv, doc: str, head_dims: str, rep: int) -> Optional[argparse.Namespace]:
-    """The command line of a one-table benchmark over head dims (benchmarks.head_dims, benchmarks.dropout):
-    --head-dims, --rounds, --rep, --out, --no-write; None (after saying so) without a CUDA GPU."""
+def table_bench_args(argv, doc: str, rep: int, rounds: int = 3, extra=()) -> Optional[argparse.Namespace]:
+    """The command line of a one-table benchmark (benchmarks.head_dims, .dropout, .variants): --rounds,
+    --rep, --out, --no-write and the `extra` (flag, add_argument keywords) pairs; None (after saying
+    so) without a CUDA GPU."""
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
-    p.add_argument("--head-dims", default=head_dims)
-    p.add_argument("--rounds", type=int, default=3)
+    for flag, kwargs in extra:
+        p.add_argument(flag, **kwargs)
+    p.add_argument("--rounds", type=int, default=rounds)
     p.add_argument("--rep", type=int, default=rep)
     p.add_argument("--out", default="results")
     p.add_argument("--no-write", action="store_true")

@@ -16,7 +16,6 @@ results/<gpu>/bench_variants.csv:
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 
@@ -26,7 +25,7 @@ import torch._dynamo
 from kernels import attention_ref, flash_attn_func
 from kernels.testing import rel_err
 
-from .measure import time_fn
+from .measure import table_bench_args, time_fn
 from .results import make_row, write_csv
 
 H, H_KV, D = 32, 8, 128
@@ -109,18 +108,12 @@ def errors(q, k, v, case, kw, out, flex_out) -> tuple:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--rep", type=int, default=10)
-    p.add_argument("--out", default="results")
-    p.add_argument("--no-write", action="store_true")
-    p.add_argument("--flex-seqlens", default="16384",
-                   help="sequence lengths at which Flex runs too (each case is one Flex compile, ~30 s)")
-    a = p.parse_args(argv)
-    flex_seqlens = {int(x) for x in a.flex_seqlens.split(",") if x}
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU")
+    flex_help = "sequence lengths at which Flex runs too (each case is one Flex compile, ~30 s)"
+    a = table_bench_args(argv, __doc__, rep=10, rounds=2,
+                         extra=[("--flex-seqlens", dict(default="16384", help=flex_help))])
+    if a is None:
         return 2
+    flex_seqlens = {int(x) for x in a.flex_seqlens.split(",") if x}
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     rows, plain = [], {}
     for batch, seqlen in SHAPES:
