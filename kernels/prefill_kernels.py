@@ -533,6 +533,10 @@ def bwd_dkdv_inner(
         pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])  # [BLOCK_N, BLOCK_M]
         if MASKED and (IS_CAUSAL or HAS_WINDOW):
             pT = tl.where(in_band(offs_m[None, :], offs_n[:, None], diag, left, right, IS_CAUSAL, HAS_WINDOW), pT, 0.0)
+        if HAS_SOFTCAP:  # dS's factors P and tanh' folded now: t dies before the dots (registers)
+            pgT = pT * (1.0 - tT * tT)
+        else:
+            pgT = pT
         if USE_TMA:
             do = do_src.load([start_m, 0])
         else:
@@ -551,9 +555,7 @@ def bwd_dkdv_inner(
         dpT = tl.dot(v, tl.trans(do))  # [BLOCK_N, BLOCK_M]
         if HAS_DROPOUT:
             dpT = tl.where(keepT, dpT * dropout_scale, 0.0)
-        dsT = pT * (dpT - delta[None, :])
-        if HAS_SOFTCAP:
-            dsT = dsT * (1.0 - tT * tT)
+        dsT = pgT * (dpT - delta[None, :])
         dk = tl.dot(dsT.to(q.dtype), q, dk)  # [BLOCK_N, D_PAD]
     return dk, dv
 
@@ -712,14 +714,14 @@ def bwd_dq_inner(
         if MASKED:
             qk = mask_scores(qk, offs_m, start_n + offs_n, n_end, diag, left, right, IS_CAUSAL, HAS_WINDOW)
         p = tl.math.exp2(qk * qk_scale - lse2[:, None])
+        if HAS_SOFTCAP:  # dS's factors P and tanh' folded now: t dies before the dot (registers)
+            p = p * (1.0 - t * t)
         dp = tl.dot(do, tl.trans(v))  # [BLOCK_M, BLOCK_N]
         if HAS_DROPOUT:
             seed, salt, bh, keep_threshold, dropout_scale = dropout
             dp = tl.where(dropout_keep(seed, salt, bh, offs_m, start_n, BLOCK_N, keep_threshold), dp * dropout_scale,
                           0.0)
         ds = p * (dp - delta[:, None])
-        if HAS_SOFTCAP:
-            ds = ds * (1.0 - t * t)
         dq = tl.dot(ds.to(k.dtype), k, dq)  # [BLOCK_M, D_PAD]
     return dq
 
