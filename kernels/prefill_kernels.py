@@ -25,7 +25,10 @@ every row of the query block (in bounds and, when causal, left of the diagonal b
 without any mask. Blocks in [n_full, n_end) are the diagonal band and the ragged tail: their loads
 are bounds-checked and their scores masked. Blocks at or past n_end are never visited, so a causal
 program does about half the work of a non-causal one. A sliding window adds a third range in front,
-[n_lo, n_full_lo), its left edge (masked), and starts there (`key_range`).
+[n_lo, n_full_lo), its left edge (masked), and starts there (`key_range`). A narrow window's edges are
+a few blocks each, too short to pipeline as loops of their own: the forward runs the band as one loop
+that masks only its edge blocks (EDGES); the backward keeps the three loops, where one loop measured
+slower (docs/perf-notes.md, Attention variants).
 
 [Note] Sinks. A sink is a key with a logit (`Sinks`, per head, not scaled) and no value: the forward
 starts each row's running max at it and its sum at 1, so the output's denominator and the LSE
@@ -141,15 +144,16 @@ def variant_scores(qk, offs_m, offs_n, n_end, diag, left, right, cap_scale, slop
 
 @triton.jit
 def fwd_inner(
-    acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, lo, hi,
+    acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, lo, hi, whole_lo, whole_hi,
     offs_m, offs_n, offs_d, n_end, diag, left, right, qk_scale, cap_scale, slope, dropout,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, MASKED: tl.constexpr,
     USE_TMA: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, EDGES: tl.constexpr = False,
 ):
     """Stream key blocks [lo, hi) of a dense K/V into (acc, m_i, l_i). k_src/v_src are tensor
     descriptors (USE_TMA) or base pointers of the (batch, KV head)'s [N, D] slice; MASKED blocks are
-    bounds-checked and masked (see [Note] Masking layout). dropout: (seed, salt, bh, keep_threshold)."""
+    bounds-checked and masked (see [Note] Masking layout); with EDGES only the blocks outside [whole_lo,
+    whole_hi) are masked, and pointer loads are bounds-checked. dropout: (seed, salt, bh, keep_threshold)."""
     k_rel = offs_n[:, None] * stride_kn + offs_d[None, :]  # [BLOCK_N, D_PAD], small offsets
     v_rel = offs_n[:, None] * stride_vn + offs_d[None, :]
     for start_n in tl.range(lo, hi, BLOCK_N):
@@ -157,11 +161,14 @@ def fwd_inner(
             k = k_src.load([start_n, 0])  # [BLOCK_N, D_PAD]
         else:
             k = load_rows(k_src + tl.cast(start_n, tl.int64) * stride_kn + k_rel, start_n + offs_n, n_end, offs_d,
-                          HEAD_DIM, HEAD_DIM_PAD, MASKED)
+                          HEAD_DIM, HEAD_DIM_PAD, MASKED or EDGES)
         qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N]
         qk = variant_scores(qk, offs_m, start_n + offs_n, n_end, diag, left, right, cap_scale, slope, MASKED,
                             IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
-        p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, MASKED)
+        if EDGES:
+            if (start_n < whole_lo) | (start_n >= whole_hi):
+                qk = mask_scores(qk, offs_m, start_n + offs_n, n_end, diag, left, right, IS_CAUSAL, HAS_WINDOW)
+        p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, MASKED or EDGES)
         if HAS_DROPOUT:
             seed, salt, bh, keep_threshold = dropout
             p = tl.where(dropout_keep(seed, salt, bh, offs_m, start_n, BLOCK_N, keep_threshold), p, 0.0)
@@ -169,7 +176,7 @@ def fwd_inner(
             v = v_src.load([start_n, 0])
         else:
             v = load_rows(v_src + tl.cast(start_n, tl.int64) * stride_vn + v_rel, start_n + offs_n, n_end, offs_d,
-                          HEAD_DIM, HEAD_DIM_PAD, MASKED)
+                          HEAD_DIM, HEAD_DIM_PAD, MASKED or EDGES)
         acc = tl.dot(p.to(v.dtype), v, acc)
     return acc, m_i, l_i
 
@@ -333,21 +340,22 @@ def fwd_kernel(
                           HEAD_DIM, HEAD_DIM_PAD, True)  # [BLOCK_M, D_PAD]
             k_src = k_base
             v_src = v_base
-        if HAS_WINDOW:  # stage 0: the window's left edge, masked
-            acc, m_i, l_i = fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, n_lo, n_full_lo,
+        if HAS_WINDOW:  # one loop over the band, its two edges masked in place (a few blocks each)
+            acc, m_i, l_i = fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, n_lo, n_end, n_full_lo,
+                                      n_full, offs_m, offs_n, offs_d, n_end, diag, left, right, qk_scale, cap_scale,
+                                      slope, dropout, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, USE_TMA, IS_CAUSAL,
+                                      HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, True)
+        else:
+            # stage 1: blocks every row sees whole, no mask
+            acc, m_i, l_i = fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, 0, n_full, 0, 0,
+                                      offs_m, offs_n, offs_d, n_end, diag, left, right, qk_scale, cap_scale, slope,
+                                      dropout, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, USE_TMA, IS_CAUSAL, HAS_WINDOW,
+                                      HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
+            # stage 2: the diagonal band and the ragged tail, masked
+            acc, m_i, l_i = fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, n_full, n_end, 0, 0,
                                       offs_m, offs_n, offs_d, n_end, diag, left, right, qk_scale, cap_scale, slope,
                                       dropout, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, USE_TMA, IS_CAUSAL, HAS_WINDOW,
                                       HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
-        # stage 1: blocks every row sees whole, no mask
-        acc, m_i, l_i = fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, n_full_lo, n_full,
-                                  offs_m, offs_n, offs_d, n_end, diag, left, right, qk_scale, cap_scale, slope,
-                                  dropout, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, USE_TMA, IS_CAUSAL, HAS_WINDOW,
-                                  HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
-        # stage 2: the diagonal band (or the window's right edge) and the ragged tail, masked
-        acc, m_i, l_i = fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, n_full, n_end,
-                                  offs_m, offs_n, offs_d, n_end, diag, left, right, qk_scale, cap_scale, slope,
-                                  dropout, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, USE_TMA, IS_CAUSAL, HAS_WINDOW,
-                                  HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
 
     # -- epilogue: normalise, store the output and the LSE ---------------------------------------
     out, lse = finalize(acc, m_i, l_i)
