@@ -196,3 +196,23 @@ def test_cuda_graph_draws_fresh_bits_each_replay():
         assert_close_to_ref(out, out32, same)
         results.append(out.clone())
     assert not torch.equal(results[0], results[1])
+
+
+def test_drop_counts_per_row_are_binomial():
+    """The bits behave as independent draws, not only on average: over 1024 rows of 64 keys (B x H x
+    seqlen_q, 65k pairs) the drop count per row has the binomial variance N p (1 - p) (to 30%, about 7
+    standard errors) and drops are uncorrelated between neighbouring heads, batch entries, queries and
+    keys (|r| < 0.03, about 7 standard errors). flash-attn's tests check the drop fraction of one-query
+    rows with a bound only its own stream is sure to meet (tests/upstream/skips.py, RNG_STREAM)."""
+    batch, nheads, seqlen_q, seqlen_k = 8, 4, 32, 64
+    q = torch.randn(batch, seqlen_q, nheads, 32, device=DEVICE, dtype=torch.float16)
+    k = torch.randn(batch, seqlen_k, 1, 32, device=DEVICE, dtype=torch.float16)
+    _, _, s_dmask = flash_attn_func(q, k, k, P, return_attn_probs=True)
+    drop = (s_dmask[..., :seqlen_q, :seqlen_k] < 0).double()  # (batch, nheads, seqlen_q, seqlen_k)
+    assert abs(drop.mean().item() - P) <= 0.01
+    ratio = drop.sum(-1).var().item() / (seqlen_k * P * (1 - P))
+    assert 0.7 <= ratio <= 1.3, ratio
+    for a, b, what in ((drop[:, :-1], drop[:, 1:], "heads"), (drop[:-1], drop[1:], "batch entries"),
+                       (drop[:, :, :-1], drop[:, :, 1:], "queries"), (drop[..., :-1], drop[..., 1:], "keys")):
+        r = torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1].item()
+        assert abs(r) < 0.03, f"drops correlated between neighbouring {what}: r = {r:.3f}"

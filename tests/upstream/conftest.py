@@ -171,7 +171,8 @@ def pytest_report_header(config):
     origin = vendor.read_text().splitlines()[0] if vendor.is_file() else missing
     selected = config._upstream_selected
     scope = "all cases" if selected is None else f"{len(selected)} selected cases"
-    return [f"upstream: {origin}", f"upstream: {scope}; {len(skips.OUT_OF_SCOPE) + len(skips.PENDING)} skip entries"]
+    entries = len(skips.OUT_OF_SCOPE) + len(skips.PENDING) + len(skips.RNG_STREAM)
+    return [f"upstream: {origin}", f"upstream: {scope}; {entries} skip entries"]
 
 
 def _function_of(nodeid: str) -> str:
