@@ -80,7 +80,7 @@ RNG_STREAM: List[Skip] = [
     # heads x ~137 keys), where the tolerance of 0.01 is 1.5 binomial standard deviations: about one
     # seed in eight fails it for any unbiased keep mask. flash-attn's own Philox stream passes at seed 0;
     # ours fails some of the sampled cases. The keep rate (2^17 pairs) and the spread of the drop count
-    # per row and its independence across heads, batch entries and keys (56k pairs) are tested in
+    # per row and its independence across heads, batch entries, queries and keys (65k pairs) are tested in
     # tests/test_dropout.py; the output and gradients with the mask are checked at every other shape.
     Skip("test_flash_attn_varlen_output", "seqlen_q", 1,
          "dropout fraction bound of 1.5 sigma at seqlen_q = 1 holds for flash-attn's RNG stream only "
