@@ -19,7 +19,7 @@ import triton
 from ._configs import AttnConfig, prefill_bwd_config, prefill_bwd_unsupported, prefill_fwd_config
 from ._jit import wide_pages
 from ._launch import LaunchCache
-from ._options import AttnOptions, attn_options, refuse_variants, resolve_variants
+from ._options import AttnOptions, attn_options, resolve_variants
 from ._utils import (
     Target,
     _check_block_table_entries,
@@ -537,11 +537,13 @@ def _flash_attn_varlen_paged_forward(
     max_seqlen_q: int,
     block_table: torch.Tensor,
     options: AttnOptions,
+    variants: Optional[dict] = None,
     config: Optional[AttnConfig] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """flash_attn_varlen_func's forward over a paged K/V (validated): packed queries in the cache mode,
     sequence b's keys the first cu_seqlens_k[b + 1] - cu_seqlens_k[b] logical rows of block_table[b]
-    (see [Note] Packed sequences); returns (out, softmax_lse (nheads, total_q))."""
+    (see [Note] Packed sequences), with the variants' tensors `variants` (`variant_args`); returns
+    (out, softmax_lse (nheads, total_q))."""
     total_q, nheads, head_dim = q.shape
     batch = cu_seqlens_q.numel() - 1
     target, config, planned = _forward_plan(q, options, config, k_cache, v_cache)
@@ -549,14 +551,14 @@ def _flash_attn_varlen_paged_forward(
     lse = torch.empty((nheads, total_q), dtype=torch.float32, device=q.device)
     if out.numel() == 0 or batch == 0 or max_seqlen_q == 0:
         out.zero_()
-        lse.fill_(float("inf"))
+        _empty_rows_lse(lse, options, variants)
         return out, lse
     (q,) = _aligned_operands(planned, q)
     seqlens_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)  # on the device: no sync
     capacity, use_tma, kv_strides, paging = _paged_pool_args(
         k_cache, v_cache, block_table, config, _use_tma(config.use_tma, target, q, k_cache, v_cache, out))
     args = dict(_varlen_args(cu_seqlens_q, cu_seqlens_k, total_q), Cache_seqlens=seqlens_k, IS_KVCACHE=True,
-                **paging)
+                **paging, **(variants or {}))
     _launch_forward(q, k_cache, v_cache, out, lse, batch, max_seqlen_q, capacity, options, config, args,
                     use_tma=use_tma, kv_strides=kv_strides)
     return out, lse
@@ -891,11 +893,10 @@ def _varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                              f"page_size = {capacity}, got lengths {lengths.tolist()}.")
         if block_table.device.type == "cpu":
             _check_block_table_entries(block_table, lengths, 0, page_size, k_cache.shape[0])
-    options = attn_options(q.shape[2], softmax_scale, alibi=alibi_slopes is not None, sinks=sinks is not None,
-                           **resolve_variants(window_size, softcap, causal, max_seqlen_k))
-    refuse_variants(options, "flash_attn_varlen_func with block_table (a paged K/V)")
+    options, variants = variant_options(q.shape[2], softmax_scale, causal, window_size, softcap, alibi_slopes, sinks,
+                                        max_seqlen_k, batch, q.shape[1], q.device)
     args = (q, k_cache, v_cache, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, block_table,
-            options)
+            options, variants)
     if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad):
         out, lse = _FlashAttnVarlenPagedFunc.apply(*args)
     else:
@@ -907,9 +908,9 @@ class _FlashAttnVarlenPagedFunc(torch.autograd.Function):
     """The paged varlen forward under autograd: its backward says it does not exist (flash-attn has none)."""
 
     @staticmethod
-    def forward(ctx, q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, options):
+    def forward(ctx, q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, options, variants):
         out, lse = _flash_attn_varlen_paged_forward(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                    block_table, options)
+                                                    block_table, options, variants)
         ctx.mark_non_differentiable(lse)
         return out, lse
 

@@ -28,7 +28,8 @@ program does about half the work of a non-causal one. A sliding window adds a th
 [n_lo, n_full_lo), its left edge (masked), and starts there (`key_range`). A narrow window's edges are
 a few blocks each, too short to pipeline as loops of their own: the forward runs the band as one loop
 that masks only its edge blocks (EDGES); the backward keeps the three loops, where one loop measured
-slower (docs/perf-notes.md, Attention variants).
+slower (docs/perf-notes.md, Attention variants). Over a paged pool the descriptor path keeps the three
+ranges (`paged_fwd_inner`) and the pointer path, already masked throughout, one loop from n_lo.
 
 [Note] Sinks. A sink is a key with a logit (`Sinks`, per head, not scaled) and no value: the forward
 starts each row's running max at it and its sum at 1, so the output's denominator and the LSE
@@ -181,6 +182,33 @@ def fwd_inner(
     return acc, m_i, l_i
 
 
+@triton.jit
+def paged_fwd_inner(
+    acc, m_i, l_i, q, k_desc, v_desc, table, next_row, lo, hi, offs_m, offs_n, n_end, diag, left, right, qk_scale,
+    cap_scale, slope, NUM_BLOCKS, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+):
+    """Stream key blocks [lo, hi) of a paged pool into (acc, m_i, l_i) through descriptors of the whole
+    pool as [NUM_BLOCKS * P, D] rows (P a multiple of BLOCK_N, see [Note] Chunked prefill over a cache).
+    next_row is block lo's pool row; each page is looked up one block ahead, and the row after hi is
+    returned for the next stage. MASKED blocks are masked (band and length) and their values past
+    n_end zeroed: those rows are the page's unused tail, stale data that may hold NaN bit patterns
+    (0 * NaN would poison acc)."""
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        row = next_row
+        next_row = page_row(table, start_n + BLOCK_N, n_end, NUM_BLOCKS, PAGE_SIZE)
+        k = k_desc.load([row, 0])
+        qk = tl.dot(q, tl.trans(k))
+        qk = variant_scores(qk, offs_m, start_n + offs_n, n_end, diag, left, right, cap_scale, slope, MASKED,
+                            IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
+        p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, MASKED)
+        v = v_desc.load([row, 0])
+        if MASKED:
+            v = tl.where((start_n + offs_n)[:, None] < n_end, v, 0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, m_i, l_i, next_row
+
+
 @triton.jit(do_not_specialize=["window_left", "window_right"])  # a new window size is not a new kernel
 def fwd_kernel(
     Q, K, V, Out, Lse,
@@ -203,8 +231,6 @@ def fwd_kernel(
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
     tl.static_assert(not (HAS_DROPOUT and IS_KVCACHE), "dropout is a training option: no cache mode")
-    tl.static_assert(not (IS_KVCACHE and (HAS_WINDOW or HAS_SOFTCAP or HAS_ALIBI or HAS_SINKS)),
-                     "the cache mode has no variants yet")
     unit, cap_scale = score_units(softmax_scale, softcap, HAS_SOFTCAP)
     qk_scale = unit * LOG2E  # scores to base-2 logits
     # -- which query block and head ------------------------------------------------------------
@@ -283,34 +309,28 @@ def fwd_kernel(
                                                [BLOCK_N, HEAD_DIM_PAD])
             q = q_desc.load([start_m, 0])  # [BLOCK_M, D_PAD]
             table = Block_table + off_b * stride_btb
-            next_row = page_row(table, 0, n_end, NUM_BLOCKS, PAGE_SIZE)
-            # stage 1: blocks every row sees whole, no mask; each page is looked up one block ahead
-            for start_n in tl.range(0, n_full, BLOCK_N):
-                row = next_row
-                next_row = page_row(table, start_n + BLOCK_N, n_end, NUM_BLOCKS, PAGE_SIZE)
-                k = k_desc.load([row, 0])
-                qk = tl.dot(q, tl.trans(k))
-                p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, False)
-                v = v_desc.load([row, 0])
-                acc = tl.dot(p.to(v.dtype), v, acc)
-            # stage 2: diagonal band and ragged tail, masked; rows past N are another request's or
-            # stale: their scores are masked and their values zeroed (0 * NaN would poison acc)
-            for start_n in tl.range(n_full, n_end, BLOCK_N):
-                row = next_row
-                next_row = page_row(table, start_n + BLOCK_N, n_end, NUM_BLOCKS, PAGE_SIZE)
-                k = k_desc.load([row, 0])
-                qk = tl.dot(q, tl.trans(k))
-                qk = mask_scores(qk, offs_m, start_n + offs_n, n_end, diag, left, right, IS_CAUSAL, False)
-                p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, True)
-                v = v_desc.load([row, 0])
-                v = tl.where((start_n + offs_n)[:, None] < n_end, v, 0.0)
-                acc = tl.dot(p.to(v.dtype), v, acc)
+            next_row = page_row(table, n_lo, n_end, NUM_BLOCKS, PAGE_SIZE)
+            if HAS_WINDOW:  # the band's left edge, masked
+                acc, m_i, l_i, next_row = paged_fwd_inner(
+                    acc, m_i, l_i, q, k_desc, v_desc, table, next_row, n_lo, n_full_lo, offs_m, offs_n, n_end, diag,
+                    left, right, qk_scale, cap_scale, slope, NUM_BLOCKS, BLOCK_N, PAGE_SIZE, True, IS_CAUSAL,
+                    HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
+            # blocks every row sees whole, no mask
+            acc, m_i, l_i, next_row = paged_fwd_inner(
+                acc, m_i, l_i, q, k_desc, v_desc, table, next_row, n_full_lo, n_full, offs_m, offs_n, n_end, diag,
+                left, right, qk_scale, cap_scale, slope, NUM_BLOCKS, BLOCK_N, PAGE_SIZE, False, IS_CAUSAL, HAS_WINDOW,
+                HAS_SOFTCAP, HAS_ALIBI)
+            # the diagonal band and the ragged tail, masked
+            acc, m_i, l_i, next_row = paged_fwd_inner(
+                acc, m_i, l_i, q, k_desc, v_desc, table, next_row, n_full, n_end, offs_m, offs_n, n_end, diag, left,
+                right, qk_scale, cap_scale, slope, NUM_BLOCKS, BLOCK_N, PAGE_SIZE, True, IS_CAUSAL, HAS_WINDOW,
+                HAS_SOFTCAP, HAS_ALIBI)
         else:  # pointer path over a paged pool: each key block finds its rows through the block table
             q = load_rows(tile_ptrs(q_base, start_m, stride_qm, BLOCK_M, offs_d), offs_m, M, offs_d,
                           HEAD_DIM, HEAD_DIM_PAD, True)
             table = Block_table + off_b * stride_btb
-            next_blocks = physical_blocks(table, 0, offs_n, n_end, NUM_BLOCKS, PAGE_SIZE, BLOCK_N)
-            for start_n in tl.range(0, n_end, BLOCK_N):  # one loop: the masks are cheap next to the gathers
+            next_blocks = physical_blocks(table, n_lo, n_lo + offs_n, n_end, NUM_BLOCKS, PAGE_SIZE, BLOCK_N)
+            for start_n in tl.range(n_lo, n_end, BLOCK_N):  # one loop: the masks are cheap next to the gathers
                 rows = start_n + offs_n
                 blocks = next_blocks
                 next_blocks = physical_blocks(table, start_n + BLOCK_N, rows + BLOCK_N, n_end, NUM_BLOCKS, PAGE_SIZE,
@@ -320,7 +340,8 @@ def fwd_kernel(
                 k = load_rows(k_base + k_offs[:, None] + offs_d[None, :], rows, n_end, offs_d, HEAD_DIM, HEAD_DIM_PAD,
                               True)
                 qk = tl.dot(q, tl.trans(k))
-                qk = mask_scores(qk, offs_m, rows, n_end, diag, left, right, IS_CAUSAL, False)
+                qk = variant_scores(qk, offs_m, rows, n_end, diag, left, right, cap_scale, slope, True, IS_CAUSAL,
+                                    HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
                 p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, True)
                 v_offs = kv_block_offsets(blocks, start_n, offs_n, stride_vblk, stride_vn, PAGE_SIZE, True,
                                           WIDE_PAGES, BLOCK_N)

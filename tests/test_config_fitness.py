@@ -2,15 +2,15 @@
 each card users bring (kernels._utils.TARGETS: T4, A100, A10, L4, H100/H200) the public functions are
 called under `kernels._launch.recording`, which plans each call for that card and records its launches
 instead of running them, across what changes the choice: head dim, dtype, causal, packed (varlen) or
-not, dropout or not, the attention variants (all on at once) or not, forward and backward, and for the
-KV-cache path the query rows per program (seqlen_q x group size), dense or paged with several page
-sizes, append or not, split or not, and grids deep enough to change a paged plan. One launch of each
-tile class (`cross_compile.tile_key`: all but the integer and alignment specialisations) is cross-
-compiled for the card's architecture (tests/cross_compile.py: Triton without a GPU) and its shared
-memory compared with the card's limit. bf16 plans must equal fp16 ones (same bytes per element; compiled
-once, as fp16); where no tile fits (a T4's fp32 backward above head dim 128, its fp32 decode with an
-append at 256) the call must say so before launching, and a card without bf16 (T4) must refuse bf16
-before any launch.
+not, dropout or not, the attention variants (all on at once, paged varlen too) or not, forward and
+backward, and for the KV-cache path the query rows per program (seqlen_q x group size), dense or paged
+with several page sizes, append or not, split or not, and grids deep enough to change a paged plan. One
+launch of each tile class (`cross_compile.tile_key`: all but the integer and alignment specialisations)
+is cross-compiled for the card's architecture (tests/cross_compile.py: Triton without a GPU) and its
+shared memory compared with the card's limit. bf16 plans must equal fp16 ones (same bytes per element;
+compiled once, as fp16); where no tile fits (a T4's fp32 backward above head dim 128, its fp32 decode
+with an append at 256) the call must say so before launching, and a card without bf16 (T4) must refuse
+bf16 before any launch.
 """
 
 from __future__ import annotations
@@ -86,10 +86,22 @@ def _prefill_calls(dtype: torch.dtype, target: Target):
                                   alibi_slopes=torch.ones(4, device=DEVICE), sinks=sinks)
             _backward(out, _empty(1, 70, 4, head_dim, dtype=dtype), head_dim, target)
 
+        def paged_variants(head_dim=head_dim, causal=causal):  # paged varlen forward, every variant on
+            cu = torch.tensor([0, 30, 70], dtype=torch.int32, device=DEVICE)
+            q = _empty(70, 4, head_dim, dtype=dtype)
+            for page_size in (16, 256):  # pages gathered per key, and whole key blocks per page (descriptors)
+                cols = -(-40 // page_size)
+                pool = _empty(2 * cols, page_size, 2, head_dim, dtype=dtype)
+                table = torch.arange(2 * cols, dtype=torch.int32, device=DEVICE).view(2, cols)
+                flash_attn_varlen_func(q, pool, pool, cu, cu, 40, 40, causal=causal, window_size=(30, 10),
+                                       softcap=5.0, alibi_slopes=torch.ones(4, device=DEVICE),
+                                       sinks=torch.zeros(4, device=DEVICE), block_table=table)
+
         yield f"prefill D={head_dim} causal={causal}", dense
         yield f"varlen D={head_dim} causal={causal}", packed
         yield f"dropout D={head_dim} causal={causal}", dropout
         yield f"variants D={head_dim} causal={causal}", variants
+        yield f"paged varlen variants D={head_dim} causal={causal}", paged_variants
 
 
 def _kvcache_calls(dtype: torch.dtype, target: Target):

@@ -1,7 +1,8 @@
 """flash_attn_varlen_func with block_table: packed queries over keys in paged pools equal the same call
 over the keys gathered into packed rows, for several page sizes (whole key blocks per page, several
-pages per block, pages that straddle blocks), GQA, causal or not, empty sequences; its errors; and its
-backward, which does not exist (flash-attn's neither).
+pages per block, pages that straddle blocks), GQA, causal or not, empty sequences, with the attention
+variants (window, softcap, ALiBi, sinks); its errors; and its backward, which does not exist
+(flash-attn's neither).
 """
 
 from __future__ import annotations
@@ -55,6 +56,46 @@ def test_paged_equals_packed(page_size, causal):
     v_t = v_pool.transpose(1, 2).contiguous().transpose(1, 2)
     out_t = flash_attn_varlen_func(q, k_t, v_t, *args, causal=causal, block_table=table)
     torch.testing.assert_close(out_t, ref, atol=tol, rtol=tol)
+
+
+VARIANTS = {
+    "window": dict(window_size=(20, 3)),
+    "window-causal": dict(window_size=(33, 0), causal=True),
+    "window-left-only": dict(window_size=(0, -1)),
+    "softcap": dict(softcap=2.0, causal=True),
+    "alibi": dict(alibi="per-batch", causal=True),
+    "sinks": dict(sinks=True),
+    "all": dict(window_size=(40, 10), softcap=3.0, alibi="per-head", sinks=True),
+}
+
+
+@pytest.mark.parametrize("page_size", [16, 64, 128])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_paged_variants_equal_packed(variant, page_size):
+    """The variants over the pool equal the packed call with the same variants (the band per sequence,
+    bottom-right aligned to each one's own lengths, both ways round), and rows that see no key give
+    zeros; the packed call itself is checked against the fp64 reference in tests/test_variants.py."""
+    lens_q, lens_k = [5, 0, 70, 33, 1, 90], [130, 7, 70, 0, 64, 50]
+    nheads = 4
+    q, k, v, k_pool, v_pool, table, cu_q, cu_k = paged_case(lens_q, lens_k, page_size, nheads=nheads, seed=1)
+    kwargs = dict(VARIANTS[variant])
+    gen = torch.Generator(device="cpu").manual_seed(2)
+    alibi = kwargs.pop("alibi", None)
+    if alibi is not None:
+        shape = (len(lens_q), nheads) if alibi == "per-batch" else (nheads,)
+        kwargs["alibi_slopes"] = (torch.rand(shape, generator=gen) * 0.3).to(DEVICE)
+    if kwargs.pop("sinks", False):
+        kwargs["sinks"] = torch.randn(nheads, generator=gen).to(DEVICE)
+    args = (cu_q, cu_k, max(lens_q), max(lens_k))
+    ref, ref_lse = flash_attn_varlen_func(q, k, v, *args, return_softmax_lse=True, **kwargs)
+    out, lse = flash_attn_varlen_func(q, k_pool, v_pool, *args, block_table=table, return_softmax_lse=True,
+                                      **kwargs)
+    tol = 2e-3 if ON_GPU else 1e-3
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
+    assert not out.isnan().any()
+    no_keys = slice(sum(lens_q[:3]), sum(lens_q[:4]))  # sequence 3 has no key: zeros (a sink has no value)
+    assert out[no_keys].abs().max().item() == 0
 
 
 def test_private_forward_takes_block_table():
