@@ -5,11 +5,13 @@ Written once so their semantics cannot drift between kernels:
 - `gqa_kv_head`, `gqa_q_head`: the GQA head mapping (query head h reads KV head h // G).
 - `window_extent`, `key_range`, `in_band`, `mask_scores`: which keys a row sees (length, bottom-right
   causal mask, sliding window), which key blocks a query block visits, and the mask itself.
-- `score_units`, `score_mods`, `tanh`: the variants' scores (softcap, ALiBi).
+- `score_units`, `score_mods`, `tanh`, `variant_scores`: the variants' scores (softcap, ALiBi), and a
+  block's scores made ready for the softmax (mods, then masks).
 - `online_softmax`: one step of the streaming softmax (FlashAttention-2, base 2).
 - `finalize`: the epilogue that turns (acc, m_i, l_i) into the output and its log-sum-exp.
 - `load_rows`: a [rows, HEAD_DIM_PAD] tile load masked by row count and by head-dim padding.
-- `merge_partials`: merge partial results (split-KV decode) by their log-sum-exp.
+- `merge_partials`, `merge_sink`: merge partial results (split-KV decode) by their log-sum-exp, and
+  fold a sink into a merged row.
 - `kv_row_offsets`, `kv_block_offsets`, `physical_blocks`: where a cache row lives, dense or paged
   (decode and chunked prefill read caches through them; `wide_pages` is their host-side check).
 - `left_padding`: where a left-padded request's keys start (cache_leftpad), clamped the one way the
@@ -155,6 +157,20 @@ def score_mods(qk, q_pos, k_pos, diag, cap_scale, slope, HAS_SOFTCAP: tl.constex
 
 
 @triton.jit
+def variant_scores(qk, offs_m, offs_n, n_end, diag, left, right, cap_scale, slope, MASKED: tl.constexpr,
+                   IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                   HAS_ALIBI: tl.constexpr):
+    """A block's raw scores qk [rows, BLOCK_N] made ready for `online_softmax`: softcap and ALiBi
+    applied (`score_mods`; slope a scalar, or [rows, 1] when the rows are of several heads), then, in
+    a masked block, the length and band mask (`mask_scores`). offs_m are the rows' query positions."""
+    if HAS_SOFTCAP or HAS_ALIBI:
+        qk, _ = score_mods(qk, offs_m[:, None], offs_n[None, :], diag, cap_scale, slope, HAS_SOFTCAP, HAS_ALIBI)
+    if MASKED:
+        qk = mask_scores(qk, offs_m, offs_n, n_end, diag, left, right, IS_CAUSAL, HAS_WINDOW)
+    return qk
+
+
+@triton.jit
 def online_softmax(qk, m_i, l_i, acc, qk_scale, MASKED: tl.constexpr):
     """One FlashAttention-2 step over a block of raw scores qk [rows, BLOCK_N].
 
@@ -239,6 +255,19 @@ def merge_partials(o_parts, lse_parts):
     out = tl.sum(o_parts * (w / w_sum)[:, None], 0)  # [D]
     lse = tl.where(empty, float("inf"), lse_max + tl.log(w_sum))
     return out, lse
+
+
+@triton.jit
+def merge_sink(out, lse, sink):
+    """Fold a sink (a key of logit `sink` and no value, see [Note] Sinks in kernels/prefill_kernels.py)
+    into a finished row: out and lse (natural log, +inf for a row that saw no key) over its keys become
+    out * exp(lse - lse') and lse' = log(exp(lse) + exp(sink)), over the keys and the sink; a row that
+    saw no key gives zeros and lse' = sink. Split-KV decode adds the sink here, once, after merging the
+    partials, none of which carries it."""
+    lse_keys = tl.where(lse == float("inf"), float("-inf"), lse)
+    top = tl.maximum(lse_keys, sink)
+    lse_all = top + tl.log(tl.exp(lse_keys - top) + tl.exp(sink - top))
+    return out * tl.exp(lse_keys - lse_all), lse_all
 
 
 @triton.jit

@@ -279,24 +279,32 @@ def _validate_sinks(sinks, nheads: int, device) -> None:
 
 
 def _check_block_table_entries(block_table: torch.Tensor, host_lengths, seqlen_new: int, page_size: int,
-                               num_blocks: int) -> None:
+                               num_blocks: int, window_left: int = -1, seqlen_q: int = 0) -> None:
     """Raise ValueError if a CPU block_table entry that the call uses lies outside [0, num_blocks).
 
     With host-known lengths (an int or a CPU tensor) request b uses its first
     ceil((L_b + seqlen_new) / page_size) entries and only those are checked (the rest may hold
-    anything, e.g. -1); without them (lengths on the GPU) every entry is.
+    anything, e.g. -1); without them (lengths on the GPU) every entry is. With a sliding window's left
+    side (window_left >= 0, seqlen_q query tokens) the pages wholly before request b's band, whose
+    first key is L_b + seqlen_new - seqlen_q - window_left, are not used either (a cache may have
+    freed them).
     """
     table = block_table.to(torch.int64)
     bad = (table < 0) | (table >= num_blocks)  # (batch, max_blocks)
     if host_lengths is not None:
         if isinstance(host_lengths, int):
             host_lengths = torch.full((table.shape[0],), host_lengths, dtype=torch.int64)
-        n_pages = (host_lengths.to(torch.int64).clamp(min=0) + seqlen_new + page_size - 1) // page_size
-        bad &= torch.arange(table.shape[1])[None, :] < n_pages[:, None]
+        n_keys = host_lengths.to(torch.int64).clamp(min=0) + seqlen_new
+        n_pages = (n_keys + page_size - 1) // page_size
+        first = torch.zeros_like(n_pages)
+        if window_left >= 0:
+            first = (n_keys - seqlen_q - window_left).clamp(min=0) // page_size
+        j = torch.arange(table.shape[1])[None, :]
+        bad &= (j >= first[:, None]) & (j < n_pages[:, None])
     if not bool(bad.any()):
         return
     b, j = (int(i) for i in bad.nonzero()[0])
-    which = (f"request {b} uses its first {int(n_pages[b])} entries" if host_lengths is not None
+    which = (f"request {b} uses entries {int(first[b])} to {int(n_pages[b]) - 1}" if host_lengths is not None
              else "cache_seqlens is on the GPU, so every entry is checked")
     raise InputError(
         f"Expected block_table entries in [0, num_blocks = {num_blocks}) (physical blocks of k_cache), got "

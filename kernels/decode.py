@@ -84,7 +84,7 @@ from ._configs import (
 )
 from ._jit import wide_pages
 from ._launch import DirectLaunch, LaunchCache, launch_hooks_active, recording_active
-from ._options import AttnOptions, attn_options, causal_without_variants, head_dim_tile
+from ._options import AttnOptions, attn_options, head_dim_tile, resolve_variants
 from ._utils import (
     Target,
     _check_block_table_entries,
@@ -98,7 +98,7 @@ from ._utils import (
 )
 from .decode_kernels import append_kernel, combine_kernel, decode_kernel
 from .errors import InputError, InputTypeError
-from .prefill import _flash_attn_kvcache_forward
+from .prefill import _flash_attn_kvcache_forward, variant_args
 from .rotary import apply_rotary
 
 # With num_splits=0, flash_attn_with_kvcache runs the prefill kernel family instead of the decode
@@ -136,12 +136,14 @@ class _Plan(NamedTuple):
 @functools.lru_cache(maxsize=512)
 def _plan(batch: int, seqlen_q: int, nheads: int, nheads_k: int, head_dim: int, seqlen_cache: int,
           dtype: torch.dtype, target: Optional[Target], num_splits: int, page_size: int = 0,
-          append: bool = False) -> _Plan:
+          append: bool = False, window_left: int = -1) -> _Plan:
     """The launch plan on `target` (`device_target`; None: the interpreter); page_size 0 for a dense
     cache, else the pool's page size (seqlen_cache is then a request's capacity, max_blocks_per_seq *
-    page_size); append: the call writes seqlen_q new rows (their K/V tiles take shared memory too).
-    Tiles are shrunk to the target's shared memory first (`decode_fit`); the paged plan below only
-    lowers stages or BLOCK_N, so it fits too."""
+    page_size); append: the call writes seqlen_q new rows (their K/V tiles take shared memory too);
+    window_left >= 0: a sliding window's left side, whose band of at most window_left + seqlen_q
+    cached keys the splits tile instead of the whole cache ([Note] Variants in decode,
+    kernels/decode_kernels.py). Tiles are shrunk to the target's shared memory first (`decode_fit`);
+    the paged plan below only lowers stages or BLOCK_N, so it fits too."""
     head_dim_pad = head_dim_tile(head_dim)
     reason = decode_unsupported(head_dim_pad, dtype.itemsize, append, target)
     if reason is not None:  # before any launch
@@ -156,11 +158,13 @@ def _plan(batch: int, seqlen_q: int, nheads: int, nheads_k: int, head_dim: int, 
     config = DecodeConfig(block_n, config.num_warps, num_stages, config.max_rows)
     row_blocks = triton.cdiv(rows, block_h)
     programs = batch * nheads_k * row_blocks
+    # the keys a request's splits cover: the whole cache, or a window's band from its first key block on
+    span = seqlen_cache if window_left < 0 else min(seqlen_cache, window_left + seqlen_q + block_n)
     if num_splits == 0:
-        num_splits = decode_num_splits(programs, seqlen_cache, block_n, target, page_size > 0)
+        num_splits = decode_num_splits(programs, span, block_n, target, page_size > 0)
     if page_size:  # [Note] Paged pipelining (decode_kernels.py): an unsplit grid may change BLOCK_N, never the splits
-        block_n, num_stages = decode_paged_tiles(config, page_size, programs, num_splits, seqlen_cache, target)
-    blocks_total = triton.cdiv(seqlen_cache, block_n)
+        block_n, num_stages = decode_paged_tiles(config, page_size, programs, num_splits, span, target)
+    blocks_total = triton.cdiv(span, block_n)
     num_splits = max(1, min(num_splits, blocks_total))  # more splits than blocks would all be empty
     blocks_per_split = triton.cdiv(max(blocks_total, 1), num_splits)
     num_splits = triton.cdiv(max(blocks_total, 1), blocks_per_split)
@@ -315,12 +319,14 @@ def _resolve_cache_leftpad(cache_leftpad, q, k_cache, cache_seqlens) -> torch.Te
 
 
 def _resolve_paging(block_table, cache_seqlens, batch: int, seqlen_new: int, k_cache: torch.Tensor,
-                    device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+                    device: torch.device, window_left: int = -1,
+                    seqlen_q: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
     """Validate a paged call's block_table and cache_seqlens; return both on `device`.
 
     Checks on the host what is host-visible: the lengths (overflow past max_blocks_per_seq *
-    page_size) and a CPU block_table's entries (`_check_block_table_entries`), then copies them to
-    the GPU. A block_table already on the GPU is used as is (the kernel clamps its entries).
+    page_size) and a CPU block_table's entries (`_check_block_table_entries`; with a window's left
+    side and seqlen_q, not the pages before each request's band), then copies them to the GPU. A
+    block_table already on the GPU is used as is (the kernel clamps its entries).
     """
     _validate_tensor("block_table", block_table, 2, "(batch, max_blocks_per_seq)")
     if block_table.dtype != torch.int32:
@@ -347,7 +353,8 @@ def _resolve_paging(block_table, cache_seqlens, batch: int, seqlen_new: int, k_c
             host_lengths = cache_seqlens if cache_seqlens.device.type == "cpu" else None
         else:
             host_lengths = int(cache_seqlens)
-        _check_block_table_entries(block_table, host_lengths, seqlen_new, page_size, num_blocks)
+        _check_block_table_entries(block_table, host_lengths, seqlen_new, page_size, num_blocks, window_left,
+                                   seqlen_q)
         return seqlens, (block_table if device.type == "cpu" else block_table.to(device))
     if block_table.device != device:
         raise InputError(f"Expected block_table on {device} (or on the CPU), got it on {block_table.device}.")
@@ -584,13 +591,14 @@ def _replay(r: _Replay, q, k_cache, v_cache, k, v, cache_seqlens, block_table, o
 def _replay_key(sig: tuple, cache_seqlens, options: AttnOptions, num_splits, return_softmax_lse) -> Optional[tuple]:
     """What a call must share with an earlier one to replay it: the tensors' signature, a device
     cache_seqlens' layout, the options' compiled part (their runtime part is filled into the replay)
-    and the other arguments; None when the call cannot be replayed: lengths given as an int or on the
+    and the other arguments (and a window's left side, which the split plan follows); None when the call
+    cannot be replayed: lengths given as an int or on the
     CPU (checked on the host every call), and arguments other than plain Python values (the full path
     converts and checks them)."""
     if type(cache_seqlens) is not torch.Tensor or type(num_splits) is not int or type(return_softmax_lse) is not bool:
         return None
     return (sig, cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.device,
-            options.compiled, num_splits, return_softmax_lse)
+            options.compiled, options.window_left, num_splits, return_softmax_lse)
 
 
 def _flash_attn_with_kvcache_launch(
@@ -607,16 +615,22 @@ def _flash_attn_with_kvcache_launch(
     sig: Optional[tuple] = None,
     replay_key: Optional[tuple] = None,
     cache_leftpad: Optional[torch.Tensor] = None,
+    variants: Optional[dict] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Allocate and launch on validated inputs (cache_seqlens: int32 (batch,) on q's device;
     block_table: None for a dense cache, else int32 (batch, max_blocks_per_seq) on q's device;
     sig: `_signature` of the call when the caller has it; replay_key: when given, the decode
     launches are recorded as a `_Replay` under it, for the caller's next call of that key;
     cache_leftpad: None, or int32 (batch,) contiguous on q's device, with a dense cache or a one-page
-    table (cache_batch_idx), see [Note] Left padding in kernels/decode_kernels.py; never replayed)."""
+    table (cache_batch_idx), see [Note] Left padding in kernels/decode_kernels.py; never replayed;
+    variants: the ALiBi slopes' and sinks' kernel arguments, `variant_args`; calls with them are never
+    replayed)."""
     batch, seqlen_q, nheads, head_dim = q.shape
     device = q.device
     append = k is not None
+    variants = variants or {}
+    if variants:  # tensors the replays carry no pointer for
+        replay_key = None
     if sig is None:
         sig = _signature(q, k_cache, v_cache, k, v, block_table)
     target = device_target(device)
@@ -634,14 +648,15 @@ def _flash_attn_with_kvcache_launch(
             if append:
                 _launch_append(k_cache, v_cache, k, v, cache_seqlens, block_table, options, key)
             out, lse = _flash_attn_kvcache_forward(q, k_cache, v_cache, cache_seqlens, k.shape[1] if append else 0,
-                                                   block_table, options, launch_key=key, cache_leftpad=cache_leftpad)
+                                                   block_table, options, launch_key=key, cache_leftpad=cache_leftpad,
+                                                   variants=variants)
         return out, (lse if return_softmax_lse else None)
 
     seqlen_cache, nheads_k = k_cache.shape[1], k_cache.shape[2]
     if block_table is not None:  # the logical capacity of a request; k_cache.shape[1] is the page size
         seqlen_cache = block_table.shape[1] * k_cache.shape[1]
     plan = _plan(batch, seqlen_q, nheads, nheads_k, head_dim, seqlen_cache, q.dtype, target, num_splits,
-                 k_cache.shape[1] if block_table is not None else 0, append)
+                 k_cache.shape[1] if block_table is not None else 0, append, options.window_left)
 
     out = torch.empty_like(q, memory_format=torch.contiguous_format)  # (batch, seqlen_q, nheads, head_dim)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=device) if return_softmax_lse else None
@@ -692,11 +707,12 @@ def _flash_attn_with_kvcache_launch(
         WIDE_PAGES=paged and wide_pages(page_size, k_cache, v_cache),
         EARLY_NEW=_early_new(append, paged, page_size, plan.block_n, plan.num_splits),
         ONE_LOOP=_one_loop(plan.split_n // plan.block_n, paged and page_size % plan.block_n != 0), USE_PDL=plan.pdl,
-        Cache_leftpad=cache_leftpad, HAS_LEFTPAD=cache_leftpad is not None,
+        Cache_leftpad=cache_leftpad, HAS_LEFTPAD=cache_leftpad is not None, **variants,
     )
     combine_grid = (batch * nheads * seqlen_q, 1, 1)
     combine_args = (out_part, lse_part, out, lse_arg, nheads, seqlen_q, plan.num_splits)
-    combine_kwargs = dict(**options.tile, SPLITS_PAD=plan.splits_pad, STORE_LSE=store_lse, USE_PDL=plan.pdl)
+    combine_kwargs = dict(**options.tile, SPLITS_PAD=plan.splits_pad, STORE_LSE=store_lse, USE_PDL=plan.pdl,
+                          Sinks=variants.get("Sinks"), HAS_SINKS=options.sinks)
     combine_warps = 4 if plan.splits_pad * plan.head_dim_pad >= 4096 else 1
     with ctx:
         decode_key = _launch_decode(key, decode_grid, decode_args, plan.num_warps, plan.num_stages, decode_kwargs,
@@ -744,6 +760,8 @@ def flash_attn_with_kvcache(
     alibi_slopes: Optional[torch.Tensor] = None,
     num_splits: int = 0,
     return_softmax_lse: bool = False,
+    *,
+    sinks: Optional[torch.Tensor] = None,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Decode attention over a KV cache, dense or paged, with an optional in-place append, in one
     launch (flash-attn 2's `flash_attn_with_kvcache`, same signature).
@@ -808,7 +826,12 @@ def flash_attn_with_kvcache(
             write). Two requests may share pages they only read (prefix sharing); a page appended
             into must belong to one request.
         softmax_scale: defaults to headdim ** -0.5.
-        window_size, softcap, alibi_slopes: as in flash_attn_func, with seqlen_cache as the key length.
+        window_size, softcap, alibi_slopes: as in flash_attn_func, aligned bottom-right over each
+            request's N_b keys (see causal): token t's diagonal key is t + N_b - seqlen_q. A window side
+            reaching seqlen_cache (paged: max_blocks_per_seq * page_size) is unbounded. With a window's
+            left side bounded, only the band's keys are read and the splits tile the band, so a long
+            cache under a short window costs what the window costs ([Note] Variants in decode,
+            kernels/decode_kernels.py).
         causal: mask aligned to the bottom-right corner over the N_b = cache_seqlens[b] + seqlen_q
             keys (cache_seqlens[b] without k/v): token t sees key j iff j <= t + N_b - seqlen_q (and,
             with cache_leftpad, j >= cache_leftpad[b]).
@@ -826,18 +849,20 @@ def flash_attn_with_kvcache(
             append launch, then a FlashAttention-2 forward over the cache; see [Note] Chunked
             prefill); an explicit num_splits >= 1 keeps the decode kernel.
         return_softmax_lse: also return the log-sum-exp of each row.
+        sinks: optional float32 (nheads,): a learnable sink logit per head (gpt-oss), as in
+            flash_attn_func: each row's softmax denominator gains exp(sinks[h]) (added once, also when
+            the cache is split), and the LSE includes it.
 
     Returns:
         out: (batch, seqlen_q, nheads, headdim), dtype of q (on Hopper, when the chunked-prefill path
             runs over a cache with 16-byte aligned rows at a headdim whose rows are not, a view of an
             aligned buffer; contiguous otherwise).
         softmax_lse (if return_softmax_lse): (batch, nheads, seqlen_q) float32, natural log; +inf
-            for a row that sees no key.
+            for a row that sees no key (with sinks: the sink's logit).
 
     No host synchronisation happens with device cache_seqlens (and block_table), so the whole step
     (append + attention) can be captured in a CUDA graph and replayed while the lengths advance on
-    the device. Not supported yet: ALiBi, sliding windows, softcapping, and cache_leftpad together with a
-    paged block_table.
+    the device. Not supported: cache_leftpad together with a paged block_table.
     """
     if cache_leftpad is not None:
         if block_table is not None:
@@ -849,19 +874,41 @@ def flash_attn_with_kvcache(
                          "(flash-attn's rule); None means every cache is full.")
     if cache_batch_idx is not None:
         block_table = _batch_idx_as_table(cache_batch_idx, block_table, q, k_cache)
+    variants = None
     if cache_seqlens is None or type(window_size) is not tuple or window_size != (-1, -1) or softcap or (
-            alibi_slopes is not None or rotary_cos is not None or rotary_sin is not None):
+            alibi_slopes is not None or sinks is not None or rotary_cos is not None or rotary_sin is not None):
         try:
             capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
         except (AttributeError, IndexError):  # not tensors: validation names the problem
             capacity = 0
         cache_seqlens = capacity if cache_seqlens is None else cache_seqlens
-        causal = causal_without_variants(window_size, softcap, alibi_slopes, causal, capacity,
-                                         "flash_attn_with_kvcache")
+        causal, variants = _resolve_kvcache_variants(window_size, softcap, alibi_slopes, sinks, causal, capacity)
         if rotary_cos is not None or rotary_sin is not None:
             q, k = _rotate(q, k, v, rotary_cos, rotary_sin, cache_seqlens, capacity, rotary_interleaved, causal)
     return _kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, num_splits,
-                         return_softmax_lse, validated=False, cache_leftpad=cache_leftpad)
+                         return_softmax_lse, validated=False, cache_leftpad=cache_leftpad, variants=variants)
+
+
+class Variants(NamedTuple):
+    """The attention variants of a KV-cache call as the public functions take them (flash-attn's
+    window_size and softcap already resolved by `resolve_variants`); `_kvcache_call` turns them into
+    options and kernel arguments."""
+
+    window: Tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    alibi_slopes: Optional[torch.Tensor] = None
+    sinks: Optional[torch.Tensor] = None
+
+
+def _resolve_kvcache_variants(window_size, softcap, alibi_slopes, sinks, causal: bool,
+                              capacity: int) -> Tuple[bool, Optional[Variants]]:
+    """(causal, variants) of a KV-cache call from flash-attn's arguments (`resolve_variants`, a window
+    side reaching the capacity unbounded); variants None when there are none."""
+    resolved = resolve_variants(window_size, softcap, causal, capacity)
+    causal = attn_options(16, None, **resolved).causal  # (-1, 0) is causal
+    if resolved["window"] == (-1, -1) and not resolved["softcap"] and alibi_slopes is None and sinks is None:
+        return causal, None
+    return causal, Variants(resolved["window"], resolved["softcap"], alibi_slopes, sinks)
 
 
 def _batch_idx_as_table(cache_batch_idx, block_table, q, k_cache) -> torch.Tensor:
@@ -921,19 +968,22 @@ def _rotate(q, k, v, rotary_cos, rotary_sin, cache_seqlens, capacity: int, inter
 
 
 def _kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, num_splits,
-                  return_softmax_lse, *, validated: bool, cache_leftpad: Optional[torch.Tensor] = None):
+                  return_softmax_lse, *, validated: bool, cache_leftpad: Optional[torch.Tensor] = None,
+                  variants: Optional[Variants] = None):
     """flash_attn_with_kvcache; `validated=True` when the caller (PagedKVCache) has already run
     `_validate_kvcache_inputs` on these tensors; cache_leftpad: None or `_resolve_cache_leftpad`'s
-    tensor (a call with it is never replayed: the replays carry no leftpad pointer)."""
+    tensor (a call with it is never replayed: the replays carry no leftpad pointer); variants: None
+    for none (calls with ALiBi slopes or sinks are never replayed: they are tensors checked per call)."""
+    window, softcap, alibi_slopes, sinks = variants or _NO_VARIANTS
     try:
         sig = _signature(q, k_cache, v_cache, k, v, block_table)
     except AttributeError:  # not tensors: validation names the problem
         sig = None
     replay_key = options = None
     fast = not _INTERPRET and not recording_active()  # replays and skipped validation: compiled runs only
-    if sig is not None and fast and cache_leftpad is None:  # a repeat of a validated call: replay its launches
-        try:
-            options = attn_options(q.shape[-1], softmax_scale, causal)
+    if sig is not None and fast and cache_leftpad is None and alibi_slopes is None and sinks is None:
+        try:  # a repeat of a validated call: replay its launches
+            options = attn_options(q.shape[-1], softmax_scale, causal, window, softcap)
             replay_key = _replay_key(sig, cache_seqlens, options, num_splits, return_softmax_lse)
             replay = _REPLAYS.get(replay_key) if replay_key is not None else None
         except (TypeError, ValueError, IndexError):  # the full path names what is wrong
@@ -950,21 +1000,27 @@ def _kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax
             _VALIDATED_SIGNATURES.add(sig)
     _validate_num_splits(num_splits)
     if options is None:  # not built by the replay attempt above
-        options = attn_options(q.shape[3], softmax_scale, causal)
+        options = attn_options(q.shape[3], softmax_scale, causal, window, softcap, alibi=alibi_slopes is not None,
+                               sinks=sinks is not None)
+    tensors = variant_args(options, alibi_slopes, sinks, q.shape[0], q.shape[2], q.device)
     seqlen_new = k.shape[1] if k is not None else 0
     if block_table is None:
         seqlens, table = _resolve_cache_seqlens(cache_seqlens, q.shape[0], seqlen_new, k_cache.shape[1], q.device), None
     else:
-        seqlens, table = _resolve_paging(block_table, cache_seqlens, q.shape[0], seqlen_new, k_cache, q.device)
+        seqlens, table = _resolve_paging(block_table, cache_seqlens, q.shape[0], seqlen_new, k_cache, q.device,
+                                         options.window_left, q.shape[1])
     if seqlens is not cache_seqlens or table is not block_table or q.device.type != "cuda":
         replay_key = None  # lengths or table checked on the host or copied: not replayable
     if cache_leftpad is not None:
         replay_key = None
     out, lse = _flash_attn_with_kvcache_launch(
         q, k_cache, v_cache, k, v, seqlens, options, int(num_splits), return_softmax_lse, table, sig, replay_key,
-        cache_leftpad,
+        cache_leftpad, tensors,
     )
     return (out, lse) if return_softmax_lse else out
+
+
+_NO_VARIANTS = Variants()
 
 
 def _validate_num_splits(num_splits) -> None:

@@ -17,8 +17,8 @@ cached K/V byte is read once:
 - Paged caches (PagedAttention, Woosuk Kwon et al., 2023; vLLM and flash-attn's block_table): the
   cache is a pool of fixed-size pages and a block table maps each request's logical pages to
   physical blocks; the same kernel reads it behind the constexpr PAGED (see [Note] Paged caches).
-The streaming softmax and the masks are the prefill kernel's (`online_softmax`, `mask_scores`,
-`finalize`), so prefill and decode cannot drift apart.
+The streaming softmax, the variants' scores and the masks are the prefill kernel's (`online_softmax`,
+`variant_scores`, `finalize`), so prefill and decode cannot drift apart.
 
 Notation:
     B batch, H q heads, H_KV KV heads, G = H // H_KV, M = seqlen_q (query tokens), M_NEW = seqlen_new
@@ -39,8 +39,9 @@ any strides and a contiguous last dim (including a (NUM_BLOCKS, H_KV, P, D) pool
 .transpose(1, 2)) and any page size P >= 1 (tested: 1, 2, 8, 16, 48, 64, 256); caches beyond 2^31
 elements (int64 offsets); left-padded requests (cache_leftpad) in dense caches and in the one-page
 tables of cache_batch_idx. Not here: cache_batch_idx and rotary embedding are kernels/decode.py's
-(a one-page-per-request table, a rotary launch before this one); alibi, sliding windows and softcapping
-are not supported (yet). All K/V row addresses go through `kv_row_offsets` (kernels/_jit.py).
+(a one-page-per-request table, a rotary launch before this one). The variants (sliding window,
+softcap, ALiBi, sinks): see [Note] Variants in decode. All K/V row addresses go through
+`kv_row_offsets` (kernels/_jit.py).
 
 [Note] Fused append without hazards. The new keys/values are read from the k/v inputs, not from
 the cache, by the program that owns them (the last split of each (request, KV head), first row
@@ -78,6 +79,22 @@ LSE = +inf.
 j <= t + N_b - M. With a full append (M_NEW = M) every cached key is visible to every token and only
 the new keys are masked (token t sees new keys 0..t); with a partial one or none, cached keys are masked too
 (the last M - M_NEW - 1 for token 0, one fewer for each later token).
+
+[Note] Variants in decode. The prefill kernels' semantics (kernels/_jit.py [Note] Key band), aligned
+bottom-right against each request's current length N_b: token t's diagonal key is t + N_b - M.
+Softcap and ALiBi change the scores in every stage through `variant_scores` (each row's ALiBi slope
+is its own q head's). A sliding window bounds the cached keys a request visits to its band,
+[N_b - M - left, N_b), at most left + M keys; the splits tile that band instead of the whole buffer:
+split s starts s * SPLIT_N keys after the band's first key block, and the host plans the splits over
+the band's span (at most left + M + BLOCK_N keys, `_plan` in kernels/decode.py) rather than N_CACHE,
+so a long cache under a short window costs what the window costs, and splits that would lie past the
+band run no iteration. Inside a split the band's left edge (keys some rows of the request do not see)
+is a masked stage before the unmasked blocks, and rows of the band's first key block that lie before
+the band are not loaded at all (they read as zeros): the kernel never reads a key or value before a
+request's band, so such rows (a paged cache's pages wholly before the window) may hold anything,
+NaN included. A sink is a key with a logit and no value ([Note] Sinks
+in kernels/prefill_kernels.py): unsplit, it starts each row's running max and sum; split, no partial
+carries it and the combine adds it once to the merged row (`merge_sink`).
 
 [Note] Left padding. With cache_leftpad (HAS_LEFTPAD), request b's keys are cache rows [LP_b, L_b)
 (flash-attn's convention: L_b = cache_seqlens[b] is where they end, the padding included). LP_b is
@@ -196,11 +213,14 @@ from ._jit import (
     kv_row_offsets,
     left_padding,
     load_rows,
-    mask_scores,
     merge_partials,
+    merge_sink,
     online_softmax,
     physical_blocks,
+    score_units,
     store_rows,
+    variant_scores,
+    window_extent,
 )
 
 
@@ -292,13 +312,13 @@ def decode_kernel(
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, WIDE_PAGES: tl.constexpr,
     EARLY_NEW: tl.constexpr, ONE_LOOP: tl.constexpr, USE_PDL: tl.constexpr,
     Cache_leftpad=None, HAS_LEFTPAD: tl.constexpr = False,  # None (compiled out) without left padding
-    window_left=-1, window_right=-1, softcap=0.0,  # the variants' options: not implemented in decode yet
+    window_left=-1, window_right=-1, softcap=0.0,  # the variants, see [Note] Variants in decode
     HAS_WINDOW: tl.constexpr = False, HAS_SOFTCAP: tl.constexpr = False, HAS_ALIBI: tl.constexpr = False,
-    HAS_SINKS: tl.constexpr = False,
+    HAS_SINKS: tl.constexpr = False, Alibi=None, stride_alibi_b=None, Sinks=None,
 ):
     tl.static_assert(BLOCK_H >= 16 and BLOCK_N >= 16 and BLOCK_NEW >= 16, "tl.dot needs tiles of at least 16")
-    tl.static_assert(not (HAS_WINDOW or HAS_SOFTCAP or HAS_ALIBI or HAS_SINKS), "decode has no variants yet")
-    qk_scale = softmax_scale * LOG2E  # scores to base-2 logits
+    unit, cap_scale = score_units(softmax_scale, softcap, HAS_SOFTCAP)
+    qk_scale = unit * LOG2E  # scores (in units of `unit`) to base-2 logits
     if USE_PDL:  # let the combine launch now; it waits for this grid to finish, see [Note] Combine launch
         tl.extra.cuda.gdc_launch_dependents()
     # -- which (request, KV head, row block) and which split -------------------------------------
@@ -324,26 +344,36 @@ def decode_kernel(
     seqlen = tl.minimum(tl.maximum(tl.load(Cache_seqlens + off_b), 0), N_CACHE)  # L_b
     n_cache = N_CACHE  # buffer rows from the request's first key on
     if HAS_LEFTPAD:  # the keys start at row LP_b: count from there, see [Note] Left padding
-        left = left_padding(Cache_leftpad, off_b, seqlen)  # LP_b
-        seqlen -= left
-        n_cache -= left
+        pad = left_padding(Cache_leftpad, off_b, seqlen)  # LP_b
+        seqlen -= pad
+        n_cache -= pad
     if APPEND:  # M_NEW <= M new keys; the M queries are the last M of the n_total keys' positions
         n_total = seqlen + M_NEW
     else:
         n_total = seqlen
-    diag = n_total - M  # row t's last key when causal is t + diag
+    diag = n_total - M  # token t's diagonal key (its last when causal) is t + diag
+    left, right = window_extent(window_left, window_right, M, n_total, IS_CAUSAL, HAS_WINDOW)
 
     # -- this split's range of cached keys, see [Note] Empty KV splits -----------------------------
     lo = split * SPLIT_N
+    if HAS_WINDOW:  # the splits tile the band from its first key block on, see [Note] Variants in decode
+        band_lo = tl.maximum(diag - left, 0)  # the first key any row sees; rows before it are never loaded
+        lo += band_lo // BLOCK_N * BLOCK_N
     hi = tl.minimum(lo + SPLIT_N, seqlen)
-    if IS_CAUSAL:
-        free_end = tl.minimum(hi, n_total - M + 1)  # keys every row sees
+    if HAS_WINDOW:  # nothing right of the last token's band
+        hi = tl.minimum(hi, diag + M + right)
+    if IS_CAUSAL or HAS_WINDOW:
+        free_end = tl.minimum(hi, diag + right + 1)  # keys every row sees on the right
     else:
         free_end = hi
+    if HAS_WINDOW and not ONE_LOOP:  # the band's left edge [lo, edge_end): masked
+        edge_end = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(diag + M - 1 - left, 0), BLOCK_N) * BLOCK_N, lo), hi)
+    else:
+        edge_end = lo
     if ONE_LOOP:  # every block takes the masked loop, see [Note] One loop for short splits
         full_end = lo
     else:
-        full_end = lo + tl.maximum(free_end - lo, 0) // BLOCK_N * BLOCK_N
+        full_end = edge_end + tl.maximum(free_end - edge_end, 0) // BLOCK_N * BLOCK_N
 
     if PAGED:  # this request's row of the block table, and the pages of the split's first key block
         table = Block_table + off_b * stride_btb
@@ -359,8 +389,8 @@ def decode_kernel(
     k_head = K_cache + off_hk * stride_kh
     v_head = V_cache + off_hk * stride_vh
     if HAS_LEFTPAD:  # row 0 of the request is now cache row LP_b (dense, or its one page: cache_batch_idx)
-        k_head += left.to(tl.int64) * stride_kn
-        v_head += left.to(tl.int64) * stride_vn
+        k_head += pad.to(tl.int64) * stride_kn
+        v_head += pad.to(tl.int64) * stride_vn
     if APPEND:  # the new rows' first chunk, loaded now by the last split, see [Note] Fused append
         offs_u = tl.arange(0, BLOCK_NEW)  # [BLOCK_NEW]
         kn_head = K_new + off_b * stride_knb + off_hk * stride_knh
@@ -374,12 +404,43 @@ def decode_kernel(
                             offs_u, m_early, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
             pages0 = new_row_pages(table, seqlen, offs_u, tl.minimum(m_early, n_write), PAGED, PAGE_SIZE)
 
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    row_ok = offs_r < rows_total
+    if HAS_ALIBI:  # each row's q head's slope, in score units, as a column against the keys
+        slope = (tl.load(Alibi + off_b * stride_alibi_b + offs_h, mask=row_ok, other=0.0) / unit)[:, None]
+    else:
+        slope = 0.0
+    if HAS_SINKS and not SPLIT:  # the sink starts each row's max and sum; split, the combine adds it
+        m_i = tl.load(Sinks + offs_h, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
+        l_i = tl.full([BLOCK_H], 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM_PAD], dtype=tl.float32)
 
+    if HAS_WINDOW and not ONE_LOOP:  # stage 0: the band's left edge, masked
+        for start_n in tl.range(lo, edge_end, BLOCK_N):
+            rows = start_n + offs_n
+            if PAGED:
+                blocks = next_blocks
+                next_blocks = physical_blocks(table, start_n + BLOCK_N, rows + BLOCK_N, hi, NUM_BLOCKS, PAGE_SIZE,
+                                               BLOCK_N)
+            else:
+                blocks = off_b
+            k_offs = kv_block_offsets(blocks, start_n, offs_n, stride_kb, stride_kn, PAGE_SIZE, PAGED, WIDE_PAGES,
+                                      BLOCK_N)
+            in_rows = tl.where(rows >= band_lo, rows, hi)  # rows before the band: not loaded (zeros)
+            k = load_rows(k_head + k_offs[:, None] + offs_d[None, :], in_rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD,
+                          True)
+            qk = variant_scores(tl.dot(q, tl.trans(k)), offs_t, rows, hi, diag, left, right, cap_scale, slope, True,
+                                IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
+            p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, True)
+            v_offs = kv_block_offsets(blocks, start_n, offs_n, stride_vb, stride_vn, PAGE_SIZE, PAGED, WIDE_PAGES,
+                                      BLOCK_N)
+            v = load_rows(v_head + v_offs[:, None] + offs_d[None, :], in_rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD,
+                          True)
+            acc = tl.dot(p.to(v.dtype), v, acc)
     if not ONE_LOOP:  # stage 1: whole blocks every row sees, no mask
-        for start_n in tl.range(lo, full_end, BLOCK_N):
+        for start_n in tl.range(edge_end, full_end, BLOCK_N):
             rows = start_n + offs_n
             if PAGED:  # this block's pages were fetched one iteration ahead, see [Note] Paged pipelining
                 blocks = next_blocks
@@ -391,7 +452,8 @@ def decode_kernel(
                                       BLOCK_N)
             k = load_rows(k_head + k_offs[:, None] + offs_d[None, :], rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD,
                           False)  # [BLOCK_N, D_PAD]
-            qk = tl.dot(q, tl.trans(k))  # [BLOCK_H, BLOCK_N]
+            qk = variant_scores(tl.dot(q, tl.trans(k)), offs_t, rows, hi, diag, left, right, cap_scale, slope, False,
+                                IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)  # [BLOCK_H, BLOCK_N]
             p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, False)
             v_offs = kv_block_offsets(blocks, start_n, offs_n, stride_vb, stride_vn, PAGE_SIZE, PAGED, WIDE_PAGES,
                                       BLOCK_N)
@@ -407,21 +469,26 @@ def decode_kernel(
                                            BLOCK_N)
         else:
             blocks = off_b
+        if HAS_WINDOW and ONE_LOOP:  # this loop starts at the band's first block: rows before it not loaded
+            in_rows = tl.where(rows >= band_lo, rows, hi)
+        else:
+            in_rows = rows
         k_offs = kv_block_offsets(blocks, start_n, offs_n, stride_kb, stride_kn, PAGE_SIZE, PAGED, WIDE_PAGES, BLOCK_N)
-        k = load_rows(k_head + k_offs[:, None] + offs_d[None, :], rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
-        qk = tl.dot(q, tl.trans(k))
-        qk = mask_scores(qk, offs_t, rows, hi, diag, 0, 0, IS_CAUSAL, False)
+        k = load_rows(k_head + k_offs[:, None] + offs_d[None, :], in_rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+        qk = variant_scores(tl.dot(q, tl.trans(k)), offs_t, rows, hi, diag, left, right, cap_scale, slope, True,
+                            IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
         p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, True)
         v_offs = kv_block_offsets(blocks, start_n, offs_n, stride_vb, stride_vn, PAGE_SIZE, PAGED, WIDE_PAGES, BLOCK_N)
-        v = load_rows(v_head + v_offs[:, None] + offs_d[None, :], rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+        v = load_rows(v_head + v_offs[:, None] + offs_d[None, :], in_rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
         acc = tl.dot(p.to(v.dtype), v, acc)
 
     # stage 3: the new keys, read from k/v and written to the cache, see [Note] Fused append
     if APPEND:
         if split == num_splits - 1:
             if EARLY_NEW:  # the first chunk, loaded at the start
-                qk = tl.dot(q, tl.trans(kn0))  # [BLOCK_H, BLOCK_NEW]
-                qk = mask_scores(qk, offs_t, seqlen + offs_u, n_total, diag, 0, 0, IS_CAUSAL, False)
+                qk = variant_scores(tl.dot(q, tl.trans(kn0)), offs_t, seqlen + offs_u, n_total, diag, left, right,
+                                    cap_scale, slope, True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
+                                    HAS_ALIBI)  # [BLOCK_H, BLOCK_NEW]
                 p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, True)
                 acc = tl.dot(p.to(vn0.dtype), vn0, acc)
                 if pid_rb == 0:  # one row block writes the cache
@@ -432,8 +499,9 @@ def decode_kernel(
                 us = start_u + offs_u
                 kn = load_rows(kn_head + us[:, None].to(tl.int64) * stride_knm + offs_d[None, :],
                                us, M_NEW, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)  # [BLOCK_NEW, D_PAD]
-                qk = tl.dot(q, tl.trans(kn))  # [BLOCK_H, BLOCK_NEW]
-                qk = mask_scores(qk, offs_t, seqlen + us, n_total, diag, 0, 0, IS_CAUSAL, False)
+                qk = variant_scores(tl.dot(q, tl.trans(kn)), offs_t, seqlen + us, n_total, diag, left, right,
+                                    cap_scale, slope, True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
+                                    HAS_ALIBI)  # [BLOCK_H, BLOCK_NEW]
                 p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, True)
                 vn = load_rows(vn_head + us[:, None].to(tl.int64) * stride_vnm + offs_d[None, :],
                                us, M_NEW, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
@@ -445,8 +513,7 @@ def decode_kernel(
                                     HEAD_DIM, HEAD_DIM_PAD, PAGED, PAGE_SIZE, WIDE_PAGES)
 
     # -- epilogue --------------------------------------------------------------------------------
-    out, lse = finalize(acc, m_i, l_i)  # empty rows: 0 and +inf
-    row_ok = offs_r < rows_total
+    out, lse = finalize(acc, m_i, l_i)  # empty rows: 0 and +inf (with a sink: 0 and the sink)
     lse_row = (off_b * H + offs_h) * M + offs_t  # [BLOCK_H] index into (B, H, M)
     if SPLIT:  # partials to fp32 scratch (B, H, M, num_splits[, D]); empty ones get weight 0
         part_row = lse_row * num_splits + split
@@ -466,7 +533,7 @@ def combine_kernel(
     Out_part, Lse_part, Out, Lse,
     H, M, NUM_SPLITS,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, STORE_LSE: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, Sinks=None, HAS_SINKS: tl.constexpr = False,
 ):
     # -- one query row (b, h, t), in the (B, H, M) order of Lse and of the scratch -----------------
     row = tl.program_id(0).to(tl.int64)
@@ -487,6 +554,8 @@ def combine_kernel(
     o_parts = tl.load(Out_part + (row * NUM_SPLITS + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
                       mask=nonempty[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)  # [SPLITS_PAD, D_PAD]
     out, lse = merge_partials(o_parts, lse_parts)
+    if HAS_SINKS:  # added once, here: no partial carries it
+        out, lse = merge_sink(out, lse, tl.load(Sinks + off_h).to(tl.float32))
     tl.store(Out + ((off_b * M + off_t) * H + off_h) * HEAD_DIM + offs_d, out.to(Out.dtype.element_ty),
              mask=offs_d < HEAD_DIM)
     if STORE_LSE:

@@ -17,7 +17,7 @@ from typing import NamedTuple, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from ._options import attn_options
+from ._options import attn_options, resolve_variants
 from ._utils import (
     SUPPORTED_DTYPES,
     _validate_devices,
@@ -31,12 +31,17 @@ from ._utils import (
 from .decode import (
     _check_host_lengths,
     _kvcache_call,
+    _resolve_kvcache_variants,
     _validate_kvcache_inputs,
     _validate_num_splits,
     flash_attn_with_kvcache,
 )
 from .errors import InputError, InputTypeError
-from .prefill import flash_attn_func
+from .prefill import flash_attn_func, variant_args
+
+# The attention variants every prefill / decode method of the caches takes, as flash_attn_func and
+# flash_attn_with_kvcache do: window_size, softcap, alibi_slopes, sinks.
+_NO_WINDOW = (-1, -1)
 
 
 # ============================================================================================
@@ -134,12 +139,15 @@ class KVCache:
 
     # -- prefill and decode ----------------------------------------------------------------------
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-                softmax_scale: Optional[float] = None, batch_idx=None) -> torch.Tensor:
+                softmax_scale: Optional[float] = None, batch_idx=None, window_size=_NO_WINDOW, softcap: float = 0.0,
+                alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Attention over prompts of one length with the prefill kernel; stores k/v in the cache.
 
         q: (n, seqlen, nheads, head_dim), k/v: (n, seqlen, nheads_k, head_dim) for the n requests
         named by batch_idx (all by default), whose caches must be empty (reset them first). Returns
-        kernels.flash_attn_func(q, k, v, causal=causal) and sets those requests' lengths to seqlen.
+        kernels.flash_attn_func(q, k, v, causal=causal, ...) with the variants given (window_size,
+        softcap, alibi_slopes, sinks, as flash_attn_func takes them) and sets those requests' lengths
+        to seqlen.
         """
         index = self._indices(batch_idx)
         host_index = self._host_index(index)
@@ -164,7 +172,8 @@ class KVCache:
                              f"{int(self._host[request])} tokens; call reset() first.")
         if seqlen > self.max_seqlen:
             raise InputError(f"KV cache overflow: prompt of {seqlen} tokens > max_seqlen {self.max_seqlen}.")
-        out = flash_attn_func(q, k, v, causal=causal, softmax_scale=softmax_scale)
+        out = flash_attn_func(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                              softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
         self.k_cache[index, :seqlen] = k
         self.v_cache[index, :seqlen] = v
         self._host[host_index] = seqlen
@@ -172,10 +181,13 @@ class KVCache:
         return out
 
     def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-               softmax_scale: Optional[float] = None, num_splits: int = 0) -> torch.Tensor:
+               softmax_scale: Optional[float] = None, num_splits: int = 0, window_size=_NO_WINDOW,
+               softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None,
+               sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One decode step for the whole batch: append k/v (batch, seqlen_q, nheads_k, head_dim) at
-        each request's length, attend q (batch, seqlen_q, nheads, head_dim) over the cache, advance
-        the lengths by seqlen_q (device tensor in place, no host sync; host mirror). Returns out."""
+        each request's length, attend q (batch, seqlen_q, nheads, head_dim) over the cache (with the
+        variants given, as flash_attn_with_kvcache takes them), advance the lengths by seqlen_q
+        (device tensor in place, no host sync; host mirror). Returns out."""
         if not isinstance(q, torch.Tensor) or q.dim() != 4:
             raise InputError("Expected q of shape (batch, seqlen_q, nheads, head_dim).")
         if k is None or v is None:
@@ -184,7 +196,9 @@ class KVCache:
         if int(self._host.max()) + seqlen_q > self.max_seqlen:
             _check_host_lengths(self._host, seqlen_q, self.max_seqlen)
         out = flash_attn_with_kvcache(q, self.k_cache, self.v_cache, k, v, cache_seqlens=self._seqlens,
-                                      softmax_scale=softmax_scale, causal=causal, num_splits=num_splits)
+                                      softmax_scale=softmax_scale, causal=causal, num_splits=num_splits,
+                                      window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                                      sinks=sinks)
         self._seqlens += seqlen_q
         self._host += seqlen_q
         return out
@@ -235,6 +249,15 @@ class PagedKVCache:
     pool never overwrites a live page; a request growing past max_seqlen = max_blocks_per_seq *
     page_size raises ValueError before any launch. Freed blocks are reused first (LIFO).
 
+    Sliding window (sliding_window=W, for a cache that serves window-only attention, e.g. Mistral's
+    layers): every prefill and decode through the cache attends with a window whose left side is at
+    most W (window_size=None, the default, means (W, 0) when causal, else (W, -1)); after each call a
+    request keeps only the pages that hold a key at or after its length - W, the first key a later
+    query can see, and returns the pages wholly before it to the pool (their table entries become -1;
+    the kernels never read a key before a query's band). So a request holds about (W + page_size) /
+    page_size pages however long it grows. Not while a CUDA graph is being captured: pages are returned
+    by the next call outside a capture.
+
     CUDA graphs: capture `decode` for slots that form a contiguous ascending range (the table and
     lengths it passes are then views of the cache's own tensors) after reserving, with
     `extend(slot, tokens)`, the pages of every step you will replay: no page can be allocated on the
@@ -247,7 +270,11 @@ class PagedKVCache:
 
     def __init__(self, num_blocks: int, page_size: int, nheads_k: int, head_dim: int, *, max_batch: int,
                  max_blocks_per_seq: int, dtype: torch.dtype = torch.float16,
-                 device: Union[str, torch.device, None] = None):
+                 device: Union[str, torch.device, None] = None, sliding_window: Optional[int] = None):
+        if sliding_window is not None and (not isinstance(sliding_window, numbers.Integral)
+                                           or isinstance(sliding_window, bool) or sliding_window < 0):
+            raise InputError(f"Expected sliding_window to be None or an int >= 0, got {sliding_window!r}.")
+        self.sliding_window = None if sliding_window is None else int(sliding_window)
         for name, value in (("num_blocks", num_blocks), ("page_size", page_size), ("nheads_k", nheads_k),
                             ("max_batch", max_batch), ("max_blocks_per_seq", max_blocks_per_seq)):
             if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
@@ -270,7 +297,8 @@ class PagedKVCache:
         self._seqlens = torch.zeros(self.max_batch, dtype=torch.int32, device=device)
         self._host_table = np.full((self.max_batch, self.max_blocks_per_seq), -1, dtype=np.int32)
         self._host_len = np.zeros(self.max_batch, dtype=np.int64)
-        self._npages = np.zeros(self.max_batch, dtype=np.int64)  # pages owned by each slot
+        self._npages = np.zeros(self.max_batch, dtype=np.int64)  # logical pages of each slot
+        self._first = np.zeros(self.max_batch, dtype=np.int64)  # its first page still held (sliding_window)
         self._active = np.zeros(self.max_batch, dtype=bool)
         self._free = list(range(self.num_blocks - 1, -1, -1))  # pop() from the end: block 0 first
 
@@ -296,9 +324,10 @@ class PagedKVCache:
         return self._seqlens
 
     def pages(self, slot: int) -> list:
-        """Physical blocks of a request, in logical order."""
+        """Physical blocks of the pages a request holds, in logical order (with sliding_window, from the
+        first page it still holds)."""
         self._check_slots([slot])
-        return self._host_table[slot, : self._npages[slot]].tolist()
+        return self._host_table[slot, self._first[slot] : self._npages[slot]].tolist()
 
     def capacity(self, slot: int) -> int:
         """Tokens the request can hold without a new page (its pages x page_size)."""
@@ -323,10 +352,11 @@ class PagedKVCache:
     def free(self, slot: int) -> None:
         """Release a finished request: its pages return to the pool, its slot to the free slots."""
         self._check_slots([slot])
-        pages = self._host_table[slot, : self._npages[slot]].tolist()
+        pages = self._host_table[slot, self._first[slot] : self._npages[slot]].tolist()
         self._free.extend(reversed(pages))  # reused first, in logical order
         self._host_table[slot] = -1
         self._npages[slot] = 0
+        self._first[slot] = 0
         self._host_len[slot] = 0
         self._active[slot] = False
         self.block_table[slot] = -1
@@ -391,6 +421,41 @@ class PagedKVCache:
         self.block_table.index_copy_(0, update[:, 0].long(), update[:, 1:])
         return taken
 
+    def _release_before_window(self, slots: list) -> None:
+        """With sliding_window W: return to the pool each slot's pages wholly before its length - W (no
+        later query sees a key there), their table entries -1; nothing while a CUDA graph is captured."""
+        if self.sliding_window is None or (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            return
+        rows = []
+        for s in slots:
+            keep = min(max(int(self._host_len[s]) - self.sliding_window, 0) // self.page_size, int(self._npages[s]))
+            first = int(self._first[s])
+            if keep <= first:
+                continue
+            self._free.extend(reversed(self._host_table[s, first:keep].tolist()))
+            self._host_table[s, first:keep] = -1
+            self._first[s] = keep
+            rows.append(np.concatenate([[s], self._host_table[s]]))
+        if rows:  # one host-to-device copy of the changed rows, as in _reserve
+            update = torch.from_numpy(np.stack(rows).astype(np.int32)).to(self.device)
+            self.block_table.index_copy_(0, update[:, 0].long(), update[:, 1:])
+
+    def _window(self, window_size, causal: bool):
+        """The window a call attends with: window_size, or by default (None) the cache's sliding window
+        ((W, 0) causal, else (W, -1); none without one). With sliding_window its left side must be
+        bounded by W: the pages before it may have been returned to the pool."""
+        if window_size is None:
+            if self.sliding_window is None:
+                return _NO_WINDOW
+            return (self.sliding_window, 0 if causal else -1)
+        if self.sliding_window is not None:
+            left = window_size[0] if isinstance(window_size, Sequence) and len(window_size) == 2 else None
+            if not isinstance(left, numbers.Integral) or not 0 <= left <= self.sliding_window:
+                raise InputError(f"Expected window_size with a left side in [0, sliding_window = "
+                                 f"{self.sliding_window}] (this cache returns the pages before the window to the "
+                                 f"pool), got {window_size!r}.")
+        return window_size
+
     def _index(self, slots: list) -> Union[slice, torch.Tensor]:
         """slots -> a slice (contiguous ascending: views, graph-friendly) or a device index tensor."""
         if slots == list(range(slots[0], slots[0] + len(slots))):
@@ -432,15 +497,18 @@ class PagedKVCache:
 
     # -- prefill and decode ---------------------------------------------------------------------------
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, slots, causal: bool = True,
-                softmax_scale: Optional[float] = None) -> torch.Tensor:
+                softmax_scale: Optional[float] = None, window_size=None, softcap: float = 0.0,
+                alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Prompt attention with the prefill kernel; writes the prompts' K/V into their pages.
 
         q: (n, seqlen, nheads, head_dim), k/v: (n, seqlen, nheads_k, head_dim) for the n empty
         requests named by `slots` (prompts of one length; call once per length). Takes the pages
-        (all or nothing), returns kernels.flash_attn_func(q, k, v, causal=causal) and sets those
+        (all or nothing), returns kernels.flash_attn_func(q, k, v, causal=causal, ...) with the variants
+        given (window_size None: the cache's sliding window, see the class docstring) and sets those
         requests' lengths to seqlen.
         """
         slots = self._slots(slots)
+        window_size = self._window(window_size, causal)
         count = len(slots)
         for name, t in (("k", k), ("v", v)):
             _validate_tensor(name, t, 4, "(n, seqlen, nheads_k, head_dim)")
@@ -463,8 +531,12 @@ class PagedKVCache:
             raise InputError(f"Expected empty requests for prefill, but slot {busy[0]} holds "
                              f"{int(self._host_len[busy[0]])} tokens; decode appends to it, or free it.")
         seqlen = k.shape[1]
+        variant_args(attn_options(q.shape[3], softmax_scale, alibi=alibi_slopes is not None, sinks=sinks is not None,
+                                  **resolve_variants(window_size, softcap, causal, seqlen)),
+                     alibi_slopes, sinks, count, q.shape[2], q.device)  # checked before pages are taken
         self._reserve(slots, seqlen)  # raises before anything is written
-        out = flash_attn_func(q, k, v, causal=causal, softmax_scale=softmax_scale)
+        out = flash_attn_func(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                              softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
         if seqlen > 0:
             pos = np.arange(seqlen)
             blocks = torch.from_numpy(self._host_table[slots][:, pos // self.page_size].astype(np.int64))
@@ -474,15 +546,19 @@ class PagedKVCache:
             self.v_cache[blocks, rows] = v
         self._host_len[slots] = seqlen
         self._seqlens[self._index(slots)] = seqlen
+        self._release_before_window(slots)
         return out
 
     def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, slots=None, causal: bool = True,
-               softmax_scale: Optional[float] = None, num_splits: int = 0) -> torch.Tensor:
+               softmax_scale: Optional[float] = None, num_splits: int = 0, window_size=None, softcap: float = 0.0,
+               alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One decode step for a batch of requests (default: every active slot, ascending; q's batch
         order is the slots' order): take the pages the new tokens need, append k/v (n, seqlen_q,
         nheads_k, head_dim) at each request's length through the kernel's fused append, attend q
-        (n, seqlen_q, nheads, head_dim) over the cache, advance the lengths by seqlen_q (device
-        tensor in place, no host sync; host mirror). Returns out (n, seqlen_q, nheads, head_dim)."""
+        (n, seqlen_q, nheads, head_dim) over the cache with the variants given (as
+        flash_attn_with_kvcache takes them; window_size None: the cache's sliding window), advance the
+        lengths by seqlen_q (device tensor in place, no host sync; host mirror). Returns out (n,
+        seqlen_q, nheads, head_dim)."""
         slots = self._slots(slots)
         if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[0] != len(slots):
             raise InputError(f"Expected q of shape ({len(slots)}, seqlen_q, nheads, head_dim) for slots {slots}, got "
@@ -491,13 +567,19 @@ class PagedKVCache:
             raise InputError("PagedKVCache.decode appends: expected k and v (n, seqlen_q, nheads_k, head_dim).")
         # everything that could still fail is checked before pages are taken: all or nothing per call
         _validate_kvcache_inputs(q, self.k_cache, self.v_cache, k, v, paged=True)
-        attn_options(q.shape[3], softmax_scale, causal)
+        causal, variants = _resolve_kvcache_variants(self._window(window_size, causal), softcap, alibi_slopes, sinks,
+                                                     causal, self.max_seqlen)
+        window, cap = (variants.window, variants.softcap) if variants is not None else (_NO_WINDOW, 0.0)
+        options = attn_options(q.shape[3], softmax_scale, causal, window, cap, alibi=alibi_slopes is not None,
+                               sinks=sinks is not None)
+        variant_args(options, alibi_slopes, sinks, len(slots), q.shape[2], q.device)
         _validate_num_splits(num_splits)
         seqlen_q = q.shape[1]
         self._reserve(slots, seqlen_q)
         index = self._index(slots)
         out = _kvcache_call(q, self.k_cache, self.v_cache, k, v, self._seqlens[index], self.block_table[index],
-                            softmax_scale, causal, num_splits, False, validated=True)
+                            softmax_scale, causal, num_splits, False, validated=True, variants=variants)
         self._seqlens[index] += seqlen_q
         self._host_len[slots] += seqlen_q
+        self._release_before_window(slots)
         return out

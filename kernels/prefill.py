@@ -365,6 +365,7 @@ def _flash_attn_kvcache_forward(
     config: Optional[AttnConfig] = None,
     launch_key=None,
     cache_leftpad: Optional[torch.Tensor] = None,
+    variants: Optional[dict] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Chunked prefill (see [Note] Chunked prefill over a cache in kernels/prefill_kernels.py): q
     (B, M, H, D) attends over each request's cached keys, cache_seqlens[b] of them plus the
@@ -372,7 +373,8 @@ def _flash_attn_kvcache_forward(
     positions. The cache is dense (B, S, H_KV, D) or, with
     block_table (B, max_blocks) int32, a paged pool (NUM_BLOCKS, P, H_KV, D). cache_leftpad: None, or
     int32 (B,) on q's device: request b's keys start at cache row cache_leftpad[b] (a dense cache or a
-    one-page-per-request table, cache_batch_idx's). Inputs are validated
+    one-page-per-request table, cache_batch_idx's). variants: the ALiBi slopes' and sinks' kernel
+    arguments (`variant_args`), the rest of the variants being the options'. Inputs are validated
     (kernels.decode does it; its `launch_key` holds the inputs' signature and alignment, see
     _launch_forward); returns (out (B, M, H, D), lse (B, H, M) float32)."""
     batch, seqlen_q, nheads, head_dim = q.shape
@@ -380,11 +382,11 @@ def _flash_attn_kvcache_forward(
     out = empty_aligned((batch, seqlen_q, nheads, head_dim), q.dtype, q.device, aligned=planned)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
-        lse.fill_(float("inf"))
+        _empty_rows_lse(lse, options, variants)
         return out, lse
     (q,) = _aligned_operands(planned, q)
     use_tma = _use_tma(config.use_tma, target, q, k_cache, v_cache, out)
-    cache_args = dict(Cache_seqlens=cache_seqlens, IS_KVCACHE=True, KV_APPEND=seqlen_new > 0)
+    cache_args = dict(Cache_seqlens=cache_seqlens, IS_KVCACHE=True, KV_APPEND=seqlen_new > 0, **(variants or {}))
     if seqlen_new:
         cache_args["N_NEW"] = seqlen_new
     if cache_leftpad is not None:

@@ -113,6 +113,7 @@ from ._jit import (
     score_units,
     store_rows,
     tile_ptrs,
+    variant_scores,
     window_extent,
 )
 
@@ -128,19 +129,6 @@ def page_row(Table, start_n, n_rows, NUM_BLOCKS, PAGE_SIZE: tl.constexpr):
     block = tl.load(Table + start_n // PAGE_SIZE, mask=start_n < n_rows, other=0)
     block = tl.minimum(tl.maximum(block, 0), NUM_BLOCKS - 1)
     return block * PAGE_SIZE + start_n % PAGE_SIZE
-
-
-@triton.jit
-def variant_scores(qk, offs_m, offs_n, n_end, diag, left, right, cap_scale, slope, MASKED: tl.constexpr,
-                   IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                   HAS_ALIBI: tl.constexpr):
-    """A forward block's raw scores qk [BLOCK_M, BLOCK_N] made ready for `online_softmax`: softcap
-    and ALiBi applied (kernels/_jit.py `score_mods`), then, in a masked block, the length and band mask."""
-    if HAS_SOFTCAP or HAS_ALIBI:
-        qk, _ = score_mods(qk, offs_m[:, None], offs_n[None, :], diag, cap_scale, slope, HAS_SOFTCAP, HAS_ALIBI)
-    if MASKED:
-        qk = mask_scores(qk, offs_m, offs_n, n_end, diag, left, right, IS_CAUSAL, HAS_WINDOW)
-    return qk
 
 
 @triton.jit

@@ -178,17 +178,18 @@ def test_kvcache_seqlens_none_means_full_cache(paged):
         assert torch.equal(flash_attn_with_kvcache(q, k_cache, v_cache), full)
 
 
-@pytest.mark.parametrize("name", ["window", "softcap", "alibi"])
-def test_kvcache_not_implemented_yet_raise(name):
-    """flash_attn_with_kvcache's options not implemented yet raise NotImplementedError before any launch,
-    and the cache is untouched."""
+@pytest.mark.parametrize("name", ["window", "softcap", "alibi", "sinks"])
+def test_kvcache_bad_variant_raises_before_the_append(name):
+    """flash_attn_with_kvcache refuses a malformed variant argument before any launch: the append has
+    not happened, the cache is untouched."""
     q, k, v = randn(2, 1, 4, D), randn(2, 1, 2, D), randn(2, 1, 2, D)
     k_cache, v_cache = randn(2, 16, 2, D), randn(2, 16, 2, D)
     before = k_cache.clone()
     ones = torch.ones(2, dtype=torch.int32, device=DEVICE)
-    kwargs = {"window": dict(window_size=(3, 0)), "softcap": dict(softcap=5.0),
-              "alibi": dict(alibi_slopes=torch.ones(4, device=DEVICE))}[name]
-    with pytest.raises(NotImplementedError):
+    kwargs = {"window": dict(window_size=(3, 0, 1)), "softcap": dict(softcap=float("inf")),
+              "alibi": dict(alibi_slopes=torch.ones(3, device=DEVICE)),
+              "sinks": dict(sinks=torch.ones(3, device=DEVICE))}[name]
+    with pytest.raises(ValueError):
         flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=ones, **kwargs)
     assert torch.equal(k_cache, before)
 

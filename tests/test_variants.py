@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from helpers import DEVICE, ON_GPU, assert_close_to_ref, assert_lse_close
-from kernels import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+from kernels import flash_attn_func, flash_attn_varlen_func
 from kernels._options import attn_options
 from kernels.errors import InputError
 from kernels.reference import attention_ref
@@ -240,9 +240,6 @@ def test_bad_variant_inputs_raise_before_launch():
         attn_options(16, softcap=float("nan"))
     with pytest.raises(InputError, match="window_size"):
         flash_attn_func(q, k, v, window_size=(1, 2, 3))
-    cache = torch.zeros(1, 16, 2, 16, device=DEVICE, dtype=torch.float16)
-    with pytest.raises(NotImplementedError, match="sliding window"):
-        flash_attn_with_kvcache(q.detach(), cache, cache, cache_seqlens=8, window_size=(4, 0))
 
 
 @pytest.mark.skipif(not ON_GPU, reason="compiles: GPU only")

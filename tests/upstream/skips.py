@@ -52,9 +52,6 @@ def _same(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
-_WINDOW = "sliding window in flash_attn_with_kvcache: issue 30"
-_ALIBI = "ALiBi in flash_attn_with_kvcache: issue 30"
-
 OUT_OF_SCOPE: List[Skip] = [
     Skip("test_flash_attn_generator_arg_must_be_none", None, None,
          "flash-attn internals: calls its CUDA extension flash_attn_gpu directly (out of scope)"),
@@ -63,10 +60,6 @@ OUT_OF_SCOPE: List[Skip] = [
 ]
 
 PENDING: List[Skip] = [
-    # The variants run in flash_attn_func and flash_attn_varlen_func (and the packed functions); the
-    # kvcache path has none yet. `local` draws a random window_size.
-    Skip("test_flash_attn_kvcache", "local", True, _WINDOW),
-    Skip("test_flash_attn_kvcache", "alibi", True, _ALIBI),
     # The test wants RuntimeError("...block_table...") when *CUDA* cache_seqlens overflow the block
     # table. Our kernels trust device-side lengths and clamp accesses instead of syncing to check
     # them (README, Limits); only host-known lengths are checked.
