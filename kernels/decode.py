@@ -786,7 +786,8 @@ def flash_attn_with_kvcache(
         rotary_cos, rotary_sin: optional (seqlen_ro, rotary_dim / 2), q's dtype, rotary_dim a multiple
             of 16 <= headdim, seqlen_ro covering the cache; only with k and v. q and k are rotated
             before the append and the attention (kernels/rotary.py): k's token t at position
-            cache_seqlens[b] + t, q's the same when causal, else all at cache_seqlens[b], as flash-attn
+            cache_seqlens[b] + t, q's the same when causal or with a sliding window, else all at
+            cache_seqlens[b], as flash-attn
             (with seqlen_new < seqlen_q that is not the queries' attention alignment, which stays
             bottom-right).
             rotary_interleaved: GPT-J pairs (2i, 2i + 1) when True, GPT-NeoX halves when False.
@@ -884,7 +885,9 @@ def flash_attn_with_kvcache(
         cache_seqlens = capacity if cache_seqlens is None else cache_seqlens
         causal, variants = _resolve_kvcache_variants(window_size, softcap, alibi_slopes, sinks, causal, capacity)
         if rotary_cos is not None or rotary_sin is not None:
-            q, k = _rotate(q, k, v, rotary_cos, rotary_sin, cache_seqlens, capacity, rotary_interleaved, causal)
+            local = variants is not None and variants.window != (-1, -1)  # flash-attn's is_local, or causal
+            q, k = _rotate(q, k, v, rotary_cos, rotary_sin, cache_seqlens, capacity, rotary_interleaved,
+                           causal or local)
     return _kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, num_splits,
                          return_softmax_lse, validated=False, cache_leftpad=cache_leftpad, variants=variants)
 
@@ -932,9 +935,10 @@ def _batch_idx_as_table(cache_batch_idx, block_table, q, k_cache) -> torch.Tenso
     return cache_batch_idx.reshape(-1, 1).contiguous()
 
 
-def _rotate(q, k, v, rotary_cos, rotary_sin, cache_seqlens, capacity: int, interleaved: bool, causal: bool):
+def _rotate(q, k, v, rotary_cos, rotary_sin, cache_seqlens, capacity: int, interleaved: bool, positional: bool):
     """q and k rotated as flash-attn rotates them (kernels/rotary.py): k's token t at position
-    cache_seqlens[b] + t; q's the same when causal, else every token at cache_seqlens[b]."""
+    cache_seqlens[b] + t; q's the same when `positional` (causal or a sliding window, flash-attn's rule),
+    else every token at cache_seqlens[b]."""
     if rotary_cos is None or rotary_sin is None:
         raise InputError("Expected rotary_cos and rotary_sin together.")
     if k is None or v is None:
@@ -962,7 +966,7 @@ def _rotate(q, k, v, rotary_cos, rotary_sin, cache_seqlens, capacity: int, inter
     else:
         positions = _filled_seqlens(int(cache_seqlens), q.shape[0], q.device)
     cos, sin = rotary_cos.contiguous(), rotary_sin.contiguous()
-    q = apply_rotary(q, cos, sin, positions, interleaved=bool(interleaved), same_position=not causal)
+    q = apply_rotary(q, cos, sin, positions, interleaved=bool(interleaved), same_position=not positional)
     k = apply_rotary(k, cos, sin, positions, interleaved=bool(interleaved), same_position=False)
     return q, k
 

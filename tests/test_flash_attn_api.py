@@ -200,12 +200,14 @@ def rotary_tables(seqlen_ro, rotary_dim, dtype=DTYPE):
 
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (6, 2))],
+                         ids=["full", "causal", "local"])
 @pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
-def test_kvcache_rotary(interleaved, causal, paged):
+def test_kvcache_rotary(interleaved, causal, window, paged):
     """rotary_cos / rotary_sin rotate q and the new k as flash-attn does (k's token t at
-    cache_seqlens[b] + t; q's too when causal, else all at cache_seqlens[b]; the dims past
-    rotary_dim untouched): the call equals rotating with kernels.reference.rotary_ref first."""
+    cache_seqlens[b] + t; q's too when causal or with a sliding window, else all at cache_seqlens[b];
+    the dims past rotary_dim untouched): the call equals rotating with kernels.reference.rotary_ref
+    first."""
     from kernels.reference import rotary_ref
 
     batch, seqlen_q, capacity, rotary_dim = 3, 3, 32, D // 2
@@ -219,12 +221,13 @@ def test_kvcache_rotary(interleaved, causal, paged):
         k_cache, v_cache = k_cache.view(batch * 2, 16, 2, D), v_cache.view(batch * 2, 16, 2, D)
     k_plain, v_plain = k_cache.clone(), v_cache.clone()
     out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cos, sin, lengths, block_table=table, causal=causal,
-                                  rotary_interleaved=interleaved)
-    q_rot = rotary_ref(q, cos, sin, lengths, interleaved=interleaved, same_position=not causal)
+                                  rotary_interleaved=interleaved, window_size=window)
+    positional = causal or window != (-1, -1)
+    q_rot = rotary_ref(q, cos, sin, lengths, interleaved=interleaved, same_position=not positional)
     k_rot = rotary_ref(k, cos, sin, lengths, interleaved=interleaved)
     assert not torch.equal(q_rot, q) and torch.equal(q_rot[..., rotary_dim:], q[..., rotary_dim:])
     ref = flash_attn_with_kvcache(q_rot, k_plain, v_plain, k_rot, v, cache_seqlens=lengths, block_table=table,
-                                  causal=causal)
+                                  causal=causal, window_size=window)
     tol = 1e-2 if DTYPE == torch.float16 else 1e-5
     assert (out.float() - ref.float()).abs().max().item() < tol
     assert (k_cache.float() - k_plain.float()).abs().max().item() < tol, "the cache holds the rotated keys"
