@@ -1,16 +1,16 @@
-"""Every launch the config selection can choose fits the shared memory of the card it is chosen for. For
-each card users bring (kernels._utils.TARGETS: T4, A100, A10, L4, H100/H200) the public functions are
-called under `kernels._launch.recording`, which plans each call for that card and records its launches
-instead of running them, across what changes the choice: head dim, dtype, causal, packed (varlen) or
-not, dropout or not, the attention variants (all on at once, paged varlen too) or not, forward and
-backward, and for the KV-cache path the query rows per program (seqlen_q x group size), dense or paged
-with several page sizes, append or not, split or not, and grids deep enough to change a paged plan. One
-launch of each tile class (`cross_compile.tile_key`: all but the integer and alignment specialisations)
-is cross-compiled for the card's architecture (tests/cross_compile.py: Triton without a GPU) and its
-shared memory compared with the card's limit. bf16 plans must equal fp16 ones (same bytes per element;
-compiled once, as fp16); where no tile fits (a T4's fp32 backward above head dim 128, its fp32 decode
-with an append at 256) the call must say so before launching, and a card without bf16 (T4) must refuse
-bf16 before any launch.
+"""Every launch the config selection can choose fits the shared memory of the card it is chosen for. For each
+card users bring (kernels._utils.TARGETS: T4, A100, A10, L4, H100/H200) the public functions are called under
+`kernels._launch.recording`, which plans each call for that card and records its launches instead of running
+them, across what changes the choice: head dim, dtype, causal, packed (varlen) or not, dropout or not, the
+attention variants (all on at once, paged varlen too) or not, forward and backward, and for the KV-cache path
+the query rows per program (seqlen_q x group size), dense or paged with several page sizes, append or not,
+split or not, grids deep enough to change a paged plan, and the variants (all on, dense and paged, split or
+not). One launch of each tile class (`cross_compile.tile_key`: all but the integer and alignment
+specialisations) is cross-compiled for the card's architecture (tests/cross_compile.py: Triton without a GPU)
+and its shared memory compared with the card's limit. bf16 plans must equal fp16 ones (same bytes per element;
+compiled once, as fp16); where no tile fits (a T4's fp32 backward above head dim 128, its fp32 decode with an
+append at 256) the call must say so before launching, and a card without bf16 (T4) must refuse bf16 before any
+launch.
 """
 
 from __future__ import annotations
@@ -141,6 +141,27 @@ def _kvcache_calls(dtype: torch.dtype, target: Target):
             label = (f"kvcache D={head_dim} seqlen_q={seqlen_q} group={group} append={append} "
                      f"page_size={page_size} batch={batch} num_splits={num_splits}")
             yield label, call
+    # every variant on at once (the decode kernel's extra stage, slopes and sinks; the combine's sink): the
+    # largest head dim, one token and a chunk of rows, dense and paged, with an append, split or not
+    for seqlen_q, page_size, num_splits in itertools.product((1, 64), (None, PAGE_SIZES[0]), (0, 1)):
+        def variants(seqlen_q=seqlen_q, page_size=page_size, num_splits=num_splits, head_dim=HEAD_DIMS[-1]):
+            nheads = nheads_k * GROUPS[-1]
+            q = _empty(1, seqlen_q, nheads, head_dim, dtype=dtype)
+            k, v = (_empty(1, seqlen_q, nheads_k, head_dim, dtype=dtype) for _ in range(2))
+            kw = dict(cache_seqlens=torch.full((1,), 7, dtype=torch.int32), causal=True, window_size=(300, 0),
+                      softcap=20.0, alibi_slopes=torch.ones(nheads, device=DEVICE), num_splits=num_splits,
+                      sinks=torch.zeros(nheads, device=DEVICE))
+            if decode_unsupported(head_dim, dtype.itemsize, True, target) is not None:
+                return  # as above: the plain call already checks the refusal
+            if page_size is None:
+                k_cache = _empty(1, capacity, nheads_k, head_dim, dtype=dtype)
+                flash_attn_with_kvcache(q, k_cache, k_cache.clone(), k, v, **kw)
+            else:
+                pool = _empty(8, page_size, nheads_k, head_dim, dtype=dtype)
+                table = torch.zeros(1, capacity // page_size, dtype=torch.int32, device=DEVICE)
+                flash_attn_with_kvcache(q, pool, pool.clone(), k, v, block_table=table, **kw)
+
+        yield f"kvcache variants seqlen_q={seqlen_q} page_size={page_size} num_splits={num_splits}", variants
 
 
 def _record(target: Target, dtype: torch.dtype) -> List[Tuple[str, object]]:
