@@ -8,17 +8,19 @@ returns their pages to the pool. Every attention output can be checked against t
 
 There is no model: request `rid` is a stream of random q/k/v tokens drawn from a generator seeded
 with (seed, rid), as if from one attention layer whose inputs did not depend on its outputs. Its
-token `t` attends to its tokens `0..t`, so the output of a prefill chunk covering tokens [a, b) (or
-of a decode step, b = a + 1) must equal `attention_ref(q[a:b], k[:b], v[:b], causal=True)`:
-bottom-right causal, GQA. And all of a request's outputs together must equal one-shot causal
-attention over its whole stream.
+token `t` attends to its tokens `0..t` (`t - W..t` in a sliding-window layer, `sliding_window=W`),
+so the output of a prefill chunk covering tokens [a, b) (or of a decode step, b = a + 1) must equal
+`attention_ref(q[a:b], k[:b], v[:b], causal=True)` (with `window_size=(W, 0)`): bottom-right causal,
+GQA. And all of a request's outputs together must equal one-shot causal attention over its whole
+stream.
 
 Scheduler (vLLM's chunked prefill, TensorRT-LLM's "guaranteed no evict" capacity policy):
 - Admission, first come first served: the oldest arrived request is admitted when a request slot is
   free and the pool's free pages, minus the pages already promised to running requests, cover its
-  whole length (prompt + new tokens). Pages are still taken on demand (`PagedKVCache` takes them as
-  tokens are appended), but a promised page is never given to anybody else, so no running request
-  ever has to be preempted. A request that waits blocks the ones behind it (no overtaking).
+  whole length (prompt + new tokens; in a sliding-window layer, the most pages it holds at once).
+  Pages are still taken on demand (`PagedKVCache` takes them as tokens are appended), but a promised
+  page is never given to anybody else, so no running request ever has to be preempted. A request
+  that waits blocks the ones behind it (no overtaking).
 - Token budget per step: decode tokens first (one per request in the decode phase), then prefill
   chunks of at most `chunk_size` tokens for the prompts in admission order, until the budget is
   spent. Long prompts thus share steps with decoding requests instead of stalling them.
@@ -111,13 +113,17 @@ class _Active:
         return not self.in_prefill and self.generated >= self.request.max_new_tokens
 
 
-def check_attention(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Tuple[float, float]:
+def check_attention(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    sliding_window: Optional[int] = None) -> Tuple[float, float]:
     """(err, bound) of `out` (M, H, D), the causal attention of q (M, H, D) over k, v (N, H_KV, D)
-    aligned bottom-right, against the fp32 reference, by the error rule of kernels/testing.py; err is
-    inf when out is not finite."""
+    aligned bottom-right (each query seeing at most `sliding_window` keys left of its own, when given),
+    against the fp32 reference, by the error rule of kernels/testing.py; err is inf when out is not
+    finite."""
     q, k, v = q[None], k[None], v[None]
-    ref32, _ = attention_ref(q.float(), k.float(), v.float(), causal=True)
-    same = ref32 if q.dtype == torch.float32 else attention_ref(q, k, v, causal=True, upcast=False)[0]
+    window = (-1, -1) if sliding_window is None else (sliding_window, 0)
+    ref32, _ = attention_ref(q.float(), k.float(), v.float(), causal=True, window_size=window)
+    same = ref32 if q.dtype == torch.float32 else attention_ref(q, k, v, causal=True, window_size=window,
+                                                                upcast=False)[0]
     _, err, bound = check_close(out[None], ref32, same)
     return err, bound
 
@@ -158,6 +164,11 @@ class ServingEngine:
         strict: raise VerificationError at the first output that breaks the rule (else record it).
         keep_outputs: keep each request's outputs (total_len, H, D) in `outputs[rid]`.
         num_splits: passed to the decode calls (0 = the kernel's heuristic).
+        sliding_window: None, or W: a sliding-window layer (Mistral-style): each token attends to itself
+            and the W tokens before it. The pool is a `PagedKVCache(sliding_window=W)`, which returns
+            the pages before each request's window to the pool as it advances, so a request holds at
+            most (W + chunk_size - 1) // page_size + 2 pages however long it grows, and admission
+            counts that peak instead of its whole length.
 
     Raises ValueError for a bad configuration; `submit` raises ValueError for a request that can
     never run (longer than max_seqlen, or needing more pages than the whole pool).
@@ -167,7 +178,7 @@ class ServingEngine:
                  max_batch: int, max_seqlen: int, chunk_size: int, token_budget: int,
                  dtype: torch.dtype = torch.float16, device: Union[str, torch.device, None] = None, seed: int = 0,
                  verify: Optional[str] = None, strict: bool = True, keep_outputs: bool = False,
-                 num_splits: int = 0):
+                 num_splits: int = 0, sliding_window: Optional[int] = None):
         nheads, nheads_k = _positive_int("nheads", nheads), _positive_int("nheads_k", nheads_k)
         if nheads % nheads_k:
             raise InputError(f"Expected nheads ({nheads}) to be divisible by nheads_k ({nheads_k}); GQA needs "
@@ -185,8 +196,10 @@ class ServingEngine:
             raise InputError(f"Expected verify to be one of {VERIFY_MODES}, got {verify!r}.")
         self.verify, self.strict, self.keep_outputs, self.num_splits = verify, bool(strict), keep_outputs, num_splits
         self.nheads, self.seed = nheads, int(seed)
+        self.sliding_window = None if sliding_window is None else _positive_int("sliding_window", sliding_window, 0)
         self.cache = PagedKVCache(num_blocks, page_size, nheads_k, head_dim, max_batch=max_batch,
-                                  max_blocks_per_seq=-(-self.max_seqlen // page_size), dtype=dtype, device=device)
+                                  max_blocks_per_seq=-(-self.max_seqlen // page_size), dtype=dtype, device=device,
+                                  sliding_window=self.sliding_window)
         self.device, self.dtype = self.cache.device, dtype
         self.bytes_per_token = 2 * nheads_k * head_dim * torch.empty((), dtype=dtype).element_size()
 
@@ -204,6 +217,15 @@ class ServingEngine:
         """Pages holding num_tokens tokens."""
         return -(-int(num_tokens) // self.cache.page_size)
 
+    def peak_pages(self, request: Request) -> int:
+        """The most pages `request` holds at once: its whole length's, or with a sliding window W the
+        window's and a chunk's, (W + chunk_size - 1) // page_size + 2 (the pages from the one holding
+        its first visible key to the one its chunk ends in), if fewer."""
+        whole = self.pages_for(request.total_len)
+        if self.sliding_window is None:
+            return whole
+        return min(whole, (self.sliding_window + self.chunk_size - 1) // self.cache.page_size + 2)
+
     def submit(self, requests: Union[Request, Sequence[Request]]) -> List[int]:
         """Queue requests (first come, first served by arrival step, then submission order); returns
         their ids. All are checked before any is queued."""
@@ -219,9 +241,9 @@ class ServingEngine:
                 raise InputError(
                     f"Request {i} needs {r.prompt_len} prompt + {r.max_new_tokens} new = {r.total_len} tokens > "
                     f"max_seqlen = {self.max_seqlen}; build the engine with a larger max_seqlen or shorten it.")
-            if self.pages_for(r.total_len) > self.cache.num_blocks:
+            if self.peak_pages(r) > self.cache.num_blocks:
                 raise InputError(
-                    f"Request {i} needs {self.pages_for(r.total_len)} pages of {self.cache.page_size} tokens for "
+                    f"Request {i} needs {self.peak_pages(r)} pages of {self.cache.page_size} tokens for "
                     f"{r.total_len} tokens, but the pool has only {self.cache.num_blocks}: it could never be admitted; "
                     f"allocate a larger pool.")
         ids = []
@@ -253,8 +275,8 @@ class ServingEngine:
         return [rid for _, rid in self._waiting]
 
     def pages_promised(self) -> int:
-        """Pages the running requests will still take (their full length minus the pages they hold)."""
-        return sum(self.pages_for(a.request.total_len) - len(self.cache.pages(a.slot)) for a in self._running.values())
+        """Pages the running requests may still take: each one's peak (`peak_pages`) minus the pages it holds."""
+        return sum(self.peak_pages(a.request) - len(self.cache.pages(a.slot)) for a in self._running.values())
 
     def _stream(self, rid: int, total: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         gen = torch.Generator(device=self.device)
@@ -277,7 +299,7 @@ class ServingEngine:
             request = self.requests[rid]
             if len(self._running) >= self.cache.max_batch:
                 break
-            if self.cache.num_free_blocks - self.pages_promised() < self.pages_for(request.total_len):
+            if self.cache.num_free_blocks - self.pages_promised() < self.peak_pages(request):
                 break  # FCFS: the head waits for pages, and so does everybody behind it
             self._waiting.pop(0)
             q, k, v = self._stream(rid, request.total_len)
@@ -392,7 +414,7 @@ class ServingEngine:
             a.out[start:end] = out
         if not self._sampled(a, start, end, kind):
             return
-        err, bound = check_attention(out, a.q[start:end], a.k[:end], a.v[:end])
+        err, bound = check_attention(out, a.q[start:end], a.k[:end], a.v[:end], self.sliding_window)
         ok = err <= bound
         self.checks.append({"step": self.clock, "rid": a.rid, "kind": kind, "start": start, "end": end,
                             "keys": end, "err": err, "bound": bound, "ok": ok})
@@ -411,7 +433,7 @@ class ServingEngine:
             "arrival_step": a.request.arrival_step, "admitted_step": a.admitted_step,
             "prefill_done_step": a.prefill_done_step, "finished_step": self.clock,
             "queued_steps": a.admitted_step - a.request.arrival_step,
-            "pages": self.pages_for(a.request.total_len),
+            "pages": self.peak_pages(a.request),
         }
 
     def run(self, max_steps: int = 100_000) -> List[Dict[str, Any]]:

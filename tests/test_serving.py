@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from helpers import DEVICE, ON_GPU, assert_close_to_ref, make_qkv, references
-from kernels import PagedKVCache, flash_attn_func, flash_attn_with_kvcache, rel_err
+from kernels import PagedKVCache, attention_ref, flash_attn_func, flash_attn_with_kvcache, rel_err
 from kernels.serving import Request, ServingEngine, VerificationError, make_workload
 from kernels.testing import agreement_tolerance
 
@@ -131,6 +131,32 @@ def test_engine_mixed_workload_matches_reference(dtype):
         "every token's output must have been checked exactly once")
     assert (checks[checks.kind == "prefill"].end - checks[checks.kind == "prefill"].start).max() == eng.chunk_size
     assert_outputs_match_streams(eng)
+
+
+def test_sliding_window_engine_matches_reference_in_fewer_pages():
+    """A sliding-window layer (Mistral-style, window W): every output equals the windowed reference (per
+    step and over each stream), the pool returns the pages before each request's window as it advances,
+    so requests far longer than the window run in a pool that could not hold them whole, and every page
+    comes back at the end."""
+    window = 20
+    workload = [Request(70, 12, 0), Request(9, 30, 0), Request(44, 9, 1), Request(3, 50, 2)]
+    eng = engine(sliding_window=window, num_blocks=12, max_seqlen=96, keep_outputs=True)
+    assert eng.peak_pages(workload[0]) == (window + eng.chunk_size - 1) // 16 + 2 < eng.pages_for(82)
+    eng.submit(workload)
+    eng.run()
+    stats, checks = eng.stats_frame(), eng.checks_frame()
+    assert checks.ok.all() and (checks.end - checks.start).sum() == sum(r.total_len for r in workload)
+    peaks = sum(eng.peak_pages(r) for r in workload)
+    assert stats.pages_in_use.max() <= min(peaks, eng.cache.num_blocks)
+    assert sum(eng.pages_for(r.total_len) for r in workload) > eng.cache.num_blocks  # whole, they would not fit
+    assert stats.running.max() >= 3
+    assert eng.cache.num_free_blocks == eng.cache.num_blocks and bool((eng.cache.block_table == -1).all())
+    for rid, out in eng.outputs.items():
+        q, k, v = eng.token_stream(rid)
+        ref32, _ = attention_ref(q[None].float(), k[None].float(), v[None].float(), causal=True,
+                                 window_size=(window, 0))
+        same, _ = attention_ref(q[None], k[None], v[None], causal=True, window_size=(window, 0), upcast=False)
+        assert_close_to_ref(out[None], ref32, same, msg=f"request {rid}")
 
 
 def test_engine_checks_can_fail():
