@@ -81,20 +81,20 @@ the new keys are masked (token t sees new keys 0..t); with a partial one or none
 (the last M - M_NEW - 1 for token 0, one fewer for each later token).
 
 [Note] Variants in decode. The prefill kernels' semantics (kernels/_jit.py [Note] Key band), aligned
-bottom-right against each request's current length N_b: token t's diagonal key is t + N_b - M.
-Softcap and ALiBi change the scores in every stage through `variant_scores` (each row's ALiBi slope
-is its own q head's). A sliding window bounds the cached keys a request visits to its band,
-[N_b - M - left, N_b), at most left + M keys; the splits tile that band instead of the whole buffer:
-split s starts s * SPLIT_N keys after the band's first key block, and the host plans the splits over
-the band's span (at most left + M + BLOCK_N keys, `_plan` in kernels/decode.py) rather than N_CACHE,
-so a long cache under a short window costs what the window costs, and splits that would lie past the
-band run no iteration. Inside a split the band's left edge (keys some rows of the request do not see)
-is a masked stage before the unmasked blocks, and rows of the band's first key block that lie before
-the band are not loaded at all (they read as zeros): the kernel never reads a key or value before a
-request's band, so such rows (a paged cache's pages wholly before the window) may hold anything,
-NaN included. A sink is a key with a logit and no value ([Note] Sinks
-in kernels/prefill_kernels.py): unsplit, it starts each row's running max and sum; split, no partial
-carries it and the combine adds it once to the merged row (`merge_sink`).
+bottom-right against each request's current length N_b: token t's diagonal key is t + N_b - M. Softcap
+and ALiBi change the scores in every stage through `variant_scores` (each row's ALiBi slope is its own
+q head's). A sliding window bounds the cached keys a request visits to its band, [N_b - M - left,
+N_b), at most left + M keys; the splits tile that band instead of the whole buffer: split s starts s *
+SPLIT_N keys after the band's first key block, and the host plans the splits over the band's span (at
+most left + M + BLOCK_N keys, `_plan` in kernels/decode.py) rather than N_CACHE, so a long cache under
+a short window costs what the window costs, and splits that would lie past the band run no iteration.
+Inside a split the band's left edge (keys some rows of the request do not see) is a masked stage
+before the unmasked blocks, and rows of the band's first key block that lie before the band are not
+loaded at all (they read as zeros): the kernel never reads a key or value before a request's band, so
+such rows (a paged cache's pages wholly before the window) may hold anything, NaN included. A sink is
+a key with a logit and no value ([Note] Sinks in kernels/prefill_kernels.py): unsplit, it starts each
+row's running max and sum; split, no partial carries it and the combine adds it once to the merged row
+(`merge_sink`).
 
 [Note] Left padding. With cache_leftpad (HAS_LEFTPAD), request b's keys are cache rows [LP_b, L_b)
 (flash-attn's convention: L_b = cache_seqlens[b] is where they end, the padding included). LP_b is

@@ -39,9 +39,7 @@ from .decode import (
 from .errors import InputError, InputTypeError
 from .prefill import flash_attn_func, variant_args
 
-# The attention variants every prefill / decode method of the caches takes, as flash_attn_func and
-# flash_attn_with_kvcache do: window_size, softcap, alibi_slopes, sinks.
-_NO_WINDOW = (-1, -1)
+_NO_WINDOW = (-1, -1)  # flash-attn's window_size for none
 
 
 # ============================================================================================
