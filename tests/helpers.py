@@ -266,3 +266,16 @@ def assert_splits_agree(results: dict, dtype: torch.dtype) -> None:
         assert torch.equal(torch.isinf(lse), torch.isinf(lse1))
         finite = torch.isfinite(lse1)
         assert (lse[finite] - lse1[finite]).abs().max().item() < 1e-3
+
+
+def paged_copy(k_cache, v_cache, page_size):
+    """Pools holding the dense caches' rows behind a random permuted block table, and the table."""
+    batch, seqlen_cache, nheads_k, head_dim = k_cache.shape
+    pages = seqlen_cache // page_size
+    perm = torch.randperm(batch * pages, device=k_cache.device)
+    pools = []
+    for cache in (k_cache, v_cache):
+        pool = torch.empty(batch * pages, page_size, nheads_k, head_dim, dtype=cache.dtype, device=cache.device)
+        pool[perm] = cache.reshape(batch * pages, page_size, nheads_k, head_dim)
+        pools.append(pool)
+    return pools[0], pools[1], perm.view(batch, pages).to(torch.int32)

@@ -21,6 +21,7 @@ from helpers import (
     assert_splits_agree,
     make_qkv,
     needs_graph_capture,
+    paged_copy,
     per_request_references,
     references,
 )
@@ -717,19 +718,6 @@ def test_replayed_calls_match_the_full_path(monkeypatch):
             todo.extend(getattr(obj, name) for name in DirectLaunch.__slots__)
 
 
-def _paged_copy(k_cache, v_cache, page_size):
-    """Pools holding the dense caches' rows behind a random permuted block table, and the table."""
-    batch, seqlen_cache, nheads_k, head_dim = k_cache.shape
-    pages = seqlen_cache // page_size
-    perm = torch.randperm(batch * pages, device=k_cache.device)
-    pools = []
-    for cache in (k_cache, v_cache):
-        pool = torch.empty(batch * pages, page_size, nheads_k, head_dim, dtype=cache.dtype, device=cache.device)
-        pool[perm] = cache.reshape(batch * pages, page_size, nheads_k, head_dim)
-        pools.append(pool)
-    return pools[0], pools[1], perm.view(batch, pages).to(torch.int32)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("append,return_lse,causal,seqlen_q", [(True, False, False, 1), (False, True, False, 1),
@@ -748,7 +736,7 @@ def test_replay_variants(monkeypatch, paged, append, return_lse, causal, seqlen_
         kwargs = dict(cache_seqlens=torch.tensor(lengths, dtype=torch.int32, device=DEVICE), causal=causal,
                       return_softmax_lse=return_lse)
         if paged:
-            k_pool, v_pool, table = _paged_copy(k_cache, v_cache, page)
+            k_pool, v_pool, table = paged_copy(k_cache, v_cache, page)
             result = flash_attn_with_kvcache(q, k_pool, v_pool, k, v, block_table=table, **kwargs)
             k_after, v_after = (pool[table.long()].reshape(k_cache.shape) for pool in (k_pool, v_pool))
         else:

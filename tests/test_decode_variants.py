@@ -12,7 +12,15 @@ import pytest
 import torch
 
 import kernels.decode as decode
-from helpers import DEVICE, INTERPRET, ON_GPU, assert_close_to_ref, assert_lse_close, assert_splits_agree
+from helpers import (
+    DEVICE,
+    INTERPRET,
+    ON_GPU,
+    assert_close_to_ref,
+    assert_lse_close,
+    assert_splits_agree,
+    paged_copy,
+)
 from kernels import attention_ref, flash_attn_with_kvcache
 from kernels._configs import INTERPRETER_DECODE_CONFIG
 
@@ -53,6 +61,16 @@ def lengths_for(seqlen_new: int) -> list:
     return [0, 1, WINDOW - 1, WINDOW, WINDOW + 1, CAPACITY - seqlen_new]
 
 
+def inputs(seqlen_q: int, seqlen_new: int):
+    """q, dense caches (random everywhere, also past the lengths), and new k/v (None without an append)."""
+    q = randn(BATCH, seqlen_q, NHEADS, HEAD_DIM)
+    k_cache, v_cache = randn(BATCH, CAPACITY, NHEADS_K, HEAD_DIM), randn(BATCH, CAPACITY, NHEADS_K, HEAD_DIM)
+    if not seqlen_new:
+        return q, k_cache, v_cache, None, None
+    k, v = randn(BATCH, seqlen_new, NHEADS_K, HEAD_DIM), randn(BATCH, seqlen_new, NHEADS_K, HEAD_DIM)
+    return q, k_cache, v_cache, k, v
+
+
 def reference(q, k_cache, v_cache, k, v, lengths, kw):
     """(out fp32, lse, out in q's dtype) per request over its cached keys plus its new ones; a request
     that sees no key gives zeros and the sink's logit (+inf without sinks)."""
@@ -81,19 +99,6 @@ def reference(q, k_cache, v_cache, k, v, lengths, kw):
     return torch.cat(outs32), torch.cat(lses), torch.cat(outs_same)
 
 
-def paged_copy(k_cache, v_cache, page_size):
-    """Pools holding the dense caches' rows behind a random permuted block table, and the table."""
-    batch, seqlen_cache, nheads_k, head_dim = k_cache.shape
-    pages = seqlen_cache // page_size
-    perm = torch.randperm(batch * pages, device=k_cache.device)
-    pools = []
-    for cache in (k_cache, v_cache):
-        pool = torch.empty(batch * pages, page_size, nheads_k, head_dim, dtype=cache.dtype, device=cache.device)
-        pool[perm] = cache.reshape(batch * pages, page_size, nheads_k, head_dim)
-        pools.append(pool)
-    return pools[0], pools[1], perm.view(batch, pages).to(torch.int32)
-
-
 def run(q, k_cache, v_cache, k, v, lengths, kw, page_size, num_splits, one_loop, monkeypatch):
     """flash_attn_with_kvcache over the dense caches, or paged copies of them; (out, lse, k_cache, v_cache)
     with the caches as dense tensors again. one_loop forces the kernel's loop layout either way."""
@@ -117,11 +122,7 @@ def run(q, k_cache, v_cache, k, v, lengths, kw, page_size, num_splits, one_loop,
 def test_kvcache_variant_equals_reference(variant, layout, page_size, monkeypatch):
     seqlen_q, seqlen_new, num_splits, one_loop = layout
     lengths = lengths_for(seqlen_new)
-    q = randn(BATCH, seqlen_q, NHEADS, HEAD_DIM)
-    k_cache, v_cache = randn(BATCH, CAPACITY, NHEADS_K, HEAD_DIM), randn(BATCH, CAPACITY, NHEADS_K, HEAD_DIM)
-    k = v = None
-    if seqlen_new:
-        k, v = randn(BATCH, seqlen_new, NHEADS_K, HEAD_DIM), randn(BATCH, seqlen_new, NHEADS_K, HEAD_DIM)
+    q, k_cache, v_cache, k, v = inputs(seqlen_q, seqlen_new)
     kw = make_variant(variant)
     out, lse, k_after, v_after = run(q, k_cache, v_cache, k, v, lengths, kw, page_size, num_splits, one_loop,
                                      monkeypatch)
@@ -139,11 +140,7 @@ def test_kvcache_variant_equals_reference(variant, layout, page_size, monkeypatc
 def test_split_and_unsplit_agree(variant, seqlen_q, seqlen_new):
     """The sink is added once however many splits there are; a window's splits cover its band."""
     lengths = lengths_for(seqlen_new)
-    q = randn(BATCH, seqlen_q, NHEADS, HEAD_DIM)
-    k_cache, v_cache = randn(BATCH, CAPACITY, NHEADS_K, HEAD_DIM), randn(BATCH, CAPACITY, NHEADS_K, HEAD_DIM)
-    k = v = None
-    if seqlen_new:
-        k, v = randn(BATCH, seqlen_new, NHEADS_K, HEAD_DIM), randn(BATCH, seqlen_new, NHEADS_K, HEAD_DIM)
+    q, k_cache, v_cache, k, v = inputs(seqlen_q, seqlen_new)
     kw = make_variant(variant)
     lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
     results = {}
