@@ -263,11 +263,13 @@ def merge_sink(out, lse, sink):
     into a finished row: out and lse (natural log, +inf for a row that saw no key) over its keys become
     out * exp(lse - lse') and lse' = log(exp(lse) + exp(sink)), over the keys and the sink; a row that
     saw no key gives zeros and lse' = sink. Split-KV decode adds the sink here, once, after merging the
-    partials, none of which carries it."""
+    partials, none of which carries it. A sink of -inf is no sink: a row that saw no key then keeps its
+    zeros (lse' = -inf), never NaN."""
     lse_keys = tl.where(lse == float("inf"), float("-inf"), lse)
     top = tl.maximum(lse_keys, sink)
+    top = tl.where(top == float("-inf"), 0.0, top)  # no key and no sink: avoid -inf - -inf
     lse_all = top + tl.log(tl.exp(lse_keys - top) + tl.exp(sink - top))
-    return out * tl.exp(lse_keys - lse_all), lse_all
+    return tl.where(lse_all == float("-inf"), 0.0, out * tl.exp(lse_keys - lse_all)), lse_all
 
 
 @triton.jit

@@ -296,7 +296,7 @@ def append_kernel(
                     HEAD_DIM, HEAD_DIM_PAD, PAGED, PAGE_SIZE, WIDE_PAGES)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window_left", "window_right"])  # a new window size is not a new kernel
 def decode_kernel(
     Q, K_cache, V_cache, K_new, V_new, Cache_seqlens, Out, Lse, Out_part, Lse_part,
     stride_qb, stride_qm, stride_qh,

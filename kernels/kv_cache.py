@@ -42,6 +42,16 @@ from .prefill import flash_attn_func, variant_args
 _NO_WINDOW = (-1, -1)  # flash-attn's window_size for none
 
 
+def _check_one_key_per_query(q, k, v) -> None:
+    """A cache's decode step appends one key per query token: k and v carry q's seqlen_q tokens, which
+    is what the lengths advance by (flash_attn_with_kvcache itself allows fewer new keys than queries)."""
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[1] != q.shape[1]:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise InputError(f"Expected {name} with q's {q.shape[1]} new tokens, (batch, {q.shape[1]}, nheads_k, "
+                             f"head_dim), got {shape}.")
+
+
 # ============================================================================================
 # KV cache helper
 # ============================================================================================
@@ -190,6 +200,7 @@ class KVCache:
             raise InputError("Expected q of shape (batch, seqlen_q, nheads, head_dim).")
         if k is None or v is None:
             raise InputError("KVCache.decode appends: expected k and v (batch, seqlen_q, nheads_k, head_dim).")
+        _check_one_key_per_query(q, k, v)
         seqlen_q = q.shape[1]
         if int(self._host.max()) + seqlen_q > self.max_seqlen:
             _check_host_lengths(self._host, seqlen_q, self.max_seqlen)
@@ -563,6 +574,7 @@ class PagedKVCache:
                              f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}.")
         if k is None or v is None:
             raise InputError("PagedKVCache.decode appends: expected k and v (n, seqlen_q, nheads_k, head_dim).")
+        _check_one_key_per_query(q, k, v)
         # everything that could still fail is checked before pages are taken: all or nothing per call
         _validate_kvcache_inputs(q, self.k_cache, self.v_cache, k, v, paged=True)
         causal, variants = _resolve_kvcache_variants(self._window(window_size, causal), softcap, alibi_slopes, sinks,

@@ -78,7 +78,10 @@ decode kernel's [Note] Paged pipelining); rows of the last block past N_b belong
 unused tail (stale data, possibly NaN bit patterns), so their scores are masked and their values
 zeroed. Otherwise (P = 16, 48, ...) each key finds its page through `physical_blocks` (an entry per
 page when a key block holds at most 4 whole pages, else per key) and loads through masked pointers.
-Every cache argument defaults to None / False: with IS_KVCACHE=False the cache code is compiled out.
+With a window, the keys before a query block's band (rows a windowed PagedKVCache may have freed,
+their pages reused or their table entries -1) are not loaded through pointers and have their values
+zeroed after a descriptor load, as the decode kernel does: 0 * NaN would poison acc. Every cache
+argument defaults to None / False: with IS_KVCACHE=False the cache code is compiled out.
 
 [Note] Dropout. With HAS_DROPOUT the forward keeps each probability P_ij with probability 1 - p:
 l_i still sums every probability (the softmax is of the undropped scores, as the LSE saved for the
@@ -138,18 +141,25 @@ def fwd_inner(
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, MASKED: tl.constexpr,
     USE_TMA: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, EDGES: tl.constexpr = False,
+    band_lo=0, GUARD_BAND: tl.constexpr = False,
 ):
     """Stream key blocks [lo, hi) of a dense K/V into (acc, m_i, l_i). k_src/v_src are tensor
     descriptors (USE_TMA) or base pointers of the (batch, KV head)'s [N, D] slice; MASKED blocks are
     bounds-checked and masked (see [Note] Masking layout); with EDGES only the blocks outside [whole_lo,
-    whole_hi) are masked, and pointer loads are bounds-checked. dropout: (seed, salt, bh, keep_threshold)."""
+    whole_hi) are masked, and pointer loads are bounds-checked. dropout: (seed, salt, bh, keep_threshold).
+    GUARD_BAND (a cache with a window): rows before band_lo, which no row of the block sees, are not
+    loaded (pointers) or their values zeroed (descriptors), see [Note] Chunked prefill over a cache."""
     k_rel = offs_n[:, None] * stride_kn + offs_d[None, :]  # [BLOCK_N, D_PAD], small offsets
     v_rel = offs_n[:, None] * stride_vn + offs_d[None, :]
     for start_n in tl.range(lo, hi, BLOCK_N):
+        if GUARD_BAND:
+            rows_in = tl.where(start_n + offs_n >= band_lo, start_n + offs_n, n_end)
+        else:
+            rows_in = start_n + offs_n
         if USE_TMA:
             k = k_src.load([start_n, 0])  # [BLOCK_N, D_PAD]
         else:
-            k = load_rows(k_src + tl.cast(start_n, tl.int64) * stride_kn + k_rel, start_n + offs_n, n_end, offs_d,
+            k = load_rows(k_src + tl.cast(start_n, tl.int64) * stride_kn + k_rel, rows_in, n_end, offs_d,
                           HEAD_DIM, HEAD_DIM_PAD, MASKED or EDGES)
         qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N]
         qk = variant_scores(qk, offs_m, start_n + offs_n, n_end, diag, left, right, cap_scale, slope, MASKED,
@@ -163,8 +173,10 @@ def fwd_inner(
             p = tl.where(dropout_keep(seed, salt, bh, offs_m, start_n, BLOCK_N, keep_threshold), p, 0.0)
         if USE_TMA:
             v = v_src.load([start_n, 0])
+            if GUARD_BAND:
+                v = tl.where(rows_in[:, None] < n_end, v, 0.0)
         else:
-            v = load_rows(v_src + tl.cast(start_n, tl.int64) * stride_vn + v_rel, start_n + offs_n, n_end, offs_d,
+            v = load_rows(v_src + tl.cast(start_n, tl.int64) * stride_vn + v_rel, rows_in, n_end, offs_d,
                           HEAD_DIM, HEAD_DIM_PAD, MASKED or EDGES)
         acc = tl.dot(p.to(v.dtype), v, acc)
     return acc, m_i, l_i
@@ -173,7 +185,7 @@ def fwd_inner(
 @triton.jit
 def paged_fwd_inner(
     acc, m_i, l_i, q, k_desc, v_desc, table, next_row, lo, hi, offs_m, offs_n, n_end, diag, left, right, qk_scale,
-    cap_scale, slope, NUM_BLOCKS, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
+    cap_scale, slope, band_lo, NUM_BLOCKS, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
 ):
     """Stream key blocks [lo, hi) of a paged pool into (acc, m_i, l_i) through descriptors of the whole
@@ -181,7 +193,8 @@ def paged_fwd_inner(
     next_row is block lo's pool row; each page is looked up one block ahead, and the row after hi is
     returned for the next stage. MASKED blocks are masked (band and length) and their values past
     n_end zeroed: those rows are the page's unused tail, stale data that may hold NaN bit patterns
-    (0 * NaN would poison acc)."""
+    (0 * NaN would poison acc); with a window, so are the values before band_lo (pages a windowed cache
+    freed)."""
     for start_n in tl.range(lo, hi, BLOCK_N):
         row = next_row
         next_row = page_row(table, start_n + BLOCK_N, n_end, NUM_BLOCKS, PAGE_SIZE)
@@ -192,7 +205,10 @@ def paged_fwd_inner(
         p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, MASKED)
         v = v_desc.load([row, 0])
         if MASKED:
-            v = tl.where((start_n + offs_n)[:, None] < n_end, v, 0.0)
+            if HAS_WINDOW:
+                v = tl.where(((start_n + offs_n < n_end) & (start_n + offs_n >= band_lo))[:, None], v, 0.0)
+            else:
+                v = tl.where((start_n + offs_n)[:, None] < n_end, v, 0.0)
         acc = tl.dot(p.to(v.dtype), v, acc)
     return acc, m_i, l_i, next_row
 
@@ -269,6 +285,10 @@ def fwd_kernel(
     diag = N - M  # row i's diagonal key is i + diag
     left, right = window_extent(window_left, window_right, M, N, IS_CAUSAL, HAS_WINDOW)
     n_lo, n_full_lo, n_full, n_end = key_range(start_m, BLOCK_M, BLOCK_N, diag, N, left, right, IS_CAUSAL, HAS_WINDOW)
+    if IS_KVCACHE and HAS_WINDOW:  # the first key any row of the block sees (n_lo rounds it down to a block)
+        band_lo = tl.maximum(start_m + diag - left, 0)
+    else:
+        band_lo = 0
     if HAS_ALIBI:  # in score units: the scores are divided by `unit` until the softmax
         slope = tl.load(Alibi + off_b * stride_alibi_b + off_h) / unit
     else:
@@ -301,18 +321,18 @@ def fwd_kernel(
             if HAS_WINDOW:  # the band's left edge, masked
                 acc, m_i, l_i, next_row = paged_fwd_inner(
                     acc, m_i, l_i, q, k_desc, v_desc, table, next_row, n_lo, n_full_lo, offs_m, offs_n, n_end, diag,
-                    left, right, qk_scale, cap_scale, slope, NUM_BLOCKS, BLOCK_N, PAGE_SIZE, True, IS_CAUSAL,
+                    left, right, qk_scale, cap_scale, slope, band_lo, NUM_BLOCKS, BLOCK_N, PAGE_SIZE, True, IS_CAUSAL,
                     HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
             # blocks every row sees whole, no mask
             acc, m_i, l_i, next_row = paged_fwd_inner(
                 acc, m_i, l_i, q, k_desc, v_desc, table, next_row, n_full_lo, n_full, offs_m, offs_n, n_end, diag,
-                left, right, qk_scale, cap_scale, slope, NUM_BLOCKS, BLOCK_N, PAGE_SIZE, False, IS_CAUSAL, HAS_WINDOW,
-                HAS_SOFTCAP, HAS_ALIBI)
+                left, right, qk_scale, cap_scale, slope, band_lo, NUM_BLOCKS, BLOCK_N, PAGE_SIZE, False, IS_CAUSAL,
+                HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
             # the diagonal band and the ragged tail, masked
             acc, m_i, l_i, next_row = paged_fwd_inner(
                 acc, m_i, l_i, q, k_desc, v_desc, table, next_row, n_full, n_end, offs_m, offs_n, n_end, diag, left,
-                right, qk_scale, cap_scale, slope, NUM_BLOCKS, BLOCK_N, PAGE_SIZE, True, IS_CAUSAL, HAS_WINDOW,
-                HAS_SOFTCAP, HAS_ALIBI)
+                right, qk_scale, cap_scale, slope, band_lo, NUM_BLOCKS, BLOCK_N, PAGE_SIZE, True, IS_CAUSAL,
+                HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
         else:  # pointer path over a paged pool: each key block finds its rows through the block table
             q = load_rows(tile_ptrs(q_base, start_m, stride_qm, BLOCK_M, offs_d), offs_m, M, offs_d,
                           HEAD_DIM, HEAD_DIM_PAD, True)
@@ -323,18 +343,22 @@ def fwd_kernel(
                 blocks = next_blocks
                 next_blocks = physical_blocks(table, start_n + BLOCK_N, rows + BLOCK_N, n_end, NUM_BLOCKS, PAGE_SIZE,
                                               BLOCK_N)
+                if HAS_WINDOW:  # rows before the band (pages the cache may have freed): not loaded
+                    rows_in = tl.where(rows >= band_lo, rows, n_end)
+                else:
+                    rows_in = rows
                 k_offs = kv_block_offsets(blocks, start_n, offs_n, stride_kblk, stride_kn, PAGE_SIZE, True,
                                           WIDE_PAGES, BLOCK_N)
-                k = load_rows(k_base + k_offs[:, None] + offs_d[None, :], rows, n_end, offs_d, HEAD_DIM, HEAD_DIM_PAD,
-                              True)
+                k = load_rows(k_base + k_offs[:, None] + offs_d[None, :], rows_in, n_end, offs_d, HEAD_DIM,
+                              HEAD_DIM_PAD, True)
                 qk = tl.dot(q, tl.trans(k))
                 qk = variant_scores(qk, offs_m, rows, n_end, diag, left, right, cap_scale, slope, True, IS_CAUSAL,
                                     HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
                 p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, True)
                 v_offs = kv_block_offsets(blocks, start_n, offs_n, stride_vblk, stride_vn, PAGE_SIZE, True,
                                           WIDE_PAGES, BLOCK_N)
-                v = load_rows(v_base + v_offs[:, None] + offs_d[None, :], rows, n_end, offs_d, HEAD_DIM, HEAD_DIM_PAD,
-                              True)
+                v = load_rows(v_base + v_offs[:, None] + offs_d[None, :], rows_in, n_end, offs_d, HEAD_DIM,
+                              HEAD_DIM_PAD, True)
                 acc = tl.dot(p.to(v.dtype), v, acc)
     else:
         if USE_TMA:
@@ -353,7 +377,7 @@ def fwd_kernel(
             acc, m_i, l_i = fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, n_lo, n_end, n_full_lo,
                                       n_full, offs_m, offs_n, offs_d, n_end, diag, left, right, qk_scale, cap_scale,
                                       slope, dropout, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, USE_TMA, IS_CAUSAL,
-                                      HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, True)
+                                      HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, True, band_lo, IS_KVCACHE)
         else:
             # stage 1: blocks every row sees whole, no mask
             acc, m_i, l_i = fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, 0, n_full, 0, 0,

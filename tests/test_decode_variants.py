@@ -19,6 +19,7 @@ from helpers import (
     assert_close_to_ref,
     assert_lse_close,
     assert_splits_agree,
+    needs_graph_capture,
     paged_copy,
 )
 from kernels import attention_ref, flash_attn_with_kvcache
@@ -151,14 +152,56 @@ def test_split_and_unsplit_agree(variant, seqlen_q, seqlen_new):
     assert_splits_agree(results, DTYPE)
 
 
-@pytest.mark.parametrize("page_size", [0, 16, 32], ids=lambda p: f"page{p}" if p else "dense")
-@pytest.mark.parametrize("num_splits,one_loop", [(1, False), (1, True), (3, False), (3, True)])
-def test_window_never_reads_before_its_band(num_splits, one_loop, page_size, monkeypatch):
+@pytest.mark.parametrize("seqlen_new", [0, 1])
+def test_sink_of_minus_inf_is_no_sink(seqlen_new):
+    """A head whose sink is -inf has none: split or not, it equals the call without sinks, and a
+    request that sees no key still gives zeros, never NaN (the combine adds the sink to such rows too)."""
+    lengths = lengths_for(seqlen_new)
+    q, k_cache, v_cache, k, v = inputs(1, seqlen_new)
+    lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    sinks = torch.tensor([float("-inf"), 1.0, float("-inf"), -0.5], device=DEVICE)
+    none = [0, 2]  # the heads without a sink
+    for ns in (1, 3):
+        base = flash_attn_with_kvcache(q, k_cache.clone(), v_cache.clone(), k, v, cache_seqlens=lens, num_splits=ns)
+        out, lse = flash_attn_with_kvcache(q, k_cache.clone(), v_cache.clone(), k, v, cache_seqlens=lens,
+                                           num_splits=ns, sinks=sinks, return_softmax_lse=True)
+        assert not torch.isnan(out).any() and not torch.isnan(lse).any(), f"NaN, num_splits={ns}"
+        torch.testing.assert_close(out[:, :, none], base[:, :, none], atol=2e-3, rtol=0)
+        ref32, _, ref_same = reference(q, k_cache, v_cache, k, v, lengths, dict(sinks=sinks))
+        assert_close_to_ref(out, ref32, ref_same, msg=f"num_splits={ns}")
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_window_sizes_change_between_calls(num_splits):
+    """The window's sizes are runtime arguments, never compiled in (a kernel compiled for a side of 1, or
+    of a multiple of 16, would reuse that value): calls alike in all but the window each get their own."""
+    lengths = lengths_for(2)
+    q, k_cache, v_cache, k, v = inputs(4, 2)
+    lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    for window in [(16, 1), (17, 2), (1, 16), (32, 0), (WINDOW, 1)]:
+        out = flash_attn_with_kvcache(q, k_cache.clone(), v_cache.clone(), k, v, cache_seqlens=lens,
+                                      num_splits=num_splits, window_size=window)
+        ref32, _, ref_same = reference(q, k_cache, v_cache, k, v, lengths, dict(window_size=window))
+        assert_close_to_ref(out, ref32, ref_same, msg=f"window_size={window}")
+
+
+# (seqlen_q, num_splits, one_loop, chunked): the decode kernel's loop layouts, split and unsplit, and a
+# prompt chunk through the prefill kernel's cache mode
+BAND_PATHS = [(2, 1, False, False), (2, 1, True, False), (2, 3, False, False), (2, 3, True, False),
+              (24, 0, False, True)]
+
+
+@pytest.mark.parametrize("page_size", [0, 16, 32, 128], ids=lambda p: f"page{p}" if p else "dense")
+@pytest.mark.parametrize("path", BAND_PATHS,
+                         ids=lambda t: "chunked" if t[3] else "splits{}{}".format(t[1], "-1loop" * t[2]))
+def test_window_never_reads_before_its_band(path, page_size, monkeypatch):
     """Keys and values before each request's band are never read: NaN there (dense rows; paged, whole
     pages before the band, their table entries -1 as a cache that freed them would hold) leaves the
-    output bit-identical, whatever the loop layout and splits."""
+    output bit-identical, whatever the loop layout and splits, in decode and in a chunk's prefill."""
+    seqlen_q, num_splits, one_loop, chunked = path
     monkeypatch.setattr(decode, "_one_loop", lambda *args: one_loop)
-    capacity, window, seqlen_q = 256, 40, 2
+    monkeypatch.setattr(decode, "_chunked_prefill_pays", lambda *args: chunked)
+    capacity, window = 256, 40
     lengths = [0, 30, 41, 100, 190, capacity - seqlen_q]
     q = randn(BATCH, seqlen_q, NHEADS, HEAD_DIM)
     k_cache, v_cache = randn(BATCH, capacity, NHEADS_K, HEAD_DIM), randn(BATCH, capacity, NHEADS_K, HEAD_DIM)
@@ -190,6 +233,8 @@ def test_window_never_reads_before_its_band(num_splits, one_loop, page_size, mon
         poisoned = call(k_pool, v_pool, table)
     assert not torch.isnan(poisoned[0]).any()
     assert torch.equal(poisoned[0], clean[0]) and torch.equal(poisoned[1], clean[1])
+    ref32, ref_lse, ref_same = reference(q, k_cache, v_cache, k, v, lengths, kw)
+    assert_close_to_ref(poisoned[0], ref32, ref_same)
 
 
 def test_window_plans_over_its_band():
@@ -309,3 +354,62 @@ def test_paged_cache_returns_the_pages_before_its_window():
     with pytest.raises(ValueError, match="sliding_window"):
         cache.decode(q[:, :1], k[:, :1], v[:, :1], slots=slots, window_size=(window + 1, 0))
     assert cache.seqlens == lengths
+
+
+# --------------------------------------------------------------------------------------------
+# GPU only
+# --------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@needs_graph_capture
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("page_size", [0, 16], ids=lambda p: f"page{p}" if p else "dense")
+def test_cuda_graph_replay_with_a_window(page_size, num_splits):
+    """A decode step with a window (and softcap, ALiBi, sinks) captured once in a CUDA graph, lengths
+    advanced in the graph, replays step by step like eager calls while the band slides past the window's
+    length; the last step equals the reference."""
+    dtype, batch, capacity, steps = torch.bfloat16, 4, 512, 12
+    kw = dict(causal=True, window_size=(WINDOW, 0), softcap=5.0,
+              alibi_slopes=torch.rand(NHEADS, device=DEVICE) * 0.3, sinks=torch.randn(NHEADS, device=DEVICE))
+    start = torch.tensor([0, WINDOW - 5, 200, capacity - steps - 1], dtype=torch.int32, device=DEVICE)
+    q_s, k_s, v_s = (randn(batch, 1, heads, HEAD_DIM, dtype=dtype) for heads in (NHEADS, NHEADS_K, NHEADS_K))
+    k_dense, v_dense = randn(batch, capacity, NHEADS_K, HEAD_DIM, dtype=dtype), randn(batch, capacity, NHEADS_K,
+                                                                                     HEAD_DIM, dtype=dtype)
+    if page_size:
+        k_cache, v_cache, table = paged_copy(k_dense, v_dense, page_size)
+    else:
+        k_cache, v_cache, table = k_dense.clone(), v_dense.clone(), None
+    k_eager, v_eager, lens_eager, lens = k_cache.clone(), v_cache.clone(), start.clone(), start.clone()
+
+    def step(q, k, v, kc, vc, lengths):
+        return flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lengths, block_table=table,
+                                       num_splits=num_splits, **kw)
+
+    stream = torch.cuda.Stream()  # warm up (compiles) on a side stream, then capture
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step(q_s, k_s, v_s, k_cache.clone(), v_cache.clone(), lens.clone())
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_s = step(q_s, k_s, v_s, k_cache, v_cache, lens)
+        lens.add_(1)
+    lens.copy_(start)
+
+    for i in range(steps):
+        q, k, v = (randn(*t.shape, dtype=dtype) for t in (q_s, k_s, v_s))
+        q_s.copy_(q), k_s.copy_(k), v_s.copy_(v)
+        graph.replay()
+        out_eager = step(q, k, v, k_eager, v_eager, lens_eager)
+        lens_eager += 1
+        torch.cuda.synchronize()
+        assert torch.equal(out_s, out_eager), f"step {i}: graph and eager outputs differ"
+        assert torch.equal(lens, lens_eager)
+    assert torch.equal(k_cache, k_eager) and torch.equal(v_cache, v_eager)
+    if page_size:
+        k_after, v_after = (pool[table.long()].reshape(k_dense.shape) for pool in (k_cache, v_cache))
+    else:
+        k_after, v_after = k_cache, v_cache
+    before = (lens_eager - 1).tolist()  # the last step's cached keys, its new key appended at that row
+    rows = torch.arange(batch, device=DEVICE), (lens_eager - 1).long()
+    ref32, _, ref_same = reference(q, k_after, v_after, k_after[rows][:, None], v_after[rows][:, None], before, kw)
+    assert_close_to_ref(out_eager, ref32, ref_same)

@@ -906,6 +906,24 @@ def test_paged_kvcache_decode_takes_no_pages_on_bad_input():
     assert cache.num_free_blocks == 8 and cache.pages(slot) == [] and cache.seqlens[slot] == 0
 
 
+def test_cache_decode_takes_one_key_per_query():
+    """KVCache.decode and PagedKVCache.decode advance each length by seqlen_q: k/v of fewer (or more)
+    tokens than q is refused before anything changes (flash_attn_with_kvcache itself allows fewer)."""
+    from kernels import KVCache
+
+    q = randn(1, 3, 4, 32, dtype=torch.float16)
+    k = randn(1, 2, 2, 32, dtype=torch.float16)
+    dense = KVCache(1, 16, 2, 32, dtype=torch.float16, device=DEVICE)
+    with pytest.raises(ValueError, match="3 new tokens"):
+        dense.decode(q, k, k)
+    assert dense.seqlens == [0]
+    paged = PagedKVCache(8, 16, 2, 32, max_batch=1, max_blocks_per_seq=4, dtype=torch.float16, device=DEVICE)
+    slot = paged.add_request()
+    with pytest.raises(ValueError, match="3 new tokens"):
+        paged.decode(q, k, k, slots=[slot])
+    assert paged.num_free_blocks == 8 and paged.seqlens[slot] == 0
+
+
 @pytest.mark.parametrize("path", ["decode", "prefill"])
 @pytest.mark.parametrize("page_size", [16, 5])
 def test_partial_append_paged(page_size, path, monkeypatch):
