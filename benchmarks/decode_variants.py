@@ -11,7 +11,7 @@ cache of the window's length; softcap, ALiBi and sinks >= 0.95x plain decode ove
 within 5% of dense. Before timing, each case's output is compared with the float64 reference
 (kernels/reference.py) on request 0. Rows go to results/<gpu>/bench_decode_variants.csv:
 
-    python -m benchmarks.decode_variants          # (~1 minute on an H200)
+    python -m benchmarks.decode_variants          # (~30 s on an H200)
 """
 
 from __future__ import annotations
@@ -31,17 +31,23 @@ H, H_KV, D = 32, 8, 128
 DTYPE = torch.bfloat16
 WINDOW = 4096
 LONG, SHORT = 65536, 4096
-CASES = [  # (name, cache length, flash_attn_with_kvcache keywords, plain case it is judged against)
-    ("plain", SHORT, {}, None),
-    ("window_4096", LONG, dict(causal=True, window_size=(WINDOW - 1, 0)), ("plain", SHORT)),
-    ("plain", LONG, {}, None),
-    ("softcap_30", LONG, dict(softcap=30.0), ("plain", LONG)),
-    ("alibi", LONG, dict(alibi=True), ("plain", LONG)),
-    ("sinks", LONG, dict(sinks=True), ("plain", LONG)),
-    ("softcap_30", SHORT, dict(softcap=30.0), ("plain", SHORT)),
-    ("alibi", SHORT, dict(alibi=True), ("plain", SHORT)),
-    ("sinks", SHORT, dict(sinks=True), ("plain", SHORT)),
-]
+
+
+def cases(long: int = LONG, short: int = SHORT, window: int = WINDOW) -> list:
+    """(name, cache length, flash_attn_with_kvcache keywords, the plain case it is judged against)."""
+    return [
+        ("plain", short, {}, None),
+        (f"window_{window}", long, dict(causal=True, window_size=(window - 1, 0)), ("plain", short)),
+        ("plain", long, {}, None),
+        ("softcap_30", long, dict(softcap=30.0), ("plain", long)),
+        ("alibi", long, dict(alibi=True), ("plain", long)),
+        ("sinks", long, dict(sinks=True), ("plain", long)),
+        ("softcap_30", short, dict(softcap=30.0), ("plain", short)),
+        ("alibi", short, dict(alibi=True), ("plain", short)),
+        ("sinks", short, dict(sinks=True), ("plain", short)),
+    ]
+
+
 PAGE_SIZES = (0, 16, 64)  # 0: dense
 
 
@@ -77,20 +83,18 @@ def reference_error(q, k_cache, v_cache, length: int, kw: dict, out: torch.Tenso
     return rel_err(out[:1], ref)
 
 
-def main(argv=None) -> int:
-    a = table_bench_args(argv, __doc__, rep=50, rounds=3,
-                         extra=[("--batch", dict(type=int, default=8, help="requests per step"))])
-    if a is None:
-        return 2
-    batch = a.batch
+def measure(batch: int = 8, long: int = LONG, short: int = SHORT, window: int = WINDOW, page_sizes=PAGE_SIZES,
+            *, rounds: int = 3, rep: int = 50, verbose: bool = True) -> list:
+    """Rows (dicts, not yet stamped with the GPU) of every case of `cases(long, short, window)` and page
+    size (0: dense): us per step, K/V TB/s, TB/s over its plain case's, float64 reference error."""
     q = torch.randn(batch, 1, H, D, device="cuda", dtype=DTYPE)
-    caches = {n: [torch.randn(batch, n, H_KV, D, device="cuda", dtype=DTYPE) for _ in range(2)] for n in (SHORT, LONG)}
+    caches = {n: [torch.randn(batch, n, H_KV, D, device="cuda", dtype=DTYPE) for _ in range(2)] for n in (short, long)}
     steps, errors = {}, {}
-    for name, length, case, _ in CASES:
+    for name, length, case, _ in cases(long, short, window):
         kw = call_kwargs(case)
         lengths = torch.full((batch,), length, dtype=torch.int32, device="cuda")
         k_cache, v_cache = caches[length]
-        for page_size in PAGE_SIZES:
+        for page_size in page_sizes:
             if page_size:
                 perm = torch.randperm(batch * length // page_size, device="cuda").view(batch, -1).to(torch.int32)
                 kc, vc, extra = paged(k_cache, page_size, perm), paged(v_cache, page_size, perm), dict(block_table=perm)
@@ -101,23 +105,33 @@ def main(argv=None) -> int:
                           flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lengths, **kw, **extra))
             errors[key] = reference_error(q, k_cache, v_cache, length, kw, steps[key]())
     best = {key: math.inf for key in steps}
-    for _ in range(a.rounds):  # interleaved: every case once per round
+    for _ in range(rounds):  # interleaved: every case once per round
         for key, step in steps.items():
-            best[key] = min(best[key], time_fn(step, rep=a.rep, flush_l2=True, hide_host=True)["median_ms"])
+            best[key] = min(best[key], time_fn(step, rep=rep, flush_l2=True, hide_host=True)["median_ms"])
     rows = []
-    for name, length, case, judge in CASES:
-        for page_size in PAGE_SIZES:
+    for name, length, case, judge in cases(long, short, window):
+        for page_size in page_sizes:
             key = (name, length, page_size)
             tbs = 2 * batch * H_KV * keys_read(length, case) * D * 2 / (best[key] * 1e-3) / 1e12
             base = (judge[0], judge[1], page_size) if judge is not None else None
             vs = (best[base] * keys_read(length, case) / keys_read(judge[1], {}) / best[key]) if base else float("nan")
-            vs_dense = best[(name, length, 0)] / best[key]
-            print(f"{name:12s} cache {length:6d} page {page_size or 'dense':>5} {best[key] * 1e3:8.1f} us "
-                  f"{tbs:5.2f} TB/s  vs its plain {vs:.3f}  paged/dense time {1 / vs_dense:.3f}  "
-                  f"rel err {errors[key]:.2e}", flush=True)
-            rows.append(make_row(path="decode", shape=f"{batch}x{length}", dtype="bf16", nheads=H, nheads_k=H_KV,
-                                 head_dim=D, variant=name, page_size=page_size, us=round(best[key] * 1e3, 2),
-                                 tb_per_s=round(tbs, 3), vs_plain=round(vs, 3), rel_err=f"{errors[key]:.2e}"))
+            vs_dense = best[(name, length, 0)] / best[key] if 0 in page_sizes else float("nan")
+            if verbose:
+                print(f"{name:12s} cache {length:6d} page {page_size or 'dense':>5} {best[key] * 1e3:8.1f} us "
+                      f"{tbs:5.2f} TB/s  vs its plain {vs:.3f}  paged/dense time {1 / vs_dense:.3f}  "
+                      f"rel err {errors[key]:.2e}", flush=True)
+            rows.append(dict(path="decode", shape=f"{batch}x{length}", dtype="bf16", nheads=H, nheads_k=H_KV,
+                             head_dim=D, variant=name, page_size=page_size, us=round(best[key] * 1e3, 2),
+                             tb_per_s=round(tbs, 3), vs_plain=round(vs, 3), rel_err=f"{errors[key]:.2e}"))
+    return rows
+
+
+def main(argv=None) -> int:
+    a = table_bench_args(argv, __doc__, rep=50, rounds=3,
+                         extra=[("--batch", dict(type=int, default=8, help="requests per step"))])
+    if a is None:
+        return 2
+    rows = [make_row(**row) for row in measure(a.batch, rounds=a.rounds, rep=a.rep)]
     if not a.no_write:
         print("wrote", write_csv(rows, "bench_decode_variants", a.out))
     return 0

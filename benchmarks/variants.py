@@ -25,7 +25,7 @@ import torch._dynamo
 from kernels import attention_ref, flash_attn_func
 from kernels.testing import rel_err
 
-from .measure import table_bench_args, time_fn
+from .measure import peak_memory_delta, table_bench_args, time_fn
 from .results import make_row, write_csv
 
 H, H_KV, D = 32, 8, 128
@@ -107,22 +107,23 @@ def errors(q, k, v, case, kw, out, flex_out) -> tuple:
     return ours, theirs
 
 
-def main(argv=None) -> int:
-    flex_help = "sequence lengths at which Flex runs too (each case is one Flex compile, ~30 s)"
-    a = table_bench_args(argv, __doc__, rep=10, rounds=2,
-                         extra=[("--flex-seqlens", dict(default="16384", help=flex_help))])
-    if a is None:
-        return 2
-    flex_seqlens = {int(x) for x in a.flex_seqlens.split(",") if x}
+def measure(shapes, cases=None, *, flex_seqlens=(), rounds: int = 2, rep: int = 10, memory: bool = False,
+            verbose: bool = True) -> list:
+    """Rows (dicts, not yet stamped with the GPU) of every (shape, case, fwd / fwd_bwd): ms and TFLOP/s of
+    ours and, at `flex_seqlens`, Flex's; ours over plain causal (the "causal" case, measured first) and
+    over Flex; both relative errors; with `memory`, the peak bytes one call allocates beyond its inputs
+    (mib_ours, mib_flex). shapes: (batch, seqlen) pairs; cases: names of CASES (default all)."""
+    names = list(CASES) if cases is None else ["causal"] + [n for n in cases if n != "causal"]
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     rows, plain = [], {}
-    for batch, seqlen in SHAPES:
+    for batch, seqlen in shapes:
         q, k, v = (torch.randn(batch, seqlen, h, D, device="cuda", dtype=DTYPE, requires_grad=True)
                    for h in (H, H_KV, H_KV))
         qt, kt, vt = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
         dout = torch.randn(batch, seqlen, H, D, device="cuda", dtype=DTYPE)
         dout_t = dout.transpose(1, 2).contiguous()
-        for name, case in CASES.items():
+        for name in names:
+            case = CASES[name]
             kw = our_kwargs(case)
             flex = flex_call(case, seqlen) if seqlen in flex_seqlens else None
             with torch.no_grad():
@@ -144,28 +145,43 @@ def main(argv=None) -> int:
 
                 steps = {"ours": ours, "flex": theirs if flex is not None else None}
                 best = {n: math.inf for n, f in steps.items() if f is not None}
-                for _ in range(a.rounds):
+                for _ in range(rounds):
                     for n in best:
-                        best[n] = min(best[n], time_fn(steps[n], rep=a.rep, flush_l2=True, hide_host=True)["median_ms"])
+                        best[n] = min(best[n], time_fn(steps[n], rep=rep, flush_l2=True, hide_host=True)["median_ms"])
+                mib = {n: peak_memory_delta(steps[n]) / 2**20 for n in best} if memory else {}
                 flops = 4 * D * n_pairs * (3.5 if backward else 1.0)
                 tflops = {n: flops / (ms * 1e-3) / 1e12 for n, ms in best.items()}
                 path = "fwd_bwd" if backward else "fwd"
                 if name == "causal":
-                    plain[(batch, path)] = tflops["ours"]
-                vs_plain = tflops["ours"] / plain[(batch, path)]
+                    plain[(batch, seqlen, path)] = tflops["ours"]
+                vs_plain = tflops["ours"] / plain[(batch, seqlen, path)]
                 vs_flex = tflops["ours"] / tflops["flex"] if "flex" in tflops else float("nan")
-                print(f"{batch}x{seqlen:<6d} {name:12s} {path:7s} ours {tflops['ours']:6.1f} TFLOP/s "
-                      f"({best['ours']:.3f} ms)  flex {tflops.get('flex', float('nan')):6.1f}  "
-                      f"ours/plain {vs_plain:.2f}  ours/flex {vs_flex:.2f}  "
-                      f"rel err ours {err_ours:.2e} flex {err_flex:.2e}", flush=True)
-                rows.append(make_row(path=path, shape=f"{batch}x{seqlen}", dtype="bf16", nheads=H, nheads_k=H_KV,
-                                     head_dim=D, variant=name, ms_ours=round(best["ours"], 4),
-                                     ms_flex=round(best.get("flex", float("nan")), 4),
-                                     tflops_ours=round(tflops["ours"], 1),
-                                     tflops_flex=round(tflops.get("flex", float("nan")), 1),
-                                     ours_over_plain=round(vs_plain, 3), ours_over_flex=round(vs_flex, 3),
-                                     rel_err_ours=f"{err_ours:.2e}", rel_err_flex=f"{err_flex:.2e}"))
+                if verbose:
+                    print(f"{batch}x{seqlen:<6d} {name:12s} {path:7s} ours {tflops['ours']:6.1f} TFLOP/s "
+                          f"({best['ours']:.3f} ms)  flex {tflops.get('flex', float('nan')):6.1f}  "
+                          f"ours/plain {vs_plain:.2f}  ours/flex {vs_flex:.2f}  "
+                          f"rel err ours {err_ours:.2e} flex {err_flex:.2e}", flush=True)
+                row = dict(path=path, shape=f"{batch}x{seqlen}", dtype="bf16", nheads=H, nheads_k=H_KV, head_dim=D,
+                           variant=name, ms_ours=round(best["ours"], 4),
+                           ms_flex=round(best.get("flex", float("nan")), 4), tflops_ours=round(tflops["ours"], 1),
+                           tflops_flex=round(tflops.get("flex", float("nan")), 1),
+                           ours_over_plain=round(vs_plain, 3), ours_over_flex=round(vs_flex, 3),
+                           rel_err_ours=f"{err_ours:.2e}", rel_err_flex=f"{err_flex:.2e}")
+                if memory:
+                    row.update(mib_ours=round(mib["ours"], 1), mib_flex=round(mib.get("flex", float("nan")), 1))
+                rows.append(row)
             torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None) -> int:
+    flex_help = "sequence lengths at which Flex runs too (each case is one Flex compile, ~30 s)"
+    a = table_bench_args(argv, __doc__, rep=10, rounds=2,
+                         extra=[("--flex-seqlens", dict(default="16384", help=flex_help))])
+    if a is None:
+        return 2
+    flex_seqlens = {int(x) for x in a.flex_seqlens.split(",") if x}
+    rows = [make_row(**row) for row in measure(SHAPES, flex_seqlens=flex_seqlens, rounds=a.rounds, rep=a.rep)]
     if not a.no_write:
         print("wrote", write_csv(rows, "bench_variants", a.out))
     return 0

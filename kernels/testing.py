@@ -12,7 +12,8 @@ mantissa). NaN or inf never passes.
 
 Besides: `agreement_tolerance`, how far two kernel paths may differ on the same data (split vs
 unsplit decode, packed vs alone, chunked vs one-shot prefill: the same sums in another order, each
-output rounded once), and `lse_tolerance` / `check_lse` for the log-sum-exp.
+output rounded once), `lse_tolerance` / `check_lse` for the log-sum-exp, and `check_dsinks` for the
+gradient of attention sinks.
 """
 
 from __future__ import annotations
@@ -104,3 +105,24 @@ def check_lse(lse: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> Tuple
     atol, rtol = lse_tolerance(dtype)
     diff = (got - want).abs()
     return bool((diff <= atol + rtol * want.abs()).all()), diff.max().item()
+
+
+def check_dsinks(g: torch.Tensor, g_ref: torch.Tensor, g_same: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                 dout: torch.Tensor, sinks: torch.Tensor, dtype: torch.dtype) -> Tuple[bool, float, float, float]:
+    """(ok, err, bound, kernel_err) of a kernel's dsinks `g` (sinks' dtype, (nheads,)) against the fp32
+    reference's `g_ref`, with `g_same` PyTorch's in `dtype`; out, lse, dout: the kernel's forward output
+    (batch, seqlen_q, nheads, D), its LSE (batch, nheads, seqlen_q) and the output gradient.
+
+    dsinks = -sum over rows of P_sink * rowsum(dO * O) is exact given the O and LSE the forward returned,
+    so kernel_err, against that sum in float64, must be <= 1e-3 (the kernel's own arithmetic). Against the
+    reference, O's rounding to `dtype` propagates through a sum that cancels: err is bounded by 3x the
+    larger of that propagated error (the same sum over the kernel's O against g_ref) and PyTorch's own
+    same-dtype error, plus 1e-2 (1e-4 for float32)."""
+    p_sink = torch.exp(sinks.detach().double()[None, :, None] - lse.detach().double())  # (batch, nheads, seqlen_q)
+    delta = (dout.double() * out.detach().double()).sum(-1).transpose(1, 2)
+    implied = -(p_sink * delta).sum((0, 2))
+    kernel_err = rel_err(g, implied)
+    err, from_out, eager = rel_err(g, g_ref), rel_err(implied, g_ref), rel_err(g_same, g_ref)
+    bound = 1e-4 if dtype == torch.float32 else 3 * max(eager, from_out) + 1e-2
+    finite = bool(torch.isfinite(g).all())
+    return finite and kernel_err <= 1e-3 and err <= bound, err, bound, kernel_err

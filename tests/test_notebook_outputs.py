@@ -40,7 +40,7 @@ def _texts(output) -> list:
 
 
 def test_there_are_notebooks():
-    assert [p.name[:2] for p in NOTEBOOKS] == ["00", "01", "02", "03", "04"], [p.name for p in NOTEBOOKS]
+    assert [p.name[:2] for p in NOTEBOOKS] == ["00", "01", "02", "03", "04", "05"], [p.name for p in NOTEBOOKS]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)

@@ -11,11 +11,10 @@ import pytest
 import torch
 
 from helpers import DEVICE, ON_GPU, assert_close_to_ref, assert_lse_close
-from kernels import flash_attn_func, flash_attn_varlen_func
+from kernels import flash_attn_func, flash_attn_varlen_func, testing
 from kernels._options import attn_options
 from kernels.errors import InputError
 from kernels.reference import attention_ref
-from kernels.testing import rel_err
 
 DTYPES = [torch.float16, torch.bfloat16] if ON_GPU else [torch.float16, torch.float32]
 
@@ -84,21 +83,12 @@ def check_against_reference(q, k, v, kw, out, lse, dtype):
 
 
 def check_dsinks(g, g32, gs, out, lse, dout, sinks, dtype):
-    """dsinks = -sum over rows of P_sink * rowsum(dO * O): fp32, and exact given the O and LSE the forward
-    returned, so it is checked first against that sum taken in float64 (the kernel's own arithmetic), then
-    against the reference, where O's rounding to q's dtype propagates through a sum that cancels: bounded
-    by that propagated error (the same sum over our O against the float32 reference's dsinks) and by
-    PyTorch's own same-dtype error on it."""
+    """kernels.testing.check_dsinks: the kernel's own arithmetic (against the float64 sum over the O and LSE
+    it returned), then the reference, bounded by O's propagated rounding and PyTorch's own error."""
     assert g.dtype == sinks.dtype
-    p_sink = torch.exp(sinks.detach().double()[None, :, None] - lse.double())  # (batch, nheads, seqlen_q)
-    delta = (dout.double() * out.detach().double()).sum(-1).transpose(1, 2)
-    implied = -(p_sink * delta).sum((0, 2))
-    kernel_err = rel_err(g, implied)
+    ok, err, bound, kernel_err = testing.check_dsinks(g, g32, gs, out, lse, dout, sinks, dtype)
     assert kernel_err <= 1e-3, f"dsinks rel err {kernel_err:.2e} against the sum over its own O and LSE"
-    err, from_out, eager = rel_err(g, g32), rel_err(implied, g32), rel_err(gs, g32)
-    bound = 1e-4 if dtype == torch.float32 else 3 * max(eager, from_out) + 1e-2
-    assert err <= bound, (f"dsinks rel err {err:.2e} > {bound:.2e} (from O's rounding: {from_out:.2e}, "
-                          f"eager {dtype}: {eager:.2e})")
+    assert ok, f"dsinks rel err {err:.2e} > {bound:.2e}"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
