@@ -153,10 +153,11 @@ def plot_masks(path: Optional[Path] = None, n: int = 12, window: int = 4):
     fig.suptitle("What each variant does to one head's scores (blue: the keys a query sees)", fontsize=11)
     fig.tight_layout()
     _save_and_show(fig, path, plt, matplotlib)
-    return fig
 
 
 def _save_and_show(fig, path, plt, matplotlib) -> None:
+    """Save the figure to `path` (when given), show it in a notebook, close it. The plot functions return
+    nothing, so a notebook cell that ends with one shows the figure once."""
     if path is not None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -310,7 +311,8 @@ def plot_speed(prefill, decode, *, title: str, path: Optional[Path] = None):
         ax.set_xticks(x, df.variant, rotation=20)
         ax.set_ylabel("TFLOP/s (pairs the mask admits)")
         ax.set_title(f"prefill {path_name}, {df['shape'].iloc[0]}", fontsize=10)
-        ax.legend(fontsize=8)
+        ax.set_ylim(0, 1.3 * df.tflops_ours.max())  # room for the legend above the bars
+        ax.legend(fontsize=8, loc="upper right")
     ax = axes[2]
     labels = [f"{r.variant}\n{r.shape.split('x')[1]} keys" for r in decode[decode.page_size == 0].itertuples()]
     x = torch.arange(len(labels)).numpy()
@@ -319,13 +321,13 @@ def plot_speed(prefill, decode, *, title: str, path: Optional[Path] = None):
     ax.set_xticks(x, labels, rotation=30, fontsize=7)
     ax.set_ylabel("K/V TB/s (bytes a step must read)")
     ax.set_title(f"decode, batch {decode['shape'].iloc[0].split('x')[0]}", fontsize=10)
-    ax.legend(fontsize=8)
+    ax.set_ylim(0, 1.25 * decode.tb_per_s.max())
+    ax.legend(fontsize=8, loc="upper right")
     for a in axes:
         a.grid(True, axis="y", alpha=0.3)
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     _save_and_show(fig, path, plt, matplotlib)
-    return fig
 
 
 # --------------------------------------------------------------------------------------------
@@ -387,7 +389,6 @@ def plot_window_memory(runs: Dict[str, SimpleNamespace], *, window: int, title: 
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
     _save_and_show(fig, path, plt, matplotlib)
-    return fig
 
 
 def speed_targets(prefill, decode) -> Dict[str, float]:
