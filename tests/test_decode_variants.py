@@ -191,9 +191,13 @@ BAND_PATHS = [(2, 1, False, False), (2, 1, True, False), (2, 3, False, False), (
               (24, 0, False, True)]
 
 
-@pytest.mark.parametrize("page_size", [0, 16, 32, 128], ids=lambda p: f"page{p}" if p else "dense")
-@pytest.mark.parametrize("path", BAND_PATHS,
-                         ids=lambda t: "chunked" if t[3] else "splits{}{}".format(t[1], "-1loop" * t[2]))
+# pages of 128: a page holds whole key blocks of the prefill kernel (its descriptor path on Hopper)
+BAND_CASES = [(path, page) for path in BAND_PATHS for page in (0, 16, 32)] + [(BAND_PATHS[-1], 128)]
+
+
+@pytest.mark.parametrize("path,page_size", BAND_CASES,
+                         ids=["{}-{}".format("chunked" if t[3] else "splits{}{}".format(t[1], "-1loop" * t[2]),
+                                             f"page{p}" if p else "dense") for t, p in BAND_CASES])
 def test_window_never_reads_before_its_band(path, page_size, monkeypatch):
     """Keys and values before each request's band are never read: NaN there (dense rows; paged, whole
     pages before the band, their table entries -1 as a cache that freed them would hold) leaves the
