@@ -708,10 +708,12 @@ def flash_attn_func(
                 1 0
                 1 1
             A row that sees no key (the first three above) outputs zeros, never NaN.
-        window_size, softcap, alibi_slopes: flash-attn's variant arguments. Accepted where they ask
-            for no variant: window_size (-1, -1), or (-1, 0), which is causal (a 2-element tensor
-            works too), softcap <= 0, alibi_slopes None; a sliding window, softcap or ALiBi raises
-            NotImplementedError before any launch.
+        window_size: (left, right), -1 for an unbounded side (a 2-element tensor works too): query i
+            sees keys d - left <= j <= d + right, d = i + seqlen_k - seqlen_q (causal sets right to 0;
+            (-1, 0) is causal). Key blocks outside the band are never loaded.
+        softcap: > 0 caps the scaled scores: s -> softcap * tanh(s / softcap); <= 0 for none.
+        alibi_slopes: None, or float32 (nheads,) or (batch, nheads): adds -slope * |d - j| to the
+            scaled scores (ALiBi).
         deterministic: flash-attn's flag. Both values take the same path: neither the forward nor the
             backward uses atomics (dK/dV of a KV head are summed over its q-head group in
             registers, dQ has its own kernel), so gradients are bit-identical run to run.
@@ -722,6 +724,10 @@ def flash_attn_func(
             extra pass over the scores and one element of q's dtype per (query, key) pair per head: a
             test's tool.
         return_softmax_lse (keyword only): also return the log-sum-exp of each row.
+        sinks (keyword only): None, or a floating (nheads,) tensor: a per-head logit that joins every
+            row's softmax with no value (gpt-oss), so the row's probabilities sum to 1 - p_sink; the
+            LSE includes it, and the backward returns its gradient. Formulas of every variant:
+            `kernels.reference.attention_ref`.
 
     Returns:
         out: (batch, seqlen_q, nheads, headdim), dtype of q; (out, softmax_lse, S_dmask) with
