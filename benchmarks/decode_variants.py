@@ -26,6 +26,7 @@ from kernels.testing import rel_err
 
 from .measure import table_bench_args, time_fn
 from .results import make_row, write_csv
+from .variants import alibi_slopes
 
 H, H_KV, D = 32, 8, 128
 DTYPE = torch.bfloat16
@@ -69,7 +70,7 @@ def call_kwargs(kw: dict) -> dict:
     """flash_attn_with_kvcache keywords of a case (its ALiBi slopes and sinks made here)."""
     kw = dict(kw)
     if kw.pop("alibi", False):
-        kw["alibi_slopes"] = torch.tensor([2 ** (-8 * (h + 1) / H) for h in range(H)], device="cuda")
+        kw["alibi_slopes"] = alibi_slopes(H)
     if kw.pop("sinks", False):
         kw["sinks"] = torch.randn(H, device="cuda")
     return kw

@@ -257,18 +257,25 @@ def save_figure(fig, figures_dir: PathLike, gpu: str, name: str, log: Callable[[
     """Save `fig` as figures_dir/<gpu-slug>/<name>.png (a relative figures_dir is taken from the repo
     root), show it under an interactive backend, close it; returns the path. Used by the benchmark
     plots and the notebooks' plots alike."""
+    path = results.results_root(figures_dir) / results.gpu_slug(str(gpu)) / f"{name}.png"
+    write_figure(fig, path, log)
+    return path
+
+
+def write_figure(fig, path: Optional[PathLike], log: Callable[[str], None] = print) -> None:
+    """Save `fig` to `path` when one is given (folders made, the path logged relative to the repo),
+    show it under an interactive backend (a notebook), close it."""
     import matplotlib
     import matplotlib.pyplot as plt
 
-    root = results.results_root(figures_dir)
-    path = root / results.gpu_slug(str(gpu)) / f"{name}.png"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, metadata={"Software": None})
-    log(f"saved {path.relative_to(results.REPO_ROOT) if path.is_relative_to(results.REPO_ROOT) else path}")
+    if path is not None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=110, metadata={"Software": None})
+        log(f"saved {path.relative_to(results.REPO_ROOT) if path.is_relative_to(results.REPO_ROOT) else path}")
     if "agg" not in matplotlib.get_backend().lower():
         plt.show()
     plt.close(fig)
-    return path
 
 
 def log2_axis(ax, values) -> None:

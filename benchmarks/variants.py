@@ -41,9 +41,9 @@ CASES = {  # name: flash_attn_func keywords beyond causal=True (tensors made per
 }
 
 
-def alibi_slopes(nheads: int) -> torch.Tensor:
+def alibi_slopes(nheads: int, device="cuda") -> torch.Tensor:
     """ALiBi's geometric slopes 2^(-8 (h + 1) / nheads) (Press et al.), float32."""
-    return torch.tensor([2 ** (-8 * (h + 1) / nheads) for h in range(nheads)], dtype=torch.float32, device="cuda")
+    return torch.tensor([2 ** (-8 * (h + 1) / nheads) for h in range(nheads)], dtype=torch.float32, device=device)
 
 
 def pairs(seqlen: int, window: int) -> int:

@@ -1273,13 +1273,5 @@ def plot_serving(stats, *, title: str, path: Optional[Union[str, Path]] = None):
         ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
-    if path is not None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=110, metadata={"Software": None})
-        shown = path.relative_to(results.REPO_ROOT) if path.is_relative_to(results.REPO_ROOT) else path
-        print(f"saved {shown}")
-    if "agg" not in matplotlib.get_backend().lower():
-        plt.show()
-    plt.close(fig)
+    report.write_figure(fig, path)
     return fig

@@ -23,7 +23,7 @@ from typing import Dict, Optional
 import torch
 
 from benchmarks import decode_variants as bench_decode
-from benchmarks import results
+from benchmarks import report, results
 from benchmarks import variants as bench_prefill
 from kernels import flash_attn_func, flash_attn_with_kvcache
 from kernels.reference import attention_ref, causal_mask
@@ -31,14 +31,6 @@ from kernels.serving import make_workload
 from kernels.testing import check_close, check_dsinks, check_lse
 
 VARIANTS = ["causal", "window", "softcap", "alibi", "sinks", "all"]
-USES = {  # what each variant is for, and models that use it
-    "causal": "plain causal attention, the baseline",
-    "window": "sliding window: each token sees its last W keys (Mistral, Gemma 2/3 local layers, gpt-oss)",
-    "softcap": "logit softcap c * tanh(s / c): bounded scores (Gemma 2, Grok-1)",
-    "alibi": "ALiBi: -slope_h * distance added to the scores, no position embedding (BLOOM, MPT)",
-    "sinks": "a learned per-head logit in every row's softmax, with no value: attention can go nowhere (gpt-oss)",
-    "all": "all four at once",
-}
 
 
 # --------------------------------------------------------------------------------------------
@@ -69,17 +61,12 @@ def variant_sizes(on_gpu: bool) -> SimpleNamespace:
     )
 
 
-def alibi_slopes(nheads: int, device) -> torch.Tensor:
-    """ALiBi's geometric slopes 2^(-8 (h + 1) / nheads), float32 (Press et al.)."""
-    return torch.tensor([2 ** (-8 * (h + 1) / nheads) for h in range(nheads)], dtype=torch.float32, device=device)
-
-
 def variant_kwargs(name: str, S: SimpleNamespace, device, *, sinks_grad: bool = False) -> dict:
     """flash_attn keywords of variant `name` (always causal; the window has W keys: itself and W - 1 before);
     sinks are fresh N(0, 1) logits, a leaf with grad when sinks_grad."""
     window = dict(window_size=(S.window - 1, 0))
     softcap = dict(softcap=S.softcap)
-    alibi = dict(alibi_slopes=alibi_slopes(S.nheads, device))
+    alibi = dict(alibi_slopes=bench_prefill.alibi_slopes(S.nheads, device))
     sinks = dict(sinks=torch.randn(S.nheads, device=device).requires_grad_(sinks_grad))
     parts = {"causal": {}, "window": window, "softcap": softcap, "alibi": alibi, "sinks": sinks,
              "all": {**window, **softcap, **alibi, **sinks}}[name]
@@ -93,7 +80,6 @@ def plot_masks(path: Optional[Path] = None, n: int = 12, window: int = 4):
     """Six panels on an n x n (or 4 x n) problem: causal; causal + a window of `window` keys; a window
     on both sides, not causal; a 4-query chunk at the end of n keys (bottom-right aligned, the decode
     case); ALiBi's bias; softcap's curve; and one row's softmax with and without a sink."""
-    import matplotlib
     import matplotlib.pyplot as plt
 
     def band(m, nk, left, right, causal):
@@ -152,21 +138,7 @@ def plot_masks(path: Optional[Path] = None, n: int = 12, window: int = 4):
     axes[1, 3].axis("off")
     fig.suptitle("What each variant does to one head's scores (blue: the keys a query sees)", fontsize=11)
     fig.tight_layout()
-    _save_and_show(fig, path, plt, matplotlib)
-
-
-def _save_and_show(fig, path, plt, matplotlib) -> None:
-    """Save the figure to `path` (when given), show it in a notebook, close it. The plot functions return
-    nothing, so a notebook cell that ends with one shows the figure once."""
-    if path is not None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=110, metadata={"Software": None})
-        shown = path.relative_to(results.REPO_ROOT) if path.is_relative_to(results.REPO_ROOT) else path
-        print(f"saved {shown}")
-    if "agg" not in matplotlib.get_backend().lower():
-        plt.show()
-    plt.close(fig)
+    report.write_figure(fig, path)  # returns nothing: a cell ending in a plot shows it once
 
 
 # --------------------------------------------------------------------------------------------
@@ -174,6 +146,11 @@ def _save_and_show(fig, path, plt, matplotlib) -> None:
 # --------------------------------------------------------------------------------------------
 def _randn(*shape, dtype, device, gen) -> torch.Tensor:
     return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
+
+
+def _same_dtype(kw: dict, dtype: torch.dtype) -> dict:
+    """The reference's keywords for PyTorch's own same-dtype run: the sinks in `dtype` too."""
+    return {**kw, "sinks": kw["sinks"].to(dtype)} if "sinks" in kw else kw
 
 
 def prefill_check_table(S: SimpleNamespace, device, *, seed: int = 0):
@@ -195,8 +172,7 @@ def prefill_check_table(S: SimpleNamespace, device, *, seed: int = 0):
         grads = torch.autograd.grad(out, leaves, dout)
         ref, lse_ref = attention_ref(*(t.float() for t in (q, k, v)), **kw)
         ref_grads = torch.autograd.grad(ref, leaves, dout.float())
-        same, _ = attention_ref(q, k, v, upcast=False, **{**kw, **({"sinks": kw["sinks"].to(S.dtype)}
-                                                                   if "sinks" in kw else {})})
+        same, _ = attention_ref(q, k, v, upcast=False, **_same_dtype(kw, S.dtype))
         same_grads = torch.autograd.grad(same, leaves, dout)
         row = {"variant": name}
         ok, err, bound = check_close(out, ref.to(S.dtype), same)
@@ -232,12 +208,11 @@ def decode_check_table(S: SimpleNamespace, device, *, seed: int = 0):
         k, v = (_randn(batch, 1, S.nheads_k, S.head_dim, dtype=S.dtype, device=device, gen=gen) for _ in range(2))
         k_cache, v_cache = (_randn(batch, S.capacity, S.nheads_k, S.head_dim, dtype=S.dtype, device=device, gen=gen)
                             for _ in range(2))
-        refs = []
+        refs, same_kw = [], _same_dtype(kw, S.dtype)
         for b, n in enumerate(lengths):
             kk, vv = torch.cat([k_cache[b : b + 1, :n], k[b : b + 1]], 1), torch.cat([v_cache[b : b + 1, :n],
                                                                                         v[b : b + 1]], 1)
             ref, _ = attention_ref(q[b : b + 1].float(), kk.float(), vv.float(), **kw)
-            same_kw = {**kw, **({"sinks": kw["sinks"].to(S.dtype)} if "sinks" in kw else {})}
             same, _ = attention_ref(q[b : b + 1], kk, vv, upcast=False, **same_kw)
             refs.append((ref, same))
         ref, same = torch.cat([r for r, _ in refs]), torch.cat([s for _, s in refs])
@@ -299,7 +274,6 @@ def committed(name: str):
 def plot_speed(prefill, decode, *, title: str, path: Optional[Path] = None):
     """Left: prefill TFLOP/s of ours and Flex per variant, forward and forward + backward. Right: decode
     TB/s per variant, dense and paged."""
-    import matplotlib
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
@@ -327,7 +301,7 @@ def plot_speed(prefill, decode, *, title: str, path: Optional[Path] = None):
         a.grid(True, axis="y", alpha=0.3)
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
-    _save_and_show(fig, path, plt, matplotlib)
+    report.write_figure(fig, path)  # returns nothing: a cell ending in a plot shows it once
 
 
 # --------------------------------------------------------------------------------------------
@@ -374,7 +348,6 @@ def window_memory_summary(runs: Dict[str, SimpleNamespace], window: int):
 
 def plot_window_memory(runs: Dict[str, SimpleNamespace], *, window: int, title: str, path: Optional[Path] = None):
     """Pool pages in use (MiB) per engine step, full causal against the sliding window."""
-    import matplotlib
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(12, 4))
@@ -388,7 +361,7 @@ def plot_window_memory(runs: Dict[str, SimpleNamespace], *, window: int, title: 
     ax.legend(fontsize=9)
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
-    _save_and_show(fig, path, plt, matplotlib)
+    report.write_figure(fig, path)  # returns nothing: a cell ending in a plot shows it once
 
 
 def speed_targets(prefill, decode) -> Dict[str, float]:
