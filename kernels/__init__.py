@@ -23,6 +23,7 @@ kernels of prefill_kernels.py / decode_kernels.py, which share the jit helpers o
 options of a call travel as one _options.AttnOptions; _configs.py picks tiles per GPU.
 """
 
+from . import _ops  # noqa: F401  (registers the custom ops torch.compile traces)
 from ._utils import default_device, env_summary, has_gpu, is_interpreter
 from .decode import flash_attn_with_kvcache
 from .errors import InputError, InputTypeError

@@ -618,6 +618,11 @@ def _wants_grad(*tensors: Optional[torch.Tensor]) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+# What the public functions call under torch.compile: the registered custom ops' callers, filled in by
+# kernels/_ops.py when the package is imported (kept apart so that this module does not import it).
+TRACED: dict = {}
+
+
 class _FlashAttnFunc(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, options, drop, variants):
@@ -738,6 +743,9 @@ def flash_attn_func(
     Precision: fp16/bf16 inputs are multiplied on tensor cores with fp32 accumulation. fp32 inputs
     use tf32 matmuls on GPUs (about 1e-3 relative error) and exact fp32 under the interpreter.
     """
+    if torch.compiler.is_compiling():  # one graph node, see kernels/_ops.py
+        return TRACED["flash_attn_func"](q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                                         alibi_slopes, return_attn_probs, return_softmax_lse, sinks)
     dropout_p = _validate_dropout(dropout_p)
     _validate_qkv(q, k, v)
     options, variants = variant_options(q.shape[3], softmax_scale, causal, window_size, softcap, alibi_slopes, sinks,
