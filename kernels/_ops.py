@@ -9,6 +9,9 @@ tracing without running a kernel) and the prefill op its registered autograd.
                          window_left, window_right, softcap, dropout_p) -> (out, lse)
     kernels::prefill_bwd(dout, q, k, v, out, lse, alibi_slopes?, sinks?, rng_state?, <the same
                          scalars>) -> (dq, dk, dv, dsinks)
+    kernels::kvcache(q, k_cache!, v_cache!, k?, v?, cache_seqlens, block_table?, alibi_slopes?, sinks?,
+                     softmax_scale, causal, window_left, window_right, softcap, num_splits,
+                     return_lse) -> (out, lse)      (k_cache and v_cache: the in-place append)
 
 The scalars are flash-attn's (window sides -1 for unbounded, softcap 0 for none, softmax_scale
 resolved); the op rebuilds the kernels' options from them (`variant_options`, cached by value).
@@ -25,6 +28,7 @@ import torch
 from torch import Tensor
 
 from ._options import resolve_variants
+from .decode import Variants, _kvcache_call
 from .prefill import (
     TRACED,
     _flash_attn_backward,
@@ -110,4 +114,49 @@ def flash_attn_func_traced(q, k, v, dropout_p, softmax_scale, causal, window_siz
     return _results(out, lse, None, return_attn_probs, return_softmax_lse)
 
 
+
+@torch.library.custom_op("kernels::kvcache", mutates_args=("k_cache", "v_cache"))
+def kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v: Optional[Tensor],
+            cache_seqlens: Tensor, block_table: Optional[Tensor], alibi_slopes: Optional[Tensor],
+            sinks: Optional[Tensor], softmax_scale: float, causal: bool, window_left: int, window_right: int,
+            softcap: float, num_splits: int, return_lse: bool) -> Tuple[Tensor, Tensor]:
+    window = (window_left, window_right)
+    variants = None
+    if window != (-1, -1) or softcap or alibi_slopes is not None or sinks is not None:
+        variants = Variants(window, softcap, alibi_slopes, sinks)
+    out, lse = _kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, num_splits,
+                             True, validated=False, variants=variants)
+    return out, lse if return_lse else q.new_empty((0,), dtype=torch.float32)
+
+
+@kvcache.register_fake
+def _(q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks, softmax_scale, causal, window_left,
+      window_right, softcap, num_splits, return_lse):
+    batch, seqlen_q, nheads, head_dim = q.shape
+    lse_shape = (batch, nheads, seqlen_q) if return_lse else (0,)
+    return q.new_empty((batch, seqlen_q, nheads, head_dim)), q.new_empty(lse_shape, dtype=torch.float32)
+
+
+def flash_attn_with_kvcache_traced(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                                   cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
+                                   rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, sinks):
+    """flash_attn_with_kvcache under torch.compile: one `kernels::kvcache` node, which appends k / v into
+    the caches in place (a declared mutation) and attends. cache_seqlens must be a tensor (an int would be
+    baked into the graph); rotary, cache_batch_idx and cache_leftpad are eager only for now."""
+    if rotary_cos is not None or rotary_sin is not None or cache_batch_idx is not None or cache_leftpad is not None:
+        raise NotImplementedError("flash_attn_with_kvcache under torch.compile takes no rotary_cos / rotary_sin, "
+                                  "cache_batch_idx or cache_leftpad yet; call it outside the compiled region.")
+    if not isinstance(cache_seqlens, torch.Tensor):
+        raise NotImplementedError("flash_attn_with_kvcache under torch.compile needs cache_seqlens as an int32 "
+                                  "tensor (an int would be compiled into the graph).")
+    capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
+    resolved = resolve_variants(window_size, softcap, causal, capacity)  # the op's options normalise the rest
+    causal, window, cap = resolved["causal"], resolved["window"], resolved["softcap"]
+    scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
+    out, lse = kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks, scale, causal,
+                       window[0], window[1], cap, int(num_splits), bool(return_softmax_lse))
+    return (out, lse) if return_softmax_lse else out
+
+
 TRACED["flash_attn_func"] = flash_attn_func_traced
+TRACED["flash_attn_with_kvcache"] = flash_attn_with_kvcache_traced

@@ -98,7 +98,7 @@ from ._utils import (
 )
 from .decode_kernels import append_kernel, combine_kernel, decode_kernel
 from .errors import InputError, InputTypeError
-from .prefill import _flash_attn_kvcache_forward, variant_args
+from .prefill import TRACED, _flash_attn_kvcache_forward, variant_args
 from .rotary import apply_rotary
 
 # With num_splits=0, flash_attn_with_kvcache runs the prefill kernel family instead of the decode
@@ -865,6 +865,11 @@ def flash_attn_with_kvcache(
     (append + attention) can be captured in a CUDA graph and replayed while the lengths advance on
     the device. Not supported: cache_leftpad together with a paged block_table.
     """
+    if torch.compiler.is_compiling():  # one graph node, see kernels/_ops.py
+        return TRACED["flash_attn_with_kvcache"](
+            q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+            block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
+            return_softmax_lse, sinks)
     if cache_leftpad is not None:
         if block_table is not None:
             raise NotImplementedError("cache_leftpad with a paged KV cache (block_table) is not supported (flash-attn "

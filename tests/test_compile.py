@@ -71,3 +71,41 @@ def test_ops_pass_opcheck():
     torch.library.opcheck(ops.prefill_fwd, (q, k, v, slopes, sinks, None, *scalars))
     out, lse = ops.prefill_fwd(q, k, v, slopes, sinks, None, *scalars)
     torch.library.opcheck(ops.prefill_bwd, (torch.randn_like(out), q, k, v, out, lse, slopes, sinks, None, *scalars))
+
+
+@pytest.mark.parametrize("page_size", [0, 16], ids=lambda p: f"page{p}" if p else "dense")
+def test_kvcache_decode_loop_traces_whole(page_size):
+    """A decode step (append in place, attend with a window and sinks, advance the lengths on the
+    device) compiled whole equals the eager step, caches included, step after step."""
+    from helpers import paged_copy
+    from kernels import flash_attn_with_kvcache
+
+    torch._dynamo.reset()
+    batch, capacity, nheads, nheads_k, head_dim = 3, 64, 4, 2, 32
+    kw = dict(causal=True, window_size=(20, 0), sinks=torch.randn(nheads, device=DEVICE))
+    k_cache, v_cache = randn(batch, capacity, nheads_k, head_dim), randn(batch, capacity, nheads_k, head_dim)
+    table = None
+    if page_size:
+        k_cache, v_cache, table = paged_copy(k_cache, v_cache, page_size)
+    lens = torch.tensor([0, 10, 40], dtype=torch.int32, device=DEVICE)
+
+    def step(q, k, v, kc, vc, lens):
+        out = flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens, block_table=table, **kw)
+        lens.add_(1)
+        return out
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    kc, vc, lens_eager = k_cache.clone(), v_cache.clone(), lens.clone()
+    for _ in range(4):
+        q, k, v = randn(batch, 1, nheads, head_dim), randn(batch, 1, nheads_k, head_dim), randn(batch, 1, nheads_k,
+                                                                                              head_dim)
+        assert torch.equal(compiled(q, k, v, k_cache, v_cache, lens), step(q, k, v, kc, vc, lens_eager))
+        assert torch.equal(k_cache, kc) and torch.equal(v_cache, vc) and torch.equal(lens, lens_eager)
+
+
+def test_kvcache_op_passes_opcheck():
+    q, k = randn(3, 2, 4, 32), randn(3, 2, 2, 32)
+    k_cache, v_cache = randn(3, 64, 2, 32), randn(3, 64, 2, 32)
+    lens = torch.tensor([0, 10, 40], dtype=torch.int32, device=DEVICE)
+    torch.library.opcheck(ops.kvcache, (q, k_cache, v_cache, k, k, lens, None, None, None, 32**-0.5, True, 20, 0, 0.0,
+                                        0, True))
