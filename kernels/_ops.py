@@ -5,10 +5,13 @@ host time of a decode step is tens of microseconds). Under torch.compile they ca
 which dynamo records as single graph nodes: each op has a fake implementation (the output shapes, for
 tracing without running a kernel) and the prefill op its registered autograd.
 
-    kernels::prefill_fwd(q, k, v, alibi_slopes?, sinks?, rng_state?, softmax_scale, causal,
-                         window_left, window_right, softcap, dropout_p) -> (out, lse)
-    kernels::prefill_bwd(dout, q, k, v, out, lse, alibi_slopes?, sinks?, rng_state?, <the same
-                         scalars>) -> (dq, dk, dv, dsinks)
+    kernels::prefill_fwd(q, k, v, cu_seqlens_q?, cu_seqlens_k?, max_seqlen_q, max_seqlen_k,
+                         alibi_slopes?, sinks?, rng_state?, softmax_scale, causal, window_left,
+                         window_right, softcap, dropout_p) -> (out, lse)
+    kernels::prefill_bwd(dout, q, k, v, out, lse, <the same inputs after v>) -> (dq, dk, dv, dsinks)
+
+flash_attn_func and flash_attn_varlen_func share the prefill ops: with cu_seqlens, q, k, v are packed
+(total, nheads, headdim) and lse is (nheads, total_q), as flash-attn's.
     kernels::kvcache(q, k_cache!, v_cache!, k?, v?, cache_seqlens, block_table?, alibi_slopes?, sinks?,
                      softmax_scale, causal, window_left, window_right, softcap, num_splits,
                      return_lse) -> (out, lse)      (k_cache and v_cache: the in-place append)
@@ -33,70 +36,112 @@ from .prefill import (
     TRACED,
     _flash_attn_backward,
     _flash_attn_forward,
+    _flash_attn_varlen_backward,
+    _flash_attn_varlen_forward,
     _results,
     _validate_qkv,
+    _validate_varlen,
     dropout,
     variant_options,
 )
 
 
-def _options(q: Tensor, k: Tensor, alibi_slopes, sinks, softmax_scale: float, causal: bool, window_left: int,
-             window_right: int, softcap: float):
-    return variant_options(q.shape[3], softmax_scale, causal, (window_left, window_right), softcap, alibi_slopes,
-                           sinks, k.shape[1], q.shape[0], q.shape[2], q.device)
+def _prefill_options(q: Tensor, k: Tensor, cu_seqlens_q, max_seqlen_k: int, alibi_slopes, sinks, softmax_scale: float,
+                     causal: bool, window_left: int, window_right: int, softcap: float):
+    """The kernels' options and variant arguments of a prefill op's call, dense (q 4-D) or packed."""
+    if cu_seqlens_q is None:
+        batch, nheads, seqlen_k = q.shape[0], q.shape[2], k.shape[1]
+    else:
+        batch, nheads, seqlen_k = cu_seqlens_q.numel() - 1, q.shape[1], max_seqlen_k
+    return variant_options(q.shape[-1], softmax_scale, causal, (window_left, window_right), softcap, alibi_slopes,
+                           sinks, seqlen_k, batch, nheads, q.device)
+
+
+def _lse_shape(q: Tensor, packed: bool):
+    """softmax_lse's shape: (batch, nheads, seqlen_q) dense, (nheads, total_q) packed (flash-attn's)."""
+    return (q.shape[1], q.shape[0]) if packed else (q.shape[0], q.shape[2], q.shape[1])
 
 
 @torch.library.custom_op("kernels::prefill_fwd", mutates_args=())
-def prefill_fwd(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
+def prefill_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
+                max_seqlen_q: int, max_seqlen_k: int, alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
                 rng_state: Optional[Tensor], softmax_scale: float, causal: bool, window_left: int, window_right: int,
                 softcap: float, dropout_p: float) -> Tuple[Tensor, Tensor]:
-    _validate_qkv(q, k, v)
-    options, variants = _options(q, k, alibi_slopes, sinks, softmax_scale, causal, window_left, window_right, softcap)
+    if cu_seqlens_q is None:
+        _validate_qkv(q, k, v)
+    else:
+        max_seqlen_q, max_seqlen_k = _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    options, variants = _prefill_options(q, k, cu_seqlens_q, max_seqlen_k, alibi_slopes, sinks, softmax_scale, causal,
+                                         window_left, window_right, softcap)
     drop = dropout(dropout_p, q.device, rng_state)
-    return _flash_attn_forward(q, k, v, options, drop=drop, variants=variants)
+    if cu_seqlens_q is None:
+        return _flash_attn_forward(q, k, v, options, drop=drop, variants=variants)
+    return _flash_attn_varlen_forward(q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q,
+                                      max_seqlen_k, options, drop=drop, variants=variants)
 
 
 @prefill_fwd.register_fake
-def _(q, k, v, alibi_slopes, sinks, rng_state, softmax_scale, causal, window_left, window_right, softcap, dropout_p):
-    batch, seqlen_q, nheads, head_dim = q.shape
-    return q.new_empty((batch, seqlen_q, nheads, head_dim)), q.new_empty((batch, nheads, seqlen_q),
-                                                                        dtype=torch.float32)
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, sinks, rng_state, softmax_scale,
+      causal, window_left, window_right, softcap, dropout_p):
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(
+        _lse_shape(q, cu_seqlens_q is not None), dtype=torch.float32)
 
 
 @torch.library.custom_op("kernels::prefill_bwd", mutates_args=())
 def prefill_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
                 alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], rng_state: Optional[Tensor],
                 softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
                 dropout_p: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    options, variants = _options(q, k, alibi_slopes, sinks, softmax_scale, causal, window_left, window_right, softcap)
+    options, variants = _prefill_options(q, k, cu_seqlens_q, max_seqlen_k, alibi_slopes, sinks, softmax_scale, causal,
+                                         window_left, window_right, softcap)
     drop = dropout(dropout_p, q.device, rng_state)
-    dq, dk, dv, _, dsinks = _flash_attn_backward(dout, q, k, v, out, lse, options, drop=drop, variants=variants)
+    if cu_seqlens_q is None:
+        dq, dk, dv, _, dsinks = _flash_attn_backward(dout, q, k, v, out, lse, options, drop=drop, variants=variants)
+    else:
+        dq, dk, dv, _, dsinks = _flash_attn_varlen_backward(
+            dout, q, k, v, out, lse, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k,
+            options, drop=drop, variants=variants)
     return dq, dk, dv, dsinks if dsinks is not None else q.new_empty((0,), dtype=torch.float32)
 
 
 @prefill_bwd.register_fake
-def _(dout, q, k, v, out, lse, alibi_slopes, sinks, rng_state, softmax_scale, causal, window_left, window_right,
-      softcap, dropout_p):
-    nheads = q.shape[2] if sinks is not None else 0
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, sinks, rng_state,
+      softmax_scale, causal, window_left, window_right, softcap, dropout_p):
+    nheads = q.shape[-2] if sinks is not None else 0
     return (torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(k), torch.empty_like(v),
             q.new_empty((nheads,), dtype=torch.float32))
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, alibi_slopes, sinks, rng_state, *scalars = inputs
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, sinks, rng_state, *scalars = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sinks, rng_state)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, rng_state)
+    ctx.lengths = (max_seqlen_q, max_seqlen_k)
     ctx.scalars = scalars
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, alibi_slopes, sinks, rng_state = ctx.saved_tensors
-    dq, dk, dv, dsinks = prefill_bwd(dout, q, k, v, out, lse, alibi_slopes, sinks, rng_state, *ctx.scalars)
-    dsinks = dsinks.to(sinks.dtype) if sinks is not None and ctx.needs_input_grad[4] else None
-    return dq, dk, dv, None, dsinks, None, None, None, None, None, None, None
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, rng_state = ctx.saved_tensors
+    dq, dk, dv, dsinks = prefill_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.lengths, alibi_slopes,
+                                     sinks, rng_state, *ctx.scalars)
+    dsinks = dsinks.to(sinks.dtype) if sinks is not None and ctx.needs_input_grad[8] else None
+    return dq, dk, dv, None, None, None, None, None, dsinks, None, None, None, None, None, None, None
 
 
 prefill_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _resolved(window_size, softcap, causal, seqlen_k, softmax_scale, head_dim: int):
+    """flash-attn's variant arguments as the ops' scalars: (scale, causal, window_left, window_right, softcap)."""
+    resolved = resolve_variants(window_size, softcap, causal, seqlen_k)
+    left, right = resolved["window"]
+    scale = float(softmax_scale) if softmax_scale is not None else head_dim ** -0.5
+    return scale, resolved["causal"], left, right, resolved["softcap"]
+
+
+def _rng_state(dropout_p, device) -> Optional[Tensor]:
+    return torch.randint(0, 2**62, (2,), dtype=torch.int64, device=device) if dropout_p > 0 else None
 
 
 def flash_attn_func_traced(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
@@ -105,14 +150,25 @@ def flash_attn_func_traced(q, k, v, dropout_p, softmax_scale, causal, window_siz
     traces), then one `kernels::prefill_fwd` node; its inputs are checked when it runs, before any launch."""
     if return_attn_probs and dropout_p > 0:
         raise NotImplementedError("return_attn_probs with dropout (S_dmask, a testing aid) is eager only.")
-    resolved = resolve_variants(window_size, softcap, causal, k.shape[1])
-    left, right = resolved["window"]
-    scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
-    rng_state = torch.randint(0, 2**62, (2,), dtype=torch.int64, device=q.device) if dropout_p > 0 else None
-    out, lse = prefill_fwd(q, k, v, alibi_slopes, sinks, rng_state, scale, resolved["causal"], left, right,
-                           resolved["softcap"], float(dropout_p))
+    scalars = _resolved(window_size, softcap, causal, k.shape[1], softmax_scale, q.shape[-1])
+    out, lse = prefill_fwd(q, k, v, None, None, q.shape[1], k.shape[1], alibi_slopes, sinks,
+                           _rng_state(dropout_p, q.device), *scalars, float(dropout_p))
     return _results(out, lse, None, return_attn_probs, return_softmax_lse)
 
+
+def flash_attn_varlen_func_traced(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                  softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
+                                  block_table, return_softmax_lse, sinks):
+    """flash_attn_varlen_func under torch.compile: one `kernels::prefill_fwd` node over the packed
+    sequences (max_seqlen_q / max_seqlen_k as the graph's ints); a paged K/V is eager only for now."""
+    if block_table is not None:
+        raise NotImplementedError("flash_attn_varlen_func with block_table is eager only under torch.compile for now.")
+    if return_attn_probs and dropout_p > 0:
+        raise NotImplementedError("return_attn_probs with dropout (S_dmask, a testing aid) is eager only.")
+    scalars = _resolved(window_size, softcap, causal, max_seqlen_k, softmax_scale, q.shape[-1])
+    out, lse = prefill_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), alibi_slopes,
+                           sinks, _rng_state(dropout_p, q.device), *scalars, float(dropout_p))
+    return _results(out, lse, None, return_attn_probs, return_softmax_lse)
 
 
 @torch.library.custom_op("kernels::kvcache", mutates_args=("k_cache", "v_cache"))
@@ -159,4 +215,5 @@ def flash_attn_with_kvcache_traced(q, k_cache, v_cache, k, v, rotary_cos, rotary
 
 
 TRACED["flash_attn_func"] = flash_attn_func_traced
+TRACED["flash_attn_varlen_func"] = flash_attn_varlen_func_traced
 TRACED["flash_attn_with_kvcache"] = flash_attn_with_kvcache_traced

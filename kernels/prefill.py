@@ -852,6 +852,10 @@ def flash_attn_varlen_func(
     tile arithmetic, so a sequence gives the same result packed as alone (bit-identical under the
     interpreter; on a GPU the two compiled variants may differ in rounding).
     """
+    if torch.compiler.is_compiling():  # one graph node, see kernels/_ops.py
+        return TRACED["flash_attn_varlen_func"](q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                                return_attn_probs, block_table, return_softmax_lse, sinks)
     dropout_p = _validate_dropout(dropout_p)
     if block_table is not None:
         return _varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,

@@ -64,13 +64,44 @@ def test_compiled_dropout_draws_fresh_bits():
     assert not torch.equal(compiled(q, k), compiled(q, k))
 
 
-def test_ops_pass_opcheck():
+def test_prefill_ops_pass_opcheck():
     q, k, v = randn(1, 33, 4, 32), randn(1, 33, 2, 32), randn(1, 33, 2, 32)
     sinks, slopes = torch.randn(4, device=DEVICE), torch.rand(4, device=DEVICE)
-    scalars = (32**-0.5, True, 10, 0, 5.0, 0.0)
-    torch.library.opcheck(ops.prefill_fwd, (q, k, v, slopes, sinks, None, *scalars))
-    out, lse = ops.prefill_fwd(q, k, v, slopes, sinks, None, *scalars)
-    torch.library.opcheck(ops.prefill_bwd, (torch.randn_like(out), q, k, v, out, lse, slopes, sinks, None, *scalars))
+    tail = (slopes, sinks, None, 32**-0.5, True, 10, 0, 5.0, 0.0)
+    dense = (None, None, 33, 33)
+    torch.library.opcheck(ops.prefill_fwd, (q, k, v, *dense, *tail))
+    out, lse = ops.prefill_fwd(q, k, v, *dense, *tail)
+    torch.library.opcheck(ops.prefill_bwd, (torch.randn_like(out), q, k, v, out, lse, *dense, *tail))
+    cu = torch.tensor([0, 12, 33], dtype=torch.int32, device=DEVICE)
+    packed = (cu, cu, 21, 21)
+    qp, kp, vp = q[0], k[0], v[0]
+    torch.library.opcheck(ops.prefill_fwd, (qp, kp, vp, *packed, *tail))
+    out, lse = ops.prefill_fwd(qp, kp, vp, *packed, *tail)
+    torch.library.opcheck(ops.prefill_bwd, (torch.randn_like(out), qp, kp, vp, out, lse, *packed, *tail))
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_flash_attn_varlen_func_traces_whole(backend):
+    from kernels import flash_attn_varlen_func
+
+    torch._dynamo.reset()
+    q, k, v = randn(50, 4, 32, grad=True), randn(60, 2, 32, grad=True), randn(60, 2, 32, grad=True)
+    cu_q = torch.tensor([0, 20, 50], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 25, 60], dtype=torch.int32, device=DEVICE)
+    kw = dict(causal=True, window_size=(8, 0), sinks=torch.randn(4, device=DEVICE, requires_grad=True))
+    leaves = [q, k, v, kw["sinks"]]
+
+    def call(q, k, v):
+        return flash_attn_varlen_func(q, k, v, cu_q, cu_k, 30, 35, **kw)
+
+    compiled = torch.compile(call, fullgraph=True, backend=backend)
+    out = compiled(q, k, v)
+    grads = torch.autograd.grad(out.square().sum(), leaves)
+    ref = call(q, k, v)
+    ref_grads = torch.autograd.grad(ref.square().sum(), leaves)
+    assert torch.equal(out, ref)
+    for g, r in zip(grads, ref_grads):
+        assert torch.equal(g, r)
 
 
 @pytest.mark.parametrize("page_size", [0, 16], ids=lambda p: f"page{p}" if p else "dense")
