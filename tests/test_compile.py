@@ -140,3 +140,16 @@ def test_kvcache_op_passes_opcheck():
     lens = torch.tensor([0, 10, 40], dtype=torch.int32, device=DEVICE)
     torch.library.opcheck(ops.kvcache, (q, k_cache, v_cache, k, k, lens, None, None, None, 32**-0.5, True, 20, 0, 0.0,
                                         0, True))
+
+
+def test_packed_functions_trace_whole():
+    """The packed variants call the traced functions: they compile whole too."""
+    from kernels import flash_attn_kvpacked_func, flash_attn_qkvpacked_func, flash_attn_varlen_qkvpacked_func
+
+    cu = torch.tensor([0, 10, 30], dtype=torch.int32, device=DEVICE)
+    cases = [(lambda x: flash_attn_qkvpacked_func(x, causal=True), (randn(2, 30, 3, 4, 32),)),
+             (lambda q, kv: flash_attn_kvpacked_func(q, kv, causal=True), (randn(2, 30, 4, 32), randn(2, 30, 2, 2, 32))),
+             (lambda x: flash_attn_varlen_qkvpacked_func(x, cu, 20, causal=True), (randn(30, 3, 4, 32),))]
+    for fn, args in cases:
+        torch._dynamo.reset()
+        assert torch.equal(torch.compile(fn, fullgraph=True, backend="eager")(*args), fn(*args))
