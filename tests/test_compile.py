@@ -148,7 +148,8 @@ def test_packed_functions_trace_whole():
 
     cu = torch.tensor([0, 10, 30], dtype=torch.int32, device=DEVICE)
     cases = [(lambda x: flash_attn_qkvpacked_func(x, causal=True), (randn(2, 30, 3, 4, 32),)),
-             (lambda q, kv: flash_attn_kvpacked_func(q, kv, causal=True), (randn(2, 30, 4, 32), randn(2, 30, 2, 2, 32))),
+             (lambda q, kv: flash_attn_kvpacked_func(q, kv, causal=True),
+              (randn(2, 30, 4, 32), randn(2, 30, 2, 2, 32))),
              (lambda x: flash_attn_varlen_qkvpacked_func(x, cu, 20, causal=True), (randn(30, 3, 4, 32),))]
     for fn, args in cases:
         torch._dynamo.reset()
