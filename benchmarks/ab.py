@@ -12,7 +12,9 @@ the same cases on fresh seeded inputs, through the public API only, so trees of 
 - decode: one step (append one token, attend) of flash_attn_with_kvcache, dense and paged (P = 16,
   64), bf16, D = 128, 32:8 heads, CUDA-graph replay of 16 steps rotating over input copies;
 - chunked: a 2048-token chunk appended to 12288 cached tokens, dense and P = 64;
-- host: the CPU time of one eager decode call (batch 1, cache 4096, device lengths).
+- host: the CPU time of one eager call, each public entry point: flash_attn_with_kvcache decode
+  (batch 1, cache 4096, device lengths), KVCache.decode, flash_attn_func and flash_attn_varlen_func
+  forward (batch 1, 128 tokens). `--host` runs these cases alone (more rounds for their noise).
 
 Per case the median over rounds of each tree, and new / base. Prints the table and writes it with
 every process's raw numbers to --out (default: no files). Needs a CUDA GPU.
@@ -31,7 +33,15 @@ from typing import Callable, Dict, List
 HERE = Path(__file__).resolve().parents[1]  # this checkout: the harness comes from here
 
 
-def _cases(quick: bool) -> List[Dict]:
+HOST_CASES = [dict(kind="host", batch=1, cache_len=4096, page_size=0),
+              dict(kind="host", api="KVCache.decode", batch=1, cache_len=4096),
+              dict(kind="host", api="flash_attn_func", batch=1, seqlen=128),
+              dict(kind="host", api="flash_attn_varlen_func", batch=1, seqlen=128)]
+
+
+def _cases(quick: bool, host_only: bool = False) -> List[Dict]:
+    if host_only:
+        return list(HOST_CASES)
     cases = []
     seqlens = (1024, 16384) if quick else (1024, 4096, 16384)
     for mode in ("fwd", "fwd_bwd"):
@@ -47,14 +57,15 @@ def _cases(quick: bool) -> List[Dict]:
             cases.append(dict(kind="decode", batch=b, cache_len=n, page_size=page))
     for page in (0, 64):
         cases.append(dict(kind="chunked", batch=1, cache_len=12288, chunk=2048, page_size=page))
-    cases.append(dict(kind="host", batch=1, cache_len=4096, page_size=0))
-    return cases
+    return cases + HOST_CASES
 
 
 def case_name(c: Dict) -> str:
     if c["kind"] == "prefill":
         return (f"prefill {c['mode']} {'MHA' if c['nheads_k'] == 32 else 'GQA'} {'causal' if c['causal'] else 'full'} "
                 f"{c['batch']}x{c['seqlen']}")
+    if c.get("api"):
+        return f"host {c['api']} {c['batch']}x{c.get('cache_len') or c['seqlen']}"
     page = f" P={c['page_size']}" if c.get("page_size") else " dense"
     if c["kind"] == "chunked":
         return f"chunked {c['chunk']} after {c['cache_len']}{page}"
@@ -76,6 +87,9 @@ def _measure(cases: List[Dict]) -> Dict[str, float]:
     out: Dict[str, float] = {}
     for c in cases:
         gen = generator(dev, 0)
+        if c.get("api"):
+            out[case_name(c)] = measure.host_overhead_us(_host_call(c, dtype, dev, gen), calls=2000)["host_us"]
+            continue
         if c["kind"] == "prefill":
             b, s, hk = c["batch"], c["seqlen"], c["nheads_k"]
             q = randn((b, s, 32, 128), dtype, dev, gen)
@@ -124,13 +138,35 @@ def _measure(cases: List[Dict]) -> Dict[str, float]:
     return out
 
 
-def _worker(tree: str, quick: bool) -> int:
+def _host_call(c: Dict, dtype, dev, gen) -> Callable:
+    """The eager call of a host case with an `api` (its inputs made here)."""
+    import torch
+
+    import kernels
+
+    from .inputs import randn
+
+    if c["api"] == "KVCache.decode":  # room for host_overhead_us's 2,020 calls after the prompt
+        cache = kernels.KVCache(c["batch"], c["cache_len"] + 4096, 8, 128, dtype=dtype, device=dev)
+        cache.prefill(*(randn((c["batch"], c["cache_len"], h, 128), dtype, dev, gen) for h in (32, 8, 8)))
+        q, k, v = (randn((c["batch"], 1, h, 128), dtype, dev, gen) for h in (32, 8, 8))
+        return lambda: cache.decode(q, k, v)
+    q = randn((c["batch"] * c["seqlen"], 32, 128), dtype, dev, gen)
+    k, v = randn(q.shape[:1] + (8, 128), dtype, dev, gen), randn(q.shape[:1] + (8, 128), dtype, dev, gen)
+    if c["api"] == "flash_attn_func":
+        q, k, v = (t.view(c["batch"], c["seqlen"], *t.shape[1:]) for t in (q, k, v))
+        return lambda: kernels.flash_attn_func(q, k, v, causal=True)
+    cu = torch.arange(0, c["batch"] + 1, dtype=torch.int32, device=dev) * c["seqlen"]
+    return lambda: kernels.flash_attn_varlen_func(q, k, v, cu, cu, c["seqlen"], c["seqlen"], causal=True)
+
+
+def _worker(tree: str, quick: bool, host_only: bool = False) -> int:
     sys.path.insert(0, tree)  # this tree's kernels first; benchmarks resolves to the harness's checkout
     import kernels
 
     if Path(kernels.__file__).resolve().parents[1] != Path(tree).resolve():
         raise RuntimeError(f"imported {kernels.__file__}, not the kernels of {tree}")
-    print("AB-RESULT " + json.dumps(_measure(_cases(quick))), flush=True)
+    print("AB-RESULT " + json.dumps(_measure(_cases(quick, host_only))), flush=True)
     return 0
 
 
@@ -140,18 +176,19 @@ def main(argv=None) -> int:
     ap.add_argument("--new", default=str(HERE), help="checkout whose kernels/ is measured against it")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
+    ap.add_argument("--host", action="store_true", help="the host cases only")
     ap.add_argument("--out", default=None, help="folder for ab.json (raw numbers) and ab.txt (the table)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        return _worker(args.worker, args.quick)
+        return _worker(args.worker, args.quick, args.host)
     trees = {"base": str(Path(args.base).resolve()), "new": str(Path(args.new).resolve())}
     runs: Dict[str, List[Dict[str, float]]] = {"base": [], "new": []}
     for r in range(args.rounds):
         order = ("base", "new") if r % 2 == 0 else ("new", "base")
         for which in order:
             cmd = [sys.executable, "-m", "benchmarks.ab", "--base", trees["base"], "--worker", trees[which]]
-            cmd += ["--quick"] if args.quick else []
+            cmd += (["--quick"] if args.quick else []) + (["--host"] if args.host else [])
             proc = subprocess.run(cmd, cwd=HERE, capture_output=True, text=True)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("AB-RESULT ")]
             if proc.returncode or not lines:

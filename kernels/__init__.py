@@ -12,6 +12,8 @@ Public API:
                      PoolExhaustedError when its blocks or request slots run out.
     attention_ref:   eager reference used by tests, notebooks and benchmarks.
     rel_err:         ||out - ref|| / ||ref||; kernels.testing holds the error rule built on it.
+    sdpa:            our kernels as scaled_dot_product_attention's flash backend, activated by the user:
+                     torch.nn.attention.activate_flash_attention_impl("kernels") (torch >= 2.10).
     InputError, InputTypeError: what bad input raises, before any launch (ValueError / TypeError and
                      RuntimeError, as flash-attn raises).
 
@@ -23,7 +25,7 @@ kernels of prefill_kernels.py / decode_kernels.py, which share the jit helpers o
 options of a call travel as one _options.AttnOptions; _configs.py picks tiles per GPU.
 """
 
-from . import _ops  # noqa: F401  (registers the custom ops torch.compile traces)
+from . import _ops, sdpa  # noqa: F401  (the custom ops torch.compile traces; the SDPA provider, not activated)
 from ._utils import default_device, env_summary, has_gpu, is_interpreter
 from .decode import flash_attn_with_kvcache
 from .errors import InputError, InputTypeError

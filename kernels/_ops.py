@@ -11,10 +11,15 @@ tracing without running a kernel) and the prefill op its registered autograd.
     kernels::prefill_bwd(dout, q, k, v, out, lse, <the same inputs after v>) -> (dq, dk, dv, dsinks)
 
 flash_attn_func and flash_attn_varlen_func share the prefill ops: with cu_seqlens, q, k, v are packed
-(total, nheads, headdim) and lse is (nheads, total_q), as flash-attn's.
-    kernels::kvcache(q, k_cache!, v_cache!, k?, v?, cache_seqlens, block_table?, alibi_slopes?, sinks?,
-                     softmax_scale, causal, window_left, window_right, softcap, num_splits,
-                     return_lse) -> (out, lse)      (k_cache and v_cache: the in-place append)
+(total, nheads, headdim) and lse is (nheads, total_q), as flash-attn's. A paged K/V has its own
+forward-only op, and flash_attn_with_kvcache one op with every argument of the eager function:
+
+    kernels::varlen_paged_fwd(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                              max_seqlen_k, block_table, alibi_slopes?, sinks?, <scalars>) -> (out, lse)
+    kernels::kvcache(q, k_cache!, v_cache!, k?, v?, rotary_cos?, rotary_sin?, cache_seqlens,
+                     cache_batch_idx?, cache_leftpad?, block_table?, alibi_slopes?, sinks?,
+                     softmax_scale?, causal, window_left, window_right, softcap, rotary_interleaved,
+                     num_splits, return_lse) -> (out, lse)      (k_cache!, v_cache!: the append)
 
 The scalars are flash-attn's (window sides -1 for unbounded, softcap 0 for none, softmax_scale
 resolved); the op rebuilds the kernels' options from them (`variant_options`, cached by value).
@@ -31,7 +36,8 @@ import torch
 from torch import Tensor
 
 from ._options import resolve_variants
-from .decode import Variants, _kvcache_call
+from .decode import flash_attn_with_kvcache, uncached_scratch
+from .errors import InputError
 from .prefill import (
     TRACED,
     _flash_attn_backward,
@@ -41,6 +47,7 @@ from .prefill import (
     _results,
     _validate_qkv,
     _validate_varlen,
+    _varlen_paged,
     dropout,
     variant_options,
 )
@@ -62,11 +69,13 @@ def _lse_shape(q: Tensor, packed: bool):
     return (q.shape[1], q.shape[0]) if packed else (q.shape[0], q.shape[2], q.shape[1])
 
 
-@torch.library.custom_op("kernels::prefill_fwd", mutates_args=())
-def prefill_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
-                max_seqlen_q: int, max_seqlen_k: int, alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
-                rng_state: Optional[Tensor], softmax_scale: float, causal: bool, window_left: int, window_right: int,
-                softcap: float, dropout_p: float) -> Tuple[Tensor, Tensor]:
+def prefill_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
+                    max_seqlen_q: int, max_seqlen_k: int, alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
+                    rng_state: Optional[Tensor], softmax_scale: Optional[float], causal: bool, window_left: int,
+                    window_right: int, softcap: float, dropout_p: float,
+                    out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """The prefill forward from the ops' arguments, inputs checked before the launch (out: written into
+    when given, see `_flash_attn_forward`): the body of `kernels::prefill_fwd` and of the SDPA provider."""
     if cu_seqlens_q is None:
         _validate_qkv(q, k, v)
     else:
@@ -75,9 +84,39 @@ def prefill_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
                                          window_left, window_right, softcap)
     drop = dropout(dropout_p, q.device, rng_state)
     if cu_seqlens_q is None:
-        return _flash_attn_forward(q, k, v, options, drop=drop, variants=variants)
+        return _flash_attn_forward(q, k, v, options, drop=drop, variants=variants, out=out)
     return _flash_attn_varlen_forward(q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q,
-                                      max_seqlen_k, options, drop=drop, variants=variants)
+                                      max_seqlen_k, options, drop=drop, variants=variants, out=out)
+
+
+def prefill_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                     cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int,
+                     max_seqlen_k: int, alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
+                     rng_state: Optional[Tensor], softmax_scale: Optional[float], causal: bool, window_left: int,
+                     window_right: int, softcap: float, dropout_p: float,
+                     grads: Optional[Tuple[Tensor, Tensor, Tensor]] = None):
+    """The prefill backward of `prefill_forward`'s call: (dq, dk, dv, dsinks or None), written into
+    `grads` when given (q's, k's and v's shapes, contiguous last dims)."""
+    options, variants = _prefill_options(q, k, cu_seqlens_q, max_seqlen_k, alibi_slopes, sinks, softmax_scale, causal,
+                                         window_left, window_right, softcap)
+    drop = dropout(dropout_p, q.device, rng_state)
+    if cu_seqlens_q is None:
+        dq, dk, dv, _, dsinks = _flash_attn_backward(dout, q, k, v, out, lse, options, grads=grads, drop=drop,
+                                                     variants=variants)
+    else:
+        dq, dk, dv, _, dsinks = _flash_attn_varlen_backward(
+            dout, q, k, v, out, lse, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k,
+            options, grads=grads, drop=drop, variants=variants)
+    return dq, dk, dv, dsinks
+
+
+@torch.library.custom_op("kernels::prefill_fwd", mutates_args=())
+def prefill_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
+                max_seqlen_q: int, max_seqlen_k: int, alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
+                rng_state: Optional[Tensor], softmax_scale: float, causal: bool, window_left: int, window_right: int,
+                softcap: float, dropout_p: float) -> Tuple[Tensor, Tensor]:
+    return prefill_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, sinks,
+                           rng_state, softmax_scale, causal, window_left, window_right, softcap, dropout_p)
 
 
 @prefill_fwd.register_fake
@@ -93,15 +132,9 @@ def prefill_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse:
                 alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], rng_state: Optional[Tensor],
                 softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
                 dropout_p: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    options, variants = _prefill_options(q, k, cu_seqlens_q, max_seqlen_k, alibi_slopes, sinks, softmax_scale, causal,
-                                         window_left, window_right, softcap)
-    drop = dropout(dropout_p, q.device, rng_state)
-    if cu_seqlens_q is None:
-        dq, dk, dv, _, dsinks = _flash_attn_backward(dout, q, k, v, out, lse, options, drop=drop, variants=variants)
-    else:
-        dq, dk, dv, _, dsinks = _flash_attn_varlen_backward(
-            dout, q, k, v, out, lse, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k,
-            options, drop=drop, variants=variants)
+    dq, dk, dv, dsinks = prefill_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                          max_seqlen_k, alibi_slopes, sinks, rng_state, softmax_scale, causal,
+                                          window_left, window_right, softcap, dropout_p)
     return dq, dk, dv, dsinks if dsinks is not None else q.new_empty((0,), dtype=torch.float32)
 
 
@@ -160,34 +193,62 @@ def flash_attn_varlen_func_traced(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
                                   softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
                                   block_table, return_softmax_lse, sinks):
     """flash_attn_varlen_func under torch.compile: one `kernels::prefill_fwd` node over the packed
-    sequences (max_seqlen_q / max_seqlen_k as the graph's ints); a paged K/V is eager only for now."""
-    if block_table is not None:
-        raise NotImplementedError("flash_attn_varlen_func with block_table is eager only under torch.compile for now.")
+    sequences (max_seqlen_q / max_seqlen_k as the graph's ints), or one `kernels::varlen_paged_fwd` node over a
+    paged K/V (forward only, as eager)."""
     if return_attn_probs and dropout_p > 0:
         raise NotImplementedError("return_attn_probs with dropout (S_dmask, a testing aid) is eager only.")
     scalars = _resolved(window_size, softcap, causal, max_seqlen_k, softmax_scale, q.shape[-1])
+    if block_table is not None:  # a paged K/V: forward only, as in eager
+        if dropout_p:
+            raise NotImplementedError("dropout with a paged K/V (block_table) is not supported: dropout is for "
+                                      "training, and the paged forward has no backward.")
+        out, lse = varlen_paged_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+                                    block_table, alibi_slopes, sinks, *scalars)
+        return _results(out, lse, None, return_attn_probs, return_softmax_lse)
     out, lse = prefill_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), alibi_slopes,
                            sinks, _rng_state(dropout_p, q.device), *scalars, float(dropout_p))
     return _results(out, lse, None, return_attn_probs, return_softmax_lse)
 
 
+@torch.library.custom_op("kernels::varlen_paged_fwd", mutates_args=())
+def varlen_paged_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                     max_seqlen_q: int, max_seqlen_k: int, block_table: Tensor, alibi_slopes: Optional[Tensor],
+                     sinks: Optional[Tensor], softmax_scale: float, causal: bool, window_left: int, window_right: int,
+                     softcap: float) -> Tuple[Tensor, Tensor]:
+    out, lse = _varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0,
+                             softmax_scale, causal, (window_left, window_right), softcap, alibi_slopes, False,
+                             block_table, True, sinks)
+    return out, lse
+
+
+@varlen_paged_fwd.register_fake
+def _(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, alibi_slopes, sinks,
+      softmax_scale, causal, window_left, window_right, softcap):
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(_lse_shape(q, True),
+                                                                                   dtype=torch.float32)
+
+
 @torch.library.custom_op("kernels::kvcache", mutates_args=("k_cache", "v_cache"))
 def kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v: Optional[Tensor],
-            cache_seqlens: Tensor, block_table: Optional[Tensor], alibi_slopes: Optional[Tensor],
-            sinks: Optional[Tensor], softmax_scale: float, causal: bool, window_left: int, window_right: int,
-            softcap: float, num_splits: int, return_lse: bool) -> Tuple[Tensor, Tensor]:
-    window = (window_left, window_right)
-    variants = None
-    if window != (-1, -1) or softcap or alibi_slopes is not None or sinks is not None:
-        variants = Variants(window, softcap, alibi_slopes, sinks)
-    out, lse = _kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, num_splits,
-                             True, validated=False, variants=variants)
-    return out, lse if return_lse else q.new_empty((0,), dtype=torch.float32)
+            rotary_cos: Optional[Tensor], rotary_sin: Optional[Tensor], cache_seqlens: Tensor,
+            cache_batch_idx: Optional[Tensor], cache_leftpad: Optional[Tensor], block_table: Optional[Tensor],
+            alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], softmax_scale: Optional[float], causal: bool,
+            window_left: int, window_right: int, softcap: float, rotary_interleaved: bool, num_splits: int,
+            return_lse: bool) -> Tuple[Tensor, Tensor]:
+    with uncached_scratch():
+        result = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                         cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
+                                         (window_left, window_right), softcap, rotary_interleaved, alibi_slopes,
+                                         num_splits, return_lse, sinks=sinks)
+    if return_lse:
+        return result
+    return result, q.new_empty((0,), dtype=torch.float32)
 
 
 @kvcache.register_fake
-def _(q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks, softmax_scale, causal, window_left,
-      window_right, softcap, num_splits, return_lse):
+def _(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+      alibi_slopes, sinks, softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved, num_splits,
+      return_lse):
     batch, seqlen_q, nheads, head_dim = q.shape
     lse_shape = (batch, nheads, seqlen_q) if return_lse else (0,)
     return q.new_empty((batch, seqlen_q, nheads, head_dim)), q.new_empty(lse_shape, dtype=torch.float32)
@@ -197,20 +258,22 @@ def flash_attn_with_kvcache_traced(q, k_cache, v_cache, k, v, rotary_cos, rotary
                                    cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
                                    rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, sinks):
     """flash_attn_with_kvcache under torch.compile: one `kernels::kvcache` node, which appends k / v into
-    the caches in place (a declared mutation) and attends. cache_seqlens must be a tensor (an int would be
-    baked into the graph); rotary, cache_batch_idx and cache_leftpad are eager only for now."""
-    if rotary_cos is not None or rotary_sin is not None or cache_batch_idx is not None or cache_leftpad is not None:
-        raise NotImplementedError("flash_attn_with_kvcache under torch.compile takes no rotary_cos / rotary_sin, "
-                                  "cache_batch_idx or cache_leftpad yet; call it outside the compiled region.")
-    if not isinstance(cache_seqlens, torch.Tensor):
-        raise NotImplementedError("flash_attn_with_kvcache under torch.compile needs cache_seqlens as an int32 "
-                                  "tensor (an int would be compiled into the graph).")
+    the caches in place (a declared mutation of k_cache and v_cache) and attends, with every argument of
+    the eager function. Lengths given as an int (or None: every cache full) become a device tensor in the
+    graph; pass a tensor to advance them on the device without recompiling."""
     capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
-    resolved = resolve_variants(window_size, softcap, causal, capacity)  # the op's options normalise the rest
-    causal, window, cap = resolved["causal"], resolved["window"], resolved["softcap"]
-    scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
-    out, lse = kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks, scale, causal,
-                       window[0], window[1], cap, int(num_splits), bool(return_softmax_lse))
+    if not isinstance(cache_seqlens, torch.Tensor):
+        if cache_seqlens is None and (k is not None or v is not None):
+            raise InputError("Expected cache_seqlens with new k and v: the append goes at each request's length "
+                             "(flash-attn's rule); None means every cache is full.")
+        length = capacity if cache_seqlens is None else cache_seqlens
+        cache_seqlens = torch.full((q.shape[0],), length, dtype=torch.int32, device=q.device)
+    resolved = resolve_variants(window_size, softcap, causal, capacity)  # validated here, where dynamo traces
+    window = resolved["window"]
+    scale = None if softmax_scale is None else float(softmax_scale)
+    out, lse = kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                       block_table, alibi_slopes, sinks, scale, resolved["causal"], window[0], window[1],
+                       resolved["softcap"], bool(rotary_interleaved), int(num_splits), bool(return_softmax_lse))
     return (out, lse) if return_softmax_lse else out
 
 

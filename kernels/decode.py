@@ -477,10 +477,12 @@ def _split_scratch(numel: int, device: torch.device, device_index: int) -> torch
     it. Another thread may issue its launches between a call's two, so each thread keeps its own
     (thread-local: freed with the thread). Scratch above SPLIT_SCRATCH_CACHE_BYTES is allocated per
     call, not kept. While a CUDA graph is being captured a fresh allocation is made (from the graph's
-    pool), so graph replays never share scratch with eager calls.
+    pool), so graph replays never share scratch with eager calls; the same inside `uncached_scratch`
+    (the custom ops of kernels/_ops.py: a compiled graph's memory is torch.compile's, and a CUDA-graph
+    tree refuses a tensor its warmup allocated that outlives the call).
     """
     if (device.type != "cuda" or numel * 4 > SPLIT_SCRATCH_CACHE_BYTES
-            or torch.cuda.is_current_stream_capturing()):
+            or torch.cuda.is_current_stream_capturing() or getattr(_SCRATCH_LOCAL, "uncached", False)):
         return torch.empty(numel, dtype=torch.float32, device=device)
     buffers = getattr(_SCRATCH_LOCAL, "buffers", None)
     if buffers is None:
@@ -494,6 +496,17 @@ def _split_scratch(numel: int, device: torch.device, device_index: int) -> torch
 
 SPLIT_SCRATCH_CACHE_BYTES = 64 * 2**20  # larger split scratch is allocated per call, not kept
 _SCRATCH_LOCAL = threading.local()  # .buffers: (device index, raw stream) -> the largest scratch used there
+
+
+@contextlib.contextmanager
+def uncached_scratch():
+    """Split scratch is allocated per call inside (see `_split_scratch`)."""
+    before = getattr(_SCRATCH_LOCAL, "uncached", False)
+    _SCRATCH_LOCAL.uncached = True
+    try:
+        yield
+    finally:
+        _SCRATCH_LOCAL.uncached = before
 
 
 class _Replay(NamedTuple):

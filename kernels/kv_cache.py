@@ -7,10 +7,15 @@
 Both keep their lengths twice: an int32 device tensor (what the kernels read, advanced in place, so a
 decode step never syncs with the host and can be captured in a CUDA graph) and a host mirror (what
 the overflow and allocation checks read).
+
+Their methods keep host state, so under torch.compile they run eagerly, outside the graph (a graph
+break; an error with fullgraph=True). A compiled decode step calls `flash_attn_with_kvcache` on the
+buffers with the device lengths (`seqlens_device`), which compiles whole.
 """
 
 from __future__ import annotations
 
+import functools
 import numbers
 from typing import NamedTuple, Optional, Sequence, Union
 
@@ -40,6 +45,20 @@ from .errors import InputError, InputTypeError
 from .prefill import flash_attn_func, variant_args
 
 _NO_WINDOW = (-1, -1)  # flash-attn's window_size for none
+
+
+def _eager_only(method):
+    """`method` as is, except under torch.compile: run eagerly there (torch.compiler.disable) rather than
+    traced, since dynamo would specialise on the host mirror's values."""
+    disabled = torch.compiler.disable(method)
+
+    @functools.wraps(method)
+    def call(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return disabled(*args, **kwargs)
+        return method(*args, **kwargs)
+
+    return call
 
 
 def _check_one_key_per_query(q, k, v) -> None:
@@ -103,6 +122,7 @@ class KVCache:
         """Current lengths as the int32 (batch,) device tensor the kernel reads (do not modify)."""
         return self._seqlens
 
+    @_eager_only
     def refresh_host_seqlens(self) -> list:
         """Copy the device lengths to the host mirror (one sync), e.g. after CUDA-graph replays."""
         self._host = self._seqlens.cpu().numpy().astype(np.int64)
@@ -139,6 +159,7 @@ class KVCache:
     def _host_index(self, index):
         return index if isinstance(index, slice) else index.cpu().numpy()
 
+    @_eager_only
     def reset(self, batch_idx=None) -> None:
         """Forget the contents of the given requests (all by default): their lengths become 0."""
         index = self._indices(batch_idx)
@@ -146,6 +167,7 @@ class KVCache:
         self._seqlens[index] = 0
 
     # -- prefill and decode ----------------------------------------------------------------------
+    @_eager_only
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
                 softmax_scale: Optional[float] = None, batch_idx=None, window_size=_NO_WINDOW, softcap: float = 0.0,
                 alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -188,6 +210,7 @@ class KVCache:
         self._seqlens[index] = seqlen
         return out
 
+    @_eager_only
     def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
                softmax_scale: Optional[float] = None, num_splits: int = 0, window_size=_NO_WINDOW,
                softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None,
@@ -343,12 +366,14 @@ class PagedKVCache:
         self._check_slots([slot])
         return int(self._npages[slot]) * self.page_size
 
+    @_eager_only
     def refresh_host_seqlens(self) -> list:
         """Copy the device lengths to the host mirror (one sync), e.g. after CUDA-graph replays."""
         self._host_len = self._seqlens.cpu().numpy().astype(np.int64)
         return self.seqlens
 
     # -- requests ---------------------------------------------------------------------------------
+    @_eager_only
     def add_request(self) -> int:
         """Take a free slot for a new request (length 0, no page yet) and return its id."""
         free = np.nonzero(~self._active)[0]
@@ -358,6 +383,7 @@ class PagedKVCache:
         self._active[slot] = True
         return slot
 
+    @_eager_only
     def free(self, slot: int) -> None:
         """Release a finished request: its pages return to the pool, its slot to the free slots."""
         self._check_slots([slot])
@@ -371,6 +397,7 @@ class PagedKVCache:
         self.block_table[slot] = -1
         self._seqlens[slot] = 0
 
+    @_eager_only
     def extend(self, slot: int, num_tokens: int) -> list:
         """Make room for `num_tokens` more tokens after the request's current length: take the pages
         they need from the pool (none while the last page has room). Returns the new blocks.
@@ -489,6 +516,7 @@ class PagedKVCache:
         self._check_slots(slots)
         return [int(s) for s in slots]
 
+    @_eager_only
     def batch(self, slots=None) -> PagedBatch:
         """Block table and lengths of a batch of requests (default: every active slot, ascending).
 
@@ -505,6 +533,7 @@ class PagedKVCache:
         )
 
     # -- prefill and decode ---------------------------------------------------------------------------
+    @_eager_only
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, slots, causal: bool = True,
                 softmax_scale: Optional[float] = None, window_size=None, softcap: float = 0.0,
                 alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -558,6 +587,7 @@ class PagedKVCache:
         self._release_before_window(slots)
         return out
 
+    @_eager_only
     def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, slots=None, causal: bool = True,
                softmax_scale: Optional[float] = None, num_splits: int = 0, window_size=None, softcap: float = 0.0,
                alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:

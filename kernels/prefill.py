@@ -327,13 +327,16 @@ def _forward_plan(q: torch.Tensor, options: AttnOptions, config: Optional[AttnCo
 
 def _flash_attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttnOptions,
                         config: Optional[AttnConfig] = None, drop: Optional[Dropout] = None,
-                        variants: Optional[dict] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                        variants: Optional[dict] = None,
+                        out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel on validated inputs (with dropout `drop`, and the variants' tensors as
-    `variant_args` gives them); returns (out, softmax_lse)."""
+    `variant_args` gives them); returns (out, softmax_lse). out: written into when given (q's shape and
+    dtype, any strides with a contiguous last dim)."""
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k = k.shape[1]
     target, config, planned = _forward_plan(q, options, config)
-    out = empty_aligned((batch, seqlen_q, nheads, head_dim), q.dtype, q.device, aligned=planned)
+    if out is None:
+        out = empty_aligned((batch, seqlen_q, nheads, head_dim), q.dtype, q.device, aligned=planned)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         _empty_rows_lse(lse, options, variants)
@@ -511,13 +514,15 @@ def _flash_attn_varlen_forward(
     config: Optional[AttnConfig] = None,
     drop: Optional[Dropout] = None,
     variants: Optional[dict] = None,
+    out: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel on validated packed inputs (with dropout `drop` and the variants'
-    tensors `variants`); returns (out, softmax_lse (nheads, total_q))."""
+    tensors `variants`); returns (out, softmax_lse (nheads, total_q)); out as `_flash_attn_forward`'s."""
     total_q, nheads, head_dim = q.shape
     batch = cu_seqlens_q.numel() - 1
     target, config, planned = _forward_plan(q, options, config)
-    out = empty_aligned((total_q, nheads, head_dim), q.dtype, q.device, aligned=planned)
+    if out is None:
+        out = empty_aligned((total_q, nheads, head_dim), q.dtype, q.device, aligned=planned)
     lse = torch.empty((nheads, total_q), dtype=torch.float32, device=q.device)
     if out.numel() == 0 or batch == 0 or max_seqlen_q == 0:
         out.zero_()

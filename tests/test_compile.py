@@ -138,8 +138,103 @@ def test_kvcache_op_passes_opcheck():
     q, k = randn(3, 2, 4, 32), randn(3, 2, 2, 32)
     k_cache, v_cache = randn(3, 64, 2, 32), randn(3, 64, 2, 32)
     lens = torch.tensor([0, 10, 40], dtype=torch.int32, device=DEVICE)
-    torch.library.opcheck(ops.kvcache, (q, k_cache, v_cache, k, k, lens, None, None, None, 32**-0.5, True, 20, 0, 0.0,
-                                        0, True))
+    torch.library.opcheck(ops.kvcache, (q, k_cache, v_cache, k, k, None, None, lens, None, None, None, None, None,
+                                        32**-0.5, True, 20, 0, 0.0, False, 0, True))
+
+
+def test_varlen_paged_op_passes_opcheck():
+    from helpers import paged_copy
+
+    k_cache, v_cache, table = paged_copy(randn(2, 64, 2, 32), randn(2, 64, 2, 32), 16)
+    q = randn(30, 4, 32)
+    cu_q = torch.tensor([0, 10, 30], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 40, 90], dtype=torch.int32, device=DEVICE)
+    torch.library.opcheck(ops.varlen_paged_fwd, (q, k_cache, v_cache, cu_q, cu_k, 20, 50, table, None, None,
+                                                 32**-0.5, True, -1, -1, 0.0))
+
+
+def _kvcache_case(**extra):
+    """A chunked append of 3 tokens into dense caches with the given flash_attn_with_kvcache arguments."""
+    batch, capacity, nheads, nheads_k, head_dim = 3, 64, 4, 2, 32
+    k_cache, v_cache = randn(batch, capacity, nheads_k, head_dim), randn(batch, capacity, nheads_k, head_dim)
+    q, k, v = randn(batch, 3, nheads, head_dim), randn(batch, 3, nheads_k, head_dim), randn(batch, 3, nheads_k,
+                                                                                          head_dim)
+    lens = torch.tensor([0, 10, 40], dtype=torch.int32, device=DEVICE)
+    return (q, k_cache, v_cache, k, v), dict(cache_seqlens=lens, causal=True, **extra)
+
+
+KVCACHE_EXTRAS = {
+    "rotary": lambda: dict(rotary_cos=randn(64, 8), rotary_sin=randn(64, 8)),
+    "rotary-interleaved-window": lambda: dict(rotary_cos=randn(64, 16), rotary_sin=randn(64, 16),
+                                              rotary_interleaved=True, window_size=(12, 0)),
+    "batch-idx": lambda: dict(cache_batch_idx=torch.tensor([2, 0, 1], dtype=torch.int32, device=DEVICE)),
+    "leftpad": lambda: dict(cache_leftpad=torch.tensor([0, 3, 7], dtype=torch.int32, device=DEVICE)),
+    "int-lengths": lambda: dict(cache_seqlens=5, return_softmax_lse=True, softcap=4.0),
+}
+
+
+@pytest.mark.parametrize("extra", list(KVCACHE_EXTRAS))
+def test_kvcache_arguments_trace_whole(extra):
+    """Every flash_attn_with_kvcache argument compiles whole (rotary, cache_batch_idx, cache_leftpad, an
+    int length) and gives the eager result, the appended caches included."""
+    from kernels import flash_attn_with_kvcache
+
+    torch._dynamo.reset()
+    (q, k_cache, v_cache, k, v), kw = _kvcache_case()
+    kw.update(KVCACHE_EXTRAS[extra]())
+    compiled = torch.compile(lambda *a: flash_attn_with_kvcache(*a, **kw), fullgraph=True, backend="aot_eager")
+    kc, vc = k_cache.clone(), v_cache.clone()
+    got, want = compiled(q, k_cache, v_cache, k, v), flash_attn_with_kvcache(q, kc, vc, k, v, **kw)
+    for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+        assert torch.equal(g, w)
+    assert torch.equal(k_cache, kc) and torch.equal(v_cache, vc)
+
+
+def test_full_caches_without_lengths_trace_whole():
+    from kernels import flash_attn_with_kvcache
+
+    torch._dynamo.reset()
+    q, k_cache = randn(2, 1, 4, 32), randn(2, 40, 2, 32)
+    compiled = torch.compile(lambda q, kc: flash_attn_with_kvcache(q, kc, kc), fullgraph=True, backend="eager")
+    assert torch.equal(compiled(q, k_cache), flash_attn_with_kvcache(q, k_cache, k_cache))
+
+
+def test_varlen_paged_traces_whole():
+    """flash_attn_varlen_func over a paged K/V compiles whole (forward only, as eager)."""
+    from helpers import paged_copy
+    from kernels import flash_attn_varlen_func
+
+    torch._dynamo.reset()
+    k_cache, v_cache, table = paged_copy(randn(2, 64, 2, 32), randn(2, 64, 2, 32), 16)
+    q = randn(30, 4, 32)
+    cu_q = torch.tensor([0, 10, 30], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 40, 90], dtype=torch.int32, device=DEVICE)
+
+    def call(q, kc, vc):
+        return flash_attn_varlen_func(q, kc, vc, cu_q, cu_k, 20, 50, causal=True, block_table=table,
+                                      return_attn_probs=True)
+
+    got, want = torch.compile(call, fullgraph=True, backend="eager")(q, k_cache, v_cache), call(q, k_cache, v_cache)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_cache_classes_run_eagerly_under_compile():
+    """KVCache's methods keep host state: compiled code runs them outside the graph (same results as
+    eager), and fullgraph=True refuses them rather than tracing host values."""
+    from kernels import KVCache
+
+    torch._dynamo.reset()
+    caches = [KVCache(2, 32, 2, 32, dtype=DTYPE, device=DEVICE) for _ in range(2)]
+    prompt = (randn(2, 5, 4, 32), randn(2, 5, 2, 32), randn(2, 5, 2, 32))
+    for cache in caches:
+        cache.prefill(*prompt)
+    step = (randn(2, 1, 4, 32), randn(2, 1, 2, 32), randn(2, 1, 2, 32))
+    compiled = torch.compile(lambda cache, q, k, v: cache.decode(q, k, v) * 2, backend="eager")
+    assert torch.equal(compiled(caches[0], *step), caches[1].decode(*step) * 2)
+    assert caches[0].seqlens == caches[1].seqlens == [6, 6]
+    strict = torch.compile(lambda cache, q, k, v: cache.decode(q, k, v), fullgraph=True, backend="eager")
+    with pytest.raises(Exception, match="disable"):
+        strict(caches[0], *step)
 
 
 def test_packed_functions_trace_whole():
@@ -154,3 +249,93 @@ def test_packed_functions_trace_whole():
     for fn, args in cases:
         torch._dynamo.reset()
         assert torch.equal(torch.compile(fn, fullgraph=True, backend="eager")(*args), fn(*args))
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: inductor and CUDA graphs (mode="reduce-overhead")
+# ---------------------------------------------------------------------------------------------
+def _layer(attn="kernels"):
+    from benchmarks.compile import AttentionLayer
+
+    torch.manual_seed(0)
+    return AttentionLayer(embed=512, nheads=8, nheads_k=2, attn=attn).to(DEVICE, DTYPE)
+
+
+@pytest.mark.gpu
+def test_inductor_attention_layer_forward_backward_equals_eager():
+    """Projections, rotary, attention and output projection compiled whole by inductor (fullgraph):
+    the output and every gradient agree with the eager layer's."""
+    from benchmarks.compile import rotary_tables
+    from kernels.testing import rel_err
+
+    torch._dynamo.reset()
+    layer = _layer()
+    cos, sin = rotary_tables(300, 64, DEVICE, DTYPE)
+    x = randn(2, 300, 512, grad=True)
+    dout = torch.randn_like(x)
+    params = [x, *layer.parameters()]
+    out = torch.compile(layer, fullgraph=True)(x, cos, sin)
+    grads = torch.autograd.grad(out, params, dout)
+    ref = layer(x, cos, sin)
+    ref_grads = torch.autograd.grad(ref, params, dout)
+    assert rel_err(out, ref) < 2e-3
+    for g, r in zip(grads, ref_grads):
+        assert rel_err(g, r) < 5e-3
+
+
+def _counting_replays(monkeypatch) -> list:
+    """Count CUDA graph replays (cudagraph trees replay through torch.cuda.CUDAGraph.replay)."""
+    replays = []
+    replay = torch.cuda.CUDAGraph.replay
+
+    def counted(self, *args, **kwargs):
+        replays.append(1)
+        return replay(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", counted)
+    return replays
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [0, 16], ids=lambda p: f"page{p}" if p else "dense")
+def test_reduce_overhead_decode_replays_cuda_graphs(page_size, monkeypatch):
+    """64 decode steps of an attention layer (rotary inside flash_attn_with_kvcache, the append in
+    place, the lengths advanced on the device) under mode="reduce-overhead": CUDA graphs replay, the
+    changing lengths recompile nothing, and every step and the caches agree with the eager layer."""
+    from benchmarks.compile import rotary_tables
+    from helpers import paged_copy
+    from kernels import flash_attn_with_kvcache
+    from kernels.testing import rel_err
+
+    torch._dynamo.reset()
+    layer = _layer()
+    batch, capacity = 4, 256
+    cos, sin = rotary_tables(capacity, 64, DEVICE, DTYPE)
+    k_cache, v_cache = randn(batch, capacity, 2, 64), randn(batch, capacity, 2, 64)
+    table = None
+    if page_size:
+        k_cache, v_cache, table = paged_copy(k_cache, v_cache, page_size)
+    lens = torch.tensor([0, 5, 60, 100], dtype=torch.int32, device=DEVICE)
+
+    def step(x, k_cache, v_cache, lens):
+        q, k, v = layer._qkv(x)
+        o = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=lens,
+                                    block_table=table, causal=True)
+        lens.add_(1)
+        return x + layer.out(o.reshape(batch, 1, -1))
+
+    state = [k_cache, v_cache, lens]
+    eager_state = [t.clone() for t in state]
+    for t in state:  # CUDA graphs mutate these in place: they must keep their addresses
+        torch._dynamo.mark_static_address(t)
+    replays = _counting_replays(monkeypatch)
+    compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+    with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(64):
+            x = randn(batch, 1, 512)
+            out, ref = compiled(x, *state), step(x, *eager_state)
+            assert rel_err(out, ref) < 2e-3
+    assert len(replays) >= 60
+    assert torch.equal(lens, eager_state[2]) and lens.tolist() == [64, 69, 124, 164]
+    for got, want in zip(state[:2], eager_state[:2]):
+        assert rel_err(got, want) < 2e-3
