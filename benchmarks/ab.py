@@ -14,7 +14,8 @@ the same cases on fresh seeded inputs, through the public API only, so trees of 
 - chunked: a 2048-token chunk appended to 12288 cached tokens, dense and P = 64;
 - host: the CPU time of one eager call, each public entry point: flash_attn_with_kvcache decode
   (batch 1, cache 4096, device lengths), KVCache.decode, flash_attn_func and flash_attn_varlen_func
-  forward (batch 1, 128 tokens). `--host` runs these cases alone (more rounds for their noise).
+  forward (batch 1, 128 tokens). `--host` runs these cases alone, every process pinned to one core
+  (which core a process lands on moves host time by tens of percent).
 
 Per case the median over rounds of each tree, and new / base. Prints the table and writes it with
 every process's raw numbers to --out (default: no files). Needs a CUDA GPU.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -161,6 +163,8 @@ def _host_call(c: Dict, dtype, dev, gen) -> Callable:
 
 
 def _worker(tree: str, quick: bool, host_only: bool = False) -> int:
+    if host_only and hasattr(os, "sched_setaffinity"):  # host time moves with the core a process lands on
+        os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})
     sys.path.insert(0, tree)  # this tree's kernels first; benchmarks resolves to the harness's checkout
     import kernels
 
