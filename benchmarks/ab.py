@@ -14,8 +14,11 @@ the same cases on fresh seeded inputs, through the public API only, so trees of 
 - chunked: a 2048-token chunk appended to 12288 cached tokens, dense and P = 64;
 - host: the CPU time of one eager call, each public entry point: flash_attn_with_kvcache decode
   (batch 1, cache 4096, device lengths), KVCache.decode, flash_attn_func and flash_attn_varlen_func
-  forward (batch 1, 128 tokens). `--host` runs these cases alone, every process pinned to one core
-  (which core a process lands on moves host time by tens of percent).
+  forward (batch 1, 128 tokens).
+
+`--host` times the host cases alone and in one process: both trees' kernels are imported side by side
+(under other package names) and called in alternating batches of calls, since which core a process
+lands on moves host time by more than the few percent a change is judged by.
 
 Per case the median over rounds of each tree, and new / base. Prints the table and writes it with
 every process's raw numbers to --out (default: no files). Needs a CUDA GPU.
@@ -25,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -41,9 +43,7 @@ HOST_CASES = [dict(kind="host", batch=1, cache_len=4096, page_size=0),
               dict(kind="host", api="flash_attn_varlen_func", batch=1, seqlen=128)]
 
 
-def _cases(quick: bool, host_only: bool = False) -> List[Dict]:
-    if host_only:
-        return list(HOST_CASES)
+def _cases(quick: bool) -> List[Dict]:
     cases = []
     seqlens = (1024, 16384) if quick else (1024, 4096, 16384)
     for mode in ("fwd", "fwd_bwd"):
@@ -140,13 +140,15 @@ def _measure(cases: List[Dict]) -> Dict[str, float]:
     return out
 
 
-def _host_call(c: Dict, dtype, dev, gen) -> Callable:
-    """The eager call of a host case with an `api` (its inputs made here)."""
+def _host_call(c: Dict, dtype, dev, gen, kernels=None) -> Callable:
+    """The eager call of a host case with an `api` (its inputs made here), from the package `kernels`
+    (default: the importable one)."""
     import torch
 
-    import kernels
-
     from .inputs import randn
+
+    if kernels is None:
+        import kernels
 
     if c["api"] == "KVCache.decode":  # room for host_overhead_us's 2,020 calls after the prompt
         cache = kernels.KVCache(c["batch"], c["cache_len"] + 4096, 8, 128, dtype=dtype, device=dev)
@@ -162,15 +164,52 @@ def _host_call(c: Dict, dtype, dev, gen) -> Callable:
     return lambda: kernels.flash_attn_varlen_func(q, k, v, cu, cu, c["seqlen"], c["seqlen"], causal=True)
 
 
-def _worker(tree: str, quick: bool, host_only: bool = False) -> int:
-    if host_only and hasattr(os, "sched_setaffinity"):  # host time moves with the core a process lands on
-        os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})
+def _import_tree(tree: str, name: str):
+    """tree's kernels/ imported as the package `name` (its modules import each other relatively)."""
+    import importlib.util
+
+    init = Path(tree) / "kernels" / "__init__.py"
+    spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[str(init.parent)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _host_ab(trees: Dict[str, str], rounds: int, batches: int = 20, calls: int = 500) -> Dict[str, List[Dict]]:
+    """Both trees' host cases in this process, alternating batches of `calls` calls (`batches` per
+    tree per round); per round and tree, the median over its batches of host_overhead_us's median."""
+    import torch
+
+    from . import measure
+    from .inputs import generator
+
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    packages = {which: _import_tree(tree, f"kernels_ab_{which}") for which, tree in trees.items()}
+    fns = {(which, case_name(c)): _host_call(c, dtype, dev, generator(dev, 0), packages[which])
+           for c in HOST_CASES for which in trees}
+    runs: Dict[str, List[Dict]] = {which: [] for which in trees}
+    for r in range(rounds):
+        samples: Dict[tuple, list] = {key: [] for key in fns}
+        for b in range(batches):
+            for name in (case_name(c) for c in HOST_CASES):
+                order = ("base", "new") if (r + b) % 2 == 0 else ("new", "base")
+                for which in order:
+                    samples[(which, name)].append(
+                        measure.host_overhead_us(fns[(which, name)], calls=calls, warmup=5)["host_us"])
+        for which in trees:
+            runs[which].append({name: statistics.median(samples[(which, name)])
+                                for name in (case_name(c) for c in HOST_CASES)})
+    return runs
+
+
+def _worker(tree: str, quick: bool) -> int:
     sys.path.insert(0, tree)  # this tree's kernels first; benchmarks resolves to the harness's checkout
     import kernels
 
     if Path(kernels.__file__).resolve().parents[1] != Path(tree).resolve():
         raise RuntimeError(f"imported {kernels.__file__}, not the kernels of {tree}")
-    print("AB-RESULT " + json.dumps(_measure(_cases(quick, host_only))), flush=True)
+    print("AB-RESULT " + json.dumps(_measure(_cases(quick))), flush=True)
     return 0
 
 
@@ -180,26 +219,29 @@ def main(argv=None) -> int:
     ap.add_argument("--new", default=str(HERE), help="checkout whose kernels/ is measured against it")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
-    ap.add_argument("--host", action="store_true", help="the host cases only")
+    ap.add_argument("--host", action="store_true", help="the host cases only, both trees in one process")
     ap.add_argument("--out", default=None, help="folder for ab.json (raw numbers) and ab.txt (the table)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        return _worker(args.worker, args.quick, args.host)
+        return _worker(args.worker, args.quick)
     trees = {"base": str(Path(args.base).resolve()), "new": str(Path(args.new).resolve())}
     runs: Dict[str, List[Dict[str, float]]] = {"base": [], "new": []}
-    for r in range(args.rounds):
-        order = ("base", "new") if r % 2 == 0 else ("new", "base")
-        for which in order:
-            cmd = [sys.executable, "-m", "benchmarks.ab", "--base", trees["base"], "--worker", trees[which]]
-            cmd += (["--quick"] if args.quick else []) + (["--host"] if args.host else [])
-            proc = subprocess.run(cmd, cwd=HERE, capture_output=True, text=True)
-            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("AB-RESULT ")]
-            if proc.returncode or not lines:
-                print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
-                raise RuntimeError(f"{which} worker failed (round {r})")
-            runs[which].append(json.loads(lines[-1][len("AB-RESULT "):]))
-            print(f"round {r} {which} done", flush=True)
+    if args.host:
+        runs = _host_ab(trees, args.rounds)
+    else:
+        for r in range(args.rounds):
+            order = ("base", "new") if r % 2 == 0 else ("new", "base")
+            for which in order:
+                cmd = [sys.executable, "-m", "benchmarks.ab", "--base", trees["base"], "--worker", trees[which]]
+                cmd += ["--quick"] if args.quick else []
+                proc = subprocess.run(cmd, cwd=HERE, capture_output=True, text=True)
+                lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("AB-RESULT ")]
+                if proc.returncode or not lines:
+                    print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
+                    raise RuntimeError(f"{which} worker failed (round {r})")
+                runs[which].append(json.loads(lines[-1][len("AB-RESULT "):]))
+                print(f"round {r} {which} done", flush=True)
     rows = []
     for name in runs["base"][0]:
         base = statistics.median(run[name] for run in runs["base"])

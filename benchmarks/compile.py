@@ -14,6 +14,9 @@ Rows (us per step, the caller's wall time: host included, CUDA-synchronised) go 
 results/<gpu>/bench_compile.csv; every compiled output is first compared with the eager one:
 
     python -m benchmarks.compile          # (~2 min on an H200, most of it compiling)
+
+The decode shapes: batch 8 from 1,024 cached tokens (capacity 4,096), and batch 64 from 8,192
+(capacity 16,384); the SDPA decode reads the whole capacity, ours each request's length.
 """
 
 from __future__ import annotations
@@ -164,45 +167,52 @@ def decode_cases(batch: int, capacity: int, start: int):
     return cases
 
 
-def measure(batch: int = 2, seqlen: int = 2048, decode_batch: int = 8, capacity: int = 4096, start: int = 1024,
-            *, rounds: int = 3, rep: int = 50, verbose: bool = True) -> list:
+DECODE_SHAPES = ((8, 4096, 1024), (64, 16384, 8192))  # (batch, cache capacity, length at the first step)
+
+
+def measure(batch: int = 2, seqlen: int = 2048, decode_shapes=DECODE_SHAPES, *, rounds: int = 3, rep: int = 50,
+            verbose: bool = True) -> list:
+    """Rows (dicts, not yet stamped with the GPU): us per step of each case, its speedup over the eager
+    layer with our kernels, and the relative error of its output against that layer's."""
     rows = []
+
+    def report(path, shape, outs, best):
+        for name in outs:
+            err = rel_err(outs[name], outs["kernels eager"])
+            speedup = best["kernels eager"] / best[name]
+            if verbose:
+                print(f"{path:6s} {shape:22s} {name:38s} {best[name]:9.1f} us  vs eager {speedup:.3f}x  "
+                      f"rel err vs eager {err:.1e}", flush=True)
+            rows.append(dict(path=path, shape=shape, impl=name, us=round(best[name], 1),
+                             speedup_vs_eager=round(speedup, 3), rel_err=f"{err:.1e}"))
+
     train = train_cases(batch, seqlen)
     outs = {name: fn().detach() for name, fn in train.items()}
     best = {name: float("inf") for name in train}
-    for _ in range(rounds):
+    for _ in range(rounds):  # interleaved: every case once per round
         for name, fn in train.items():
             if name.endswith("provider"):
                 torch.nn.attention.activate_flash_attention_impl(sdpa.IMPL_NAME)
             best[name] = min(best[name], wall_us(fn, rep, before=fn))
             torch.nn.attention.restore_flash_attention_impl(_raise_warn=False)
-    for name in train:
-        err = rel_err(outs[name], outs["kernels eager"])
-        if verbose:
-            print(f"train  {name:18s} {best[name]:9.1f} us  vs eager {best['kernels eager'] / best[name]:.3f}x  "
-                  f"rel err vs eager {err:.1e}", flush=True)
-        rows.append(dict(path="train", shape=f"{batch}x{seqlen}x{EMBED}", impl=name, us=round(best[name], 1),
-                         speedup_vs_eager=round(best["kernels eager"] / best[name], 3), rel_err=f"{err:.1e}"))
-    with torch.no_grad():
-        decode = decode_cases(decode_batch, capacity, start)
-        outs = {}
-        for name, (fn, reset) in decode.items():
-            reset()
-            outs[name] = fn()
-        best = {name: float("inf") for name in decode}
-        for _ in range(rounds):  # interleaved: every case from the same lengths in each round
+    report("train", f"{batch}x{seqlen}x{EMBED}", outs, best)
+    del train
+    for decode_batch, capacity, start in decode_shapes:
+        with torch.no_grad():
+            decode = decode_cases(decode_batch, capacity, start)
+            outs = {}
             for name, (fn, reset) in decode.items():
-                for _ in range(5):
-                    fn()  # warm (and record the CUDA graph) before resetting
-                best[name] = min(best[name], wall_us(fn, rep, before=reset))
-    for name in decode:
-        err = rel_err(outs[name], outs["kernels eager"])
-        if verbose:
-            print(f"decode {name:18s} {best[name]:9.1f} us  vs eager {best['kernels eager'] / best[name]:.3f}x  "
-                  f"rel err vs eager {err:.1e}", flush=True)
-        rows.append(dict(path="decode", shape=f"{decode_batch}x{start}+{rep}of{capacity}x{EMBED}", impl=name,
-                         us=round(best[name], 1), speedup_vs_eager=round(best["kernels eager"] / best[name], 3),
-                         rel_err=f"{err:.1e}"))
+                reset()
+                outs[name] = fn()
+            best = {name: float("inf") for name in decode}
+            for _ in range(rounds):  # interleaved: every case from the same lengths in each round
+                for name, (fn, reset) in decode.items():
+                    for _ in range(5):
+                        fn()  # warm (and record the CUDA graph) before resetting
+                    best[name] = min(best[name], wall_us(fn, rep, before=reset))
+        report("decode", f"{decode_batch}x{start}+{rep}of{capacity}", outs, best)
+        del decode
+        torch.cuda.empty_cache()
     return rows
 
 

@@ -52,6 +52,10 @@ from .prefill import (
     variant_options,
 )
 
+# The ops' namespace is the package's import name ("kernels"), so that two copies of the package can
+# share a process under different names (benchmarks.ab --host times two trees side by side).
+NAMESPACE = __name__.split(".")[0]
+
 
 def _prefill_options(q: Tensor, k: Tensor, cu_seqlens_q, max_seqlen_k: int, alibi_slopes, sinks, softmax_scale: float,
                      causal: bool, window_left: int, window_right: int, softcap: float):
@@ -110,7 +114,7 @@ def prefill_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
     return dq, dk, dv, dsinks
 
 
-@torch.library.custom_op("kernels::prefill_fwd", mutates_args=())
+@torch.library.custom_op(f"{NAMESPACE}::prefill_fwd", mutates_args=())
 def prefill_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
                 max_seqlen_q: int, max_seqlen_k: int, alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
                 rng_state: Optional[Tensor], softmax_scale: float, causal: bool, window_left: int, window_right: int,
@@ -126,7 +130,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slo
         _lse_shape(q, cu_seqlens_q is not None), dtype=torch.float32)
 
 
-@torch.library.custom_op("kernels::prefill_bwd", mutates_args=())
+@torch.library.custom_op(f"{NAMESPACE}::prefill_bwd", mutates_args=())
 def prefill_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                 cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
                 alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], rng_state: Optional[Tensor],
@@ -210,7 +214,7 @@ def flash_attn_varlen_func_traced(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
     return _results(out, lse, None, return_attn_probs, return_softmax_lse)
 
 
-@torch.library.custom_op("kernels::varlen_paged_fwd", mutates_args=())
+@torch.library.custom_op(f"{NAMESPACE}::varlen_paged_fwd", mutates_args=())
 def varlen_paged_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                      max_seqlen_q: int, max_seqlen_k: int, block_table: Tensor, alibi_slopes: Optional[Tensor],
                      sinks: Optional[Tensor], softmax_scale: float, causal: bool, window_left: int, window_right: int,
@@ -228,7 +232,7 @@ def _(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
                                                                                    dtype=torch.float32)
 
 
-@torch.library.custom_op("kernels::kvcache", mutates_args=("k_cache", "v_cache"))
+@torch.library.custom_op(f"{NAMESPACE}::kvcache", mutates_args=("k_cache", "v_cache"))
 def kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v: Optional[Tensor],
             rotary_cos: Optional[Tensor], rotary_sin: Optional[Tensor], cache_seqlens: Tensor,
             cache_batch_idx: Optional[Tensor], cache_leftpad: Optional[Tensor], block_table: Optional[Tensor],
