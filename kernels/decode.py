@@ -482,9 +482,9 @@ def _split_scratch(numel: int, device: torch.device, device_index: int) -> torch
     tree refuses a tensor its warmup allocated that outlives the call).
     """
     if (device.type != "cuda" or numel * 4 > SPLIT_SCRATCH_CACHE_BYTES
-            or torch.cuda.is_current_stream_capturing() or getattr(_SCRATCH_LOCAL, "uncached", False)):
+            or torch.cuda.is_current_stream_capturing() or _SCRATCH_LOCAL.uncached):
         return torch.empty(numel, dtype=torch.float32, device=device)
-    buffers = getattr(_SCRATCH_LOCAL, "buffers", None)
+    buffers = _SCRATCH_LOCAL.buffers
     if buffers is None:
         buffers = _SCRATCH_LOCAL.buffers = {}
     slot = (device_index, torch._C._cuda_getCurrentRawStream(device_index))
@@ -495,13 +495,20 @@ def _split_scratch(numel: int, device: torch.device, device_index: int) -> torch
 
 
 SPLIT_SCRATCH_CACHE_BYTES = 64 * 2**20  # larger split scratch is allocated per call, not kept
-_SCRATCH_LOCAL = threading.local()  # .buffers: (device index, raw stream) -> the largest scratch used there
+class _ScratchLocal(threading.local):
+    """A thread's split scratch state; class defaults, so that reading an unset one costs no exception."""
+
+    buffers: Optional[dict] = None  # (device index, raw stream) -> the largest scratch used there
+    uncached: bool = False  # True inside `uncached_scratch`
+
+
+_SCRATCH_LOCAL = _ScratchLocal()
 
 
 @contextlib.contextmanager
 def uncached_scratch():
     """Split scratch is allocated per call inside (see `_split_scratch`)."""
-    before = getattr(_SCRATCH_LOCAL, "uncached", False)
+    before = _SCRATCH_LOCAL.uncached
     _SCRATCH_LOCAL.uncached = True
     try:
         yield

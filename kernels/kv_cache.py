@@ -50,13 +50,11 @@ _NO_WINDOW = (-1, -1)  # flash-attn's window_size for none
 def _eager_only(method):
     """`method` as is, except under torch.compile: run eagerly there (torch.compiler.disable) rather than
     traced, since dynamo would specialise on the host mirror's values."""
-    disabled = torch.compiler.disable(method)
+    disabled, is_compiling = torch.compiler.disable(method), torch.compiler.is_compiling
 
     @functools.wraps(method)
     def call(*args, **kwargs):
-        if torch.compiler.is_compiling():
-            return disabled(*args, **kwargs)
-        return method(*args, **kwargs)
+        return disabled(*args, **kwargs) if is_compiling() else method(*args, **kwargs)
 
     return call
 
