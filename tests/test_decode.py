@@ -843,7 +843,7 @@ def test_split_scratch_is_per_stream_and_thread(monkeypatch):
 
     import kernels.decode as decode
 
-    monkeypatch.setattr(decode, "_SCRATCH_LOCAL", threading.local())  # this test's buffers go with it
+    monkeypatch.setattr(decode, "_SCRATCH_LOCAL", decode._ScratchLocal())  # this test's buffers go with it
     real_empty, stream, capturing = torch.empty, [7], [False]
     monkeypatch.setattr(torch, "empty", lambda n, dtype, device: real_empty(n, dtype=dtype))
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: stream[0], raising=False)
