@@ -495,6 +495,8 @@ def _split_scratch(numel: int, device: torch.device, device_index: int) -> torch
 
 
 SPLIT_SCRATCH_CACHE_BYTES = 64 * 2**20  # larger split scratch is allocated per call, not kept
+
+
 class _ScratchLocal(threading.local):
     """A thread's split scratch state; class defaults, so that reading an unset one costs no exception."""
 
