@@ -26,6 +26,11 @@ resolved); the op rebuilds the kernels' options from them (`variant_options`, ca
 Dropout's (seed, salt) come in as rng_state, an input drawn in the graph, so a compiled graph draws
 fresh bits per call like the eager path. dsinks is an empty (0,) tensor without sinks (an op output
 cannot be None).
+
+[Note] Contiguous outputs: inductor checks at run time that an op's outputs have the strides its fake
+implementation gave. The fakes say contiguous, so the ops make it so: eager paths may return a view
+of a padded buffer (a head dim that is not a multiple of 8 on Hopper, where tensor descriptors need
+16-byte rows), which the op copies; gradients are allocated contiguous, whatever q, k, v's strides.
 """
 
 from __future__ import annotations
@@ -39,12 +44,14 @@ from ._options import resolve_variants
 from .decode import flash_attn_with_kvcache, uncached_scratch
 from .errors import InputError
 from .prefill import (
+    PAGED_VARLEN_NO_BACKWARD,
     TRACED,
     _flash_attn_backward,
     _flash_attn_forward,
     _flash_attn_varlen_backward,
     _flash_attn_varlen_forward,
     _results,
+    _validate_dropout,
     _validate_qkv,
     _validate_varlen,
     _varlen_paged,
@@ -119,8 +126,9 @@ def prefill_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
                 max_seqlen_q: int, max_seqlen_k: int, alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
                 rng_state: Optional[Tensor], softmax_scale: float, causal: bool, window_left: int, window_right: int,
                 softcap: float, dropout_p: float) -> Tuple[Tensor, Tensor]:
-    return prefill_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, sinks,
-                           rng_state, softmax_scale, causal, window_left, window_right, softcap, dropout_p)
+    out, lse = prefill_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, sinks,
+                               rng_state, softmax_scale, causal, window_left, window_right, softcap, dropout_p)
+    return out.contiguous(), lse  # see [Note] Contiguous outputs
 
 
 @prefill_fwd.register_fake
@@ -146,13 +154,14 @@ def prefill_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse:
 def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, sinks, rng_state,
       softmax_scale, causal, window_left, window_right, softcap, dropout_p):
     nheads = q.shape[-2] if sinks is not None else 0
-    return (torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(k), torch.empty_like(v),
+    return (torch.empty_like(q, memory_format=torch.contiguous_format), k.new_empty(k.shape), v.new_empty(v.shape),
             q.new_empty((nheads,), dtype=torch.float32))
 
 
 def _setup_context(ctx, inputs, output) -> None:
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, sinks, rng_state, *scalars = inputs
     out, lse = output
+    ctx.mark_non_differentiable(lse)  # as in eager: softmax_lse takes no gradient
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, rng_state)
     ctx.lengths = (max_seqlen_q, max_seqlen_k)
     ctx.scalars = scalars
@@ -185,6 +194,7 @@ def flash_attn_func_traced(q, k, v, dropout_p, softmax_scale, causal, window_siz
                            return_attn_probs, return_softmax_lse, sinks):
     """flash_attn_func under torch.compile: flash-attn's arguments resolved in Python (what dynamo
     traces), then one `kernels::prefill_fwd` node; its inputs are checked when it runs, before any launch."""
+    dropout_p = _validate_dropout(dropout_p)
     if return_attn_probs and dropout_p > 0:
         raise NotImplementedError("return_attn_probs with dropout (S_dmask, a testing aid) is eager only.")
     scalars = _resolved(window_size, softcap, causal, k.shape[1], softmax_scale, q.shape[-1])
@@ -199,6 +209,7 @@ def flash_attn_varlen_func_traced(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
     """flash_attn_varlen_func under torch.compile: one `kernels::prefill_fwd` node over the packed
     sequences (max_seqlen_q / max_seqlen_k as the graph's ints), or one `kernels::varlen_paged_fwd` node over a
     paged K/V (forward only, as eager)."""
+    dropout_p = _validate_dropout(dropout_p)
     if return_attn_probs and dropout_p > 0:
         raise NotImplementedError("return_attn_probs with dropout (S_dmask, a testing aid) is eager only.")
     scalars = _resolved(window_size, softcap, causal, max_seqlen_k, softmax_scale, q.shape[-1])
@@ -222,7 +233,7 @@ def varlen_paged_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: 
     out, lse = _varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0,
                              softmax_scale, causal, (window_left, window_right), softcap, alibi_slopes, False,
                              block_table, True, sinks)
-    return out, lse
+    return out.contiguous(), lse  # see [Note] Contiguous outputs
 
 
 @varlen_paged_fwd.register_fake
@@ -230,6 +241,17 @@ def _(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
       softmax_scale, causal, window_left, window_right, softcap):
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(_lse_shape(q, True),
                                                                                    dtype=torch.float32)
+
+
+def _paged_setup_context(ctx, inputs, output) -> None:
+    ctx.mark_non_differentiable(output[1])
+
+
+def _paged_backward(ctx, dout, dlse):
+    raise NotImplementedError(PAGED_VARLEN_NO_BACKWARD)
+
+
+varlen_paged_fwd.register_autograd(_paged_backward, setup_context=_paged_setup_context)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::kvcache", mutates_args=("k_cache", "v_cache"))
@@ -244,9 +266,8 @@ def kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v:
                                          cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
                                          (window_left, window_right), softcap, rotary_interleaved, alibi_slopes,
                                          num_splits, return_lse, sinks=sinks)
-    if return_lse:
-        return result
-    return result, q.new_empty((0,), dtype=torch.float32)
+    out, lse = result if return_lse else (result, q.new_empty((0,), dtype=torch.float32))
+    return out.contiguous(), lse  # see [Note] Contiguous outputs
 
 
 @kvcache.register_fake

@@ -886,6 +886,13 @@ def flash_attn_with_kvcache(
     No host synchronisation happens with device cache_seqlens (and block_table), so the whole step
     (append + attention) can be captured in a CUDA graph and replayed while the lengths advance on
     the device. Not supported: cache_leftpad together with a paged block_table.
+
+    Under torch.compile the call is one graph node (kernels/_ops.py), the append a declared mutation
+    of k_cache and v_cache. With mode="reduce-overhead" (CUDA graphs) whatever the step mutates must
+    be static: k_cache, v_cache and cache_seqlens (an int32 device tensor advanced in place) must be
+    the same tensors every call, marked with torch._dynamo.mark_static_address or held as module
+    buffers; otherwise inductor skips CUDA graphs for the step (it logs "mutated inputs"). Lengths that
+    change then recompile nothing.
     """
     if torch.compiler.is_compiling():  # one graph node, see kernels/_ops.py
         return TRACED["flash_attn_with_kvcache"](

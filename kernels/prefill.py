@@ -929,6 +929,10 @@ def _varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     return _results(out, lse, None, return_attn_probs, return_softmax_lse)
 
 
+PAGED_VARLEN_NO_BACKWARD = ("flash_attn_varlen_func with block_table (a paged K/V) is forward only, as in flash-attn: "
+                            "no gradient flows through it.")
+
+
 class _FlashAttnVarlenPagedFunc(torch.autograd.Function):
     """The paged varlen forward under autograd: its backward says it does not exist (flash-attn has none)."""
 
@@ -941,8 +945,7 @@ class _FlashAttnVarlenPagedFunc(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        raise NotImplementedError("flash_attn_varlen_func with block_table (a paged K/V) is forward only, as in "
-                                  "flash-attn: no gradient flows through it.")
+        raise NotImplementedError(PAGED_VARLEN_NO_BACKWARD)
 
 
 # ============================================================================================

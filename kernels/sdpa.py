@@ -15,7 +15,9 @@ contracts: out and the gradients have their inputs' strides, logsumexp is (batch
 (packed: (nheads, total_q)), and rng_state holds the dropout's (seed, salt) as uint64 (2,), which the
 backward takes back, so a dropout mask is drawn once and replayed exactly (zeros without dropout).
 Not supported, with a clear error: return_debug_mask, seqused_k, and ALiBi slopes when a gradient is
-wanted (PyTorch's backward op takes no slopes).
+wanted (PyTorch's backward op takes no slopes). That last check sees grad mode and requires_grad when
+the op runs: code that calls the op with grad mode off and differentiates it through its own autograd
+(AOT autograd, a custom op) gets gradients without the slopes, as with PyTorch's own kernels.
 
 PyTorch marks the hook a prototype; it was tested with torch 2.11. Without the hook (torch < 2.10)
 nothing is registered.

@@ -339,3 +339,74 @@ def test_reduce_overhead_decode_replays_cuda_graphs(page_size, monkeypatch):
     assert torch.equal(lens, eager_state[2]) and lens.tolist() == [64, 69, 124, 164]
     for got, want in zip(state[:2], eager_state[:2]):
         assert rel_err(got, want) < 2e-3
+
+
+def test_inductor_transposed_inputs_forward_backward():
+    """Inductor checks the ops' output strides against their fakes at run time: q, k, v as transposed
+    views of (batch, nheads, seqlen, headdim) tensors (what attention layers pass) compile forward and
+    backward, and equal eager."""
+    torch._dynamo.reset()
+    q, k, v = (randn(2, h, 33, 32).transpose(1, 2).detach().requires_grad_() for h in (4, 2, 2))
+    compiled = torch.compile(lambda q, k, v: flash_attn_func(q, k, v, causal=True) * 2, fullgraph=True)
+    out = compiled(q, k, v)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    ref = flash_attn_func(q, k, v, causal=True) * 2
+    ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
+    assert torch.allclose(out, ref, rtol=1e-3, atol=1e-3)
+    for g, r in zip(grads, ref_grads):
+        assert torch.allclose(g, r, rtol=1e-3, atol=1e-3)
+
+
+def test_compiled_calls_check_what_eager_checks():
+    """Under compile: a bad dropout_p raises InputError as in eager (with fullgraph=True dynamo reports it
+    as an exception it observed, our message inside), softmax_lse takes no gradient as in eager, and a
+    paged varlen call refuses a backward with eager's message."""
+    from helpers import paged_copy
+    from kernels import InputError, flash_attn_varlen_func
+
+    torch._dynamo.reset()
+    q, k = randn(1, 17, 4, 32, grad=True), randn(1, 17, 2, 32, grad=True)
+    for p in (-0.5, 1.5):
+        with pytest.raises(InputError, match="dropout_p"):
+            torch.compile(lambda q, k: flash_attn_func(q, k, k, dropout_p=p), backend="eager")(q, k)
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match=r"Expected dropout_p in \[0, 1\)"):
+            torch.compile(lambda q, k: flash_attn_func(q, k, k, dropout_p=p), fullgraph=True, backend="eager")(q, k)
+    out, lse, _ = torch.compile(lambda q, k: flash_attn_func(q, k, k, return_attn_probs=True), fullgraph=True,
+                                backend="aot_eager")(q, k)
+    assert out.requires_grad and not lse.requires_grad
+    k_cache, v_cache, table = paged_copy(randn(2, 64, 2, 32), randn(2, 64, 2, 32), 16)
+    k_cache.requires_grad_()
+    cu_q = torch.tensor([0, 10, 30], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 40, 90], dtype=torch.int32, device=DEVICE)
+    def paged(q, kc):
+        return flash_attn_varlen_func(q, kc, v_cache, cu_q, cu_k, 20, 50, block_table=table)
+
+    compiled = torch.compile(paged, fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match="is forward only"):  # AOT autograd traces the backward when compiling
+        compiled(randn(30, 4, 32), k_cache).sum().backward()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [100, 72])
+def test_inductor_odd_head_dims(head_dim):
+    """A head dim that is not a multiple of 8 (on Hopper the eager paths return views of padded
+    buffers): inductor forward + backward and a compiled chunked kvcache call equal eager."""
+    from kernels import flash_attn_with_kvcache
+    from kernels.testing import rel_err
+
+    torch._dynamo.reset()
+    q, k, v = (randn(2, 70, h, head_dim, grad=True) for h in (4, 2, 2))
+    out = torch.compile(lambda q, k, v: flash_attn_func(q, k, v, causal=True), fullgraph=True)(q, k, v)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    ref = flash_attn_func(q, k, v, causal=True)
+    ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
+    assert rel_err(out, ref) < 1e-3 and all(rel_err(g, r) < 1e-3 for g, r in zip(grads, ref_grads))
+    k_cache, v_cache = randn(2, 512, 2, head_dim), randn(2, 512, 2, head_dim)
+    chunk = [randn(2, 200, h, head_dim) for h in (4, 2, 2)]
+    lens = torch.tensor([0, 100], dtype=torch.int32, device=DEVICE)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    got = torch.compile(lambda *a: flash_attn_with_kvcache(*a, cache_seqlens=lens, causal=True),
+                        fullgraph=True)(chunk[0], k_cache, v_cache, chunk[1], chunk[2])
+    want = flash_attn_with_kvcache(chunk[0], kc, vc, chunk[1], chunk[2], cache_seqlens=lens, causal=True)
+    assert rel_err(got, want) < 1e-3 and torch.equal(k_cache, kc) and torch.equal(v_cache, vc)
