@@ -21,6 +21,7 @@ The decode shapes: batch 8 from 1,024 cached tokens (capacity 4,096), and batch 
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 
@@ -118,8 +119,21 @@ def wall_us(fn, steps: int, before=None) -> float:
     return (time.perf_counter() - start) / steps * 1e6
 
 
+@contextlib.contextmanager
+def provider(active: bool):
+    """Our kernels behind SDPA's flash backend inside (kernels/sdpa.py), when `active`."""
+    if active:
+        torch.nn.attention.activate_flash_attention_impl(sdpa.IMPL_NAME)
+    try:
+        yield
+    finally:
+        if active:
+            torch.nn.attention.restore_flash_attention_impl()
+
+
 def train_cases(batch: int, seqlen: int):
-    """name -> (one training step, its output for the check): eager and compiled, ours and SDPA's."""
+    """name -> one training step (forward + backward; returns the layer's output): eager and compiled,
+    ours and SDPA's."""
     torch.manual_seed(0)
     base = AttentionLayer().to("cuda", DTYPE)
     cos, sin = rotary_tables(seqlen, base.head_dim, "cuda")
@@ -187,14 +201,12 @@ def measure(batch: int = 2, seqlen: int = 2048, decode_shapes=DECODE_SHAPES, *, 
                              speedup_vs_eager=round(speedup, 3), rel_err=f"{err:.1e}"))
 
     train = train_cases(batch, seqlen)
-    outs = {name: fn().detach() for name, fn in train.items()}
-    best = {name: float("inf") for name in train}
+    outs, best = {}, {name: float("inf") for name in train}
     for _ in range(rounds):  # interleaved: every case once per round
         for name, fn in train.items():
-            if name.endswith("provider"):
-                torch.nn.attention.activate_flash_attention_impl(sdpa.IMPL_NAME)
-            best[name] = min(best[name], wall_us(fn, rep, before=fn))
-            torch.nn.attention.restore_flash_attention_impl(_raise_warn=False)
+            with provider(name.endswith("provider")):
+                outs.setdefault(name, fn().detach())
+                best[name] = min(best[name], wall_us(fn, rep, before=fn))
     report("train", f"{batch}x{seqlen}x{EMBED}", outs, best)
     del train
     for decode_batch, capacity, start in decode_shapes:
