@@ -30,17 +30,13 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._ops import prefill_backward, prefill_forward
+from ._ops import _rng_state, prefill_backward, prefill_forward
 
 IMPL_NAME = "kernels"
 
 
 def _window(side: Optional[int]) -> int:
     return -1 if side is None else int(side)
-
-
-def _rng_state(dropout_p: float, device: torch.device) -> Optional[Tensor]:
-    return torch.randint(0, 2**62, (2,), dtype=torch.int64, device=device) if dropout_p > 0 else None
 
 
 def _rng_outputs(rng_state: Optional[Tensor], device: torch.device):
