@@ -301,6 +301,11 @@ def test_training_step_gradients(name):
         if ref[n].norm() == 0:
             continue
         ok, err, bound = check_close(ours[n], ref[n], same[n], grad=True)
+        if n.endswith("sinks") and DTYPE != torch.float32:
+            # a cancelling sum: kernels.testing.check_dsinks's floor of 1e-2 (its bound also takes the
+            # forward output's error, so it is never lower than this)
+            bound += 1e-2 - error_bound(DTYPE, 0.0, grad=True)
+            ok = err <= bound
         worst.append((err / bound, n, err, bound))
         assert ok, f"{name} {n}: grad rel err {err:.3e} > bound {bound:.3e}"
     print(f"{name}: worst grad err/bound {max(worst)[0]:.2f} ({max(worst)[1]})")

@@ -111,20 +111,23 @@ def _probe(mask_function, batch_size: int, q_length: int, kv_length: int, q_offs
     """Whether transformers' mask_function, evaluated at this call's (absolute) query and key positions, is
     one of the patterns the kernels compute from the attention arguments: causal or bidirectional,
     with or without the sliding window `local_size`. Anything else (chunked attention, image-token
-    overlays, block masks) would be dropped silently, so the caller refuses it. Rows of queries are
-    probed a block at a time, keeping the probe's memory small for long prompts."""
+    overlays, block masks) would be dropped silently, so the caller refuses it. transformers' own plain
+    causal and bidirectional functions are known without a look; a closure (a sliding window, an
+    overlay) is evaluated, a block of query rows at a time to keep the probe small for long prompts,
+    with one host sync per block."""
+    if mask_function in (masking_utils.causal_mask_function, masking_utils.bidirectional_mask_function):
+        return True
     kv = (torch.arange(kv_length, device=device) + kv_offset)[None, None, :]
     b = torch.arange(batch_size, device=device)[:, None, None]
     rows = max(1, (1 << 22) // max(1, batch_size * kv_length))
     for start in range(0, q_length, rows):
         q = (torch.arange(start, min(q_length, start + rows), device=device) + q_offset)[None, :, None]
         got = torch.as_tensor(mask_function(b, 0, q, kv), device=device).expand(batch_size, q.shape[1], kv_length)
-        near = (q - kv).abs() <= local_size if local_size is not None else None
-        causal = (kv <= q).expand_as(got)
-        candidates = [causal, torch.ones_like(got)]
-        if near is not None:  # transformers' windows: causal keeps q - kv < W, bidirectional |q - kv| <= W
-            candidates += [causal & (kv > q - local_size), near.expand_as(got)]
-        if not any(torch.equal(got, c) for c in candidates):
+        causal = kv <= q
+        candidates = [causal, torch.ones_like(causal)]
+        if local_size is not None:  # transformers' windows: causal keeps q - kv < W, bidirectional |q - kv| <= W
+            candidates += [causal & (kv > q - local_size), (q - kv).abs() <= local_size]
+        if not bool(torch.stack([(got == c).all() for c in candidates]).any()):
             return False
     return True
 
