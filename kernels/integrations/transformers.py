@@ -17,9 +17,10 @@ What a model passes and where it goes (docs/design.md, "transformers"):
   - `sliding_window=W`: a causal query sees W keys, itself included (transformers' masks keep key j
     for query i iff i - j < W), so window_size = (W - 1, 0); bidirectional masks keep |i - j| <= W,
     so (W, W).
-  - Padding: the mask function hands every layer of one forward a `Padding` (computed once per
-    forward, not per layer). A left-padded batch (each row's padding a prefix: what `generate` makes)
-    runs with no copy through `flash_attn_with_kvcache(cache_leftpad=...)` when no gradient is needed;
+  - Padding: the mask function returns transformers' 2-D padding mask (as flash-attn's does) with
+    its `Padding` attached, computed once per forward and read by every layer. A left-padded batch
+    (each row's padding a prefix: what `generate` makes) runs with no copy through
+    `flash_attn_with_kvcache(cache_leftpad=...)` when no gradient is needed;
     any other padding, or training, unpads the real tokens into `flash_attn_varlen_func` and pads the
     output back with zeros. Never a dense mask.
   - Padding-free batches (`cu_seq_lens_q/k` + `max_length_q/k` keywords, or position_ids that restart
@@ -69,9 +70,14 @@ check_hub_kernels_clash()
 
 from transformers import AttentionInterface, masking_utils  # noqa: E402  (after the clash check speaks)
 
+PADDING_ATTR = "_triton_attention_padding"
+
 
 class Padding:
-    """The padding of one forward's batch, as every attention layer of that forward needs it.
+    """The padding of one forward's batch, as every attention layer of that forward needs it. It rides on
+    the mask tensor the mask function returns (attribute PADDING_ATTR): transformers passes that tensor
+    on untouched (generate calls .contiguous() on it, which returns the same tensor), and a layer that
+    gets a mask without it builds its own.
 
     mask: (batch, L) bool, True for a real token; key j of the layer is real iff mask[:, j], keys
         at j >= L (a static cache's unfilled rows) are never read. The layer's queries are the last
@@ -134,9 +140,10 @@ def _probe(mask_function, batch_size: int, q_length: int, kv_length: int, q_offs
 
 def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
                  mask_function=masking_utils.causal_mask_function, attention_mask: Optional[torch.Tensor] = None,
-                 local_size: Optional[int] = None, **kwargs) -> Optional[Padding]:
-    """transformers' mask hook for our backend: None when no token is padding, else a `Padding` of the
-    2-D attention_mask's last kv_length columns (a sliding-window cache keeps only the last keys).
+                 local_size: Optional[int] = None, **kwargs) -> Optional[torch.Tensor]:
+    """transformers' mask hook for our backend: None when no token is padding, else the 2-D
+    attention_mask's last kv_length columns (a sliding-window cache keeps only the last keys) as a bool
+    tensor carrying its `Padding`.
     Packed sequences pass through (the attention function reads their position ids); any other mask
     pattern is checked against what the kernels compute (`_probe`) and refused if it differs."""
     packed = getattr(mask_function, "__qualname__", "").startswith("packed_sequence_compatibility_function")
@@ -152,7 +159,8 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
     mask = attention_mask[:, -kv_length:].bool()
     if mask.shape[1] == kv_length and bool(mask.all()):
         return None
-    return Padding(mask)
+    setattr(mask, PADDING_ATTR, Padding(mask))
+    return mask
 
 
 def _needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
@@ -188,7 +196,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                 f"attn_implementation='{NAME}' takes a 2-D padding mask (batch, seqlen), got a "
                 f"{attention_mask.ndim}-D mask of shape {tuple(attention_mask.shape)}: dense masks never reach "
                 "these kernels; use attn_implementation='sdpa' or 'eager' for custom masks.")
-        attention_mask = Padding(attention_mask.bool())
+        attention_mask = getattr(attention_mask, PADDING_ATTR, None) or Padding(attention_mask.bool())
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (batch, seq, heads, head_dim) views
@@ -251,4 +259,5 @@ def register(name: str = NAME) -> str:
 
 register()
 
-__all__ = ["NAME", "Padding", "attention_forward", "check_hub_kernels_clash", "padding_mask", "register"]
+__all__ = ["NAME", "PADDING_ATTR", "Padding", "attention_forward", "check_hub_kernels_clash", "padding_mask",
+           "register"]
