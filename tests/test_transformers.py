@@ -2,11 +2,13 @@
 configs with random weights: a Llama-style model with GQA, a Mistral-style model whose sliding window
 engages, a Gemma-2-style model with softcap, a gpt-oss-style model with sinks.
 
-Each model runs a left-padded batch with attn_implementation="triton_attention" against a baseline
-("sdpa" where transformers' sdpa path applies all the model's options, "eager" for softcap and sinks)
-and the fp32 eager model as ground truth: teacher-forced logits at every real position and a training
-step's gradients within kernels.testing's rule; greedy generation gives the baseline's tokens up to the
-first step where the baseline's own top two logits are within the rule's tolerance. CPU (the Triton
+Each model runs with attn_implementation="triton_attention" against a baseline ("sdpa" where
+transformers' sdpa path applies all the model's options, "eager" for softcap and sinks) and the fp32
+eager model as ground truth: teacher-forced logits at every real position of a left-padded batch (Llama
+also right-padded and unpadded) and a training step's gradients (right padding) within kernels.testing's
+rule; for a left-padded batch, decode logits along the baseline's tokens within the rule's bound, and
+greedy tokens equal to the baseline's up to the first step where its own top two logits are within
+that tolerance. A window off by one key fails the Mistral logits check (8e-2 against 1e-5 on CPU). CPU (the Triton
 interpreter, fp32, tiny models) checks the same paths exactly; the GPU runs bf16 at a larger size.
 Also: registration is explicit, transformers runs with our package importable under the name
 "kernels", and a clash with Hugging Face's hub-kernels package is refused with a clear error."""
