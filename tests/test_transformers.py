@@ -329,3 +329,23 @@ def test_packed_sequences_match_separate_runs():
         packed = model(input_ids=torch.cat(seqs, 1), position_ids=position_ids).logits
         alone = torch.cat([model(input_ids=s).logits for s in seqs], 1)
     assert rel_err(packed, alone) <= 10 * error_bound(DTYPE, 0.0), rel_err(packed, alone)
+
+
+def test_training_dropout_reaches_the_kernels():
+    """config.attention_dropout in train mode drops attention probabilities in our kernels: the loss moves
+    off the eval-mode loss, torch.manual_seed reproduces it, and eval mode is unaffected."""
+    ids, mask = batch(side="right")
+    labels = torch.where(mask.bool(), ids, -100)
+    model = build("llama", kt.NAME)
+    model.config.attention_dropout = 0.5
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.5
+
+    def loss(train: bool, seed: int = 0) -> float:
+        model.train(train)
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            return model(input_ids=ids, attention_mask=mask, labels=labels).loss.item()
+
+    assert loss(True) == loss(True) != loss(False) == loss(False)
+    assert loss(True, seed=1) != loss(True, seed=0)
