@@ -165,6 +165,8 @@ def test_unsupported_masks_are_refused():
         kt.attention_forward(torch.nn.Module(), q, q, q, torch.zeros(1, 1, 8, 8, device=DEVICE))
     with pytest.raises(NotImplementedError, match="output_attentions"):
         kt.attention_forward(torch.nn.Module(), q, q, q, None, output_attentions=True)
+    with pytest.raises(NotImplementedError, match="continuous-batching"):
+        kt.attention_forward(torch.nn.Module(), q, q, q, None, cache=object())
 
 
 def test_padding_mask_forms():

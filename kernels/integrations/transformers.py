@@ -29,7 +29,9 @@ What a model passes and where it goes (docs/design.md, "transformers"):
 Refused with a clear error: a 4-D (dense) mask; a mask pattern other than causal / sliding window /
 bidirectional / packed sequences (chunked attention, image-token overlays: use "sdpa" or "eager" for
 those models), found by evaluating transformers' mask function at the call's positions once per
-forward; `output_attentions=True`. Pad query rows (rows that are padding) come out as zeros.
+forward; `output_attentions=True`; transformers' continuous-batching paged cache (`cache=`, which
+transformers itself refuses for a backend of another name). Pad query rows (rows that are padding) come
+out as zeros.
 
 The name clash: Hugging Face's hub-kernels package is also imported as `kernels`. transformers
 probes for it (`is_kernels_available()`: find_spec("kernels") and a version in [0.18.2, 0.19)); with
@@ -190,6 +192,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if kwargs.get("output_attentions", False):
         raise NotImplementedError(f"attn_implementation='{NAME}' never forms attention weights; "
                                   "use attn_implementation='eager' for output_attentions=True.")
+    if kwargs.get("cache") is not None:  # continuous batching's paged cache, which the attention updates
+        raise NotImplementedError(f"attn_implementation='{NAME}' does not take transformers' continuous-batching "
+                                  "(paged) cache yet; use a flash or 'sdpa' implementation for generate_batch.")
     if isinstance(attention_mask, torch.Tensor):
         if attention_mask.ndim != 2:
             raise InputError(
