@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from kernels import flash_attn_func, flash_attn_with_kvcache, sdpa
 from kernels.testing import rel_err
 
-from .measure import table_bench_args
+from .measure import table_bench_args, wall_us
 from .results import make_row, write_csv
 
 EMBED, NHEADS, NHEADS_K = 4096, 32, 8
@@ -105,18 +104,6 @@ class AttentionLayer(nn.Module):
                                                attn_mask=mask, enable_gqa=True).transpose(1, 2)
         lens.add_(1)
         return x + self.out(o.reshape(x.shape[0], 1, -1))
-
-
-def wall_us(fn, steps: int, before=None) -> float:
-    """Mean wall time per call of `steps` calls, CUDA-synchronised (before: run untimed first)."""
-    if before is not None:
-        before()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / steps * 1e6
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from .measure import table_bench_args
+from .measure import table_bench_args, wall_us
 from .results import make_row, write_csv
 
 BACKENDS = ("triton_attention", "sdpa", "flex_attention")
@@ -35,14 +35,6 @@ def llama_1b():
                                     num_attention_heads=32, num_key_value_heads=8, head_dim=64,
                                     max_position_embeddings=8192, tie_word_embeddings=True, rope_theta=500000.0,
                                     pad_token_id=0, bos_token_id=None, eos_token_id=None)
-
-
-def wall_s(fn) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - start
 
 
 def measure(rounds: int = 2, verbose: bool = True) -> list:
@@ -84,10 +76,10 @@ def measure(rounds: int = 2, verbose: bool = True) -> list:
         for backend in BACKENDS:
             model.set_attn_implementation(backend)
             with torch.no_grad():
-                generate_s = wall_s(lambda: model.generate(ids, **gen_kw))
+                generate_s = wall_us(lambda: model.generate(ids, **gen_kw)) / 1e6
             best[backend]["generate"] = min(best[backend]["generate"], generate_s)
-            best[backend]["prefill"] = min(best[backend]["prefill"], wall_s(prefill))
-            best[backend]["train"] = min(best[backend]["train"], wall_s(train))
+            best[backend]["prefill"] = min(best[backend]["prefill"], wall_us(prefill) / 1e6)
+            best[backend]["train"] = min(best[backend]["train"], wall_us(train) / 1e6)
     rows = []
     for backend in BACKENDS:
         same = (tokens[backend] == tokens["sdpa"]).int().cumprod(-1).sum(-1).min().item()

@@ -254,6 +254,19 @@ def time_fn(
     return _summary([s.elapsed_time(e) for s, e in zip(starts, ends)])
 
 
+def wall_us(fn: Callable[[], Any], steps: int = 1, before: Optional[Callable[[], Any]] = None) -> float:
+    """Mean wall time per call of `steps` calls, CUDA-synchronised, host included (before: run untimed
+    first): what a whole model step or `generate` costs its caller."""
+    if before is not None:
+        before()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps * 1e6
+
+
 def host_overhead_us(fn: Callable[[], Any], *, calls: int = 300, warmup: int = 20) -> Dict[str, float]:
     """CPU wall time of one fn() call without synchronising (wrapper + launches), in microseconds.
 
