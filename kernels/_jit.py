@@ -171,12 +171,13 @@ def variant_scores(qk, offs_m, offs_n, n_end, diag, left, right, cap_scale, slop
 
 
 @triton.jit
-def online_softmax(qk, m_i, l_i, acc, qk_scale, MASKED: tl.constexpr):
-    """One FlashAttention-2 step over a block of raw scores qk [rows, BLOCK_N].
+def softmax_step(qk, m_i, l_i, qk_scale, MASKED: tl.constexpr):
+    """One FlashAttention-2 step over a block of raw scores qk [rows, BLOCK_N], without the output.
 
-    Returns p = exp2(scaled qk - m_new) [rows, BLOCK_N] fp32, the new m_i and l_i, and acc rescaled
-    by exp2(m_old - m_new); the caller adds p @ v to acc. qk_scale = softmax_scale * log2(e) > 0.
-    MASKED=True when qk may hold -inf (whole rows included), see the module's [Note].
+    Returns p = exp2(scaled qk - m_new) [rows, BLOCK_N] fp32, the new m_i and l_i, and alpha =
+    exp2(m_old - m_new) [rows], the factor the output accumulated so far is to be rescaled by.
+    qk_scale = softmax_scale * log2(e) > 0. MASKED=True when qk may hold -inf (whole rows included),
+    see the module's [Note].
     """
     m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # [rows]
     if MASKED:
@@ -186,8 +187,15 @@ def online_softmax(qk, m_i, l_i, acc, qk_scale, MASKED: tl.constexpr):
     p = tl.math.exp2(qk * qk_scale - m_new_safe[:, None])  # [rows, BLOCK_N]
     alpha = tl.math.exp2(m_i - m_new_safe)  # [rows]
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    return p, m_new, l_i, acc
+    return p, m_new, l_i, alpha
+
+
+@triton.jit
+def online_softmax(qk, m_i, l_i, acc, qk_scale, MASKED: tl.constexpr):
+    """`softmax_step` with the output acc [rows, D] rescaled: returns p, the new m_i and l_i, and acc;
+    the caller adds p @ v to acc."""
+    p, m_new, l_i, alpha = softmax_step(qk, m_i, l_i, qk_scale, MASKED)
+    return p, m_new, l_i, acc * alpha[:, None]
 
 
 @triton.jit
