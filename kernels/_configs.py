@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import triton
 
+from ._options import AttnOptions
 from ._utils import Target
 
 HOPPER_SMEM = 200 * 1024  # a device with at least this much smem per block gets the big-tile table
@@ -54,6 +56,36 @@ _HOPPER_FWD = {
     128: AttnConfig(128, 64, 4, 2, True),
     256: AttnConfig(128, 64, 8, 2, True),
 }
+
+# Hopper's warp-specialized forward (kernels/prefill_sm90.py): 128 query rows split over two consumer
+# warpgroups that take turns on the tensor cores, 128-key blocks in a 2-slot K/V ring, 4 warps per consumer
+# (config.num_warps: the default partition's). Against fwd_kernel on an H200, bf16, head dim 128 (one run;
+# docs/perf-notes.md, "Prefill at cuDNN's speed"): 10 to 18% faster from 4096 keys on, causal or not, MHA and
+# GQA; 2 to 5% faster at 2048 keys causal; at 1024 keys 2 to 7% faster without a mask but 5 to 8% slower
+# causal, where a program's few key blocks cannot hide its prologue and epilogue at one program per SM;
+# slower at head dim 64 (an 82 KB program still holds an SM's registers alone). Hence: head dim 128, 2-byte
+# dtypes, dense, no dropout, at least 1024 keys (2048 causal).
+_SM90_WS_FWD = AttnConfig(128, 128, 4, 2, True)
+SM90_WS_MIN_KEYS = {False: 1024, True: 2048}
+
+
+def gluon_sm90_available() -> bool:
+    """Gluon's Hopper API as kernels/prefill_sm90.py is written against it (Triton 3.6)."""
+    return triton.__version__.split(".")[:2] == ["3", "6"]
+
+
+def prefill_fwd_sm90_config(options: AttnOptions, dtype: torch.dtype, seqlen_k: int,
+                            target: Optional[Target]) -> Optional[AttnConfig]:
+    """The warp-specialized Hopper forward's config for a dense call without dropout whose tensors
+    descriptors can address, or None where fwd_kernel is chosen (see _SM90_WS_FWD)."""
+    if target is None or target.capability[0] != 9 or target.smem_per_block < HOPPER_SMEM:
+        return None
+    if options.head_dim != 128 or options.head_dim_pad != 128 or dtype not in (torch.float16, torch.bfloat16):
+        return None
+    if seqlen_k < SM90_WS_MIN_KEYS[options.causal] or os.environ.get("KERNELS_SM90", "1") == "0":
+        return None
+    return _SM90_WS_FWD if gluon_sm90_available() else None
+
 
 # Ampere/Ada with 99 KB or more smem per block (A10, Colab's L4, A100): tiles that fit.
 _SMALL_SMEM_FWD = {

@@ -16,7 +16,13 @@ from typing import Optional, Tuple
 import torch
 import triton
 
-from ._configs import AttnConfig, prefill_bwd_config, prefill_bwd_unsupported, prefill_fwd_config
+from ._configs import (
+    AttnConfig,
+    prefill_bwd_config,
+    prefill_bwd_unsupported,
+    prefill_fwd_config,
+    prefill_fwd_sm90_config,
+)
 from ._jit import wide_pages
 from ._launch import LaunchCache
 from ._options import AttnOptions, attn_options, resolve_variants
@@ -334,6 +340,7 @@ def _flash_attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, optio
     dtype, any strides with a contiguous last dim)."""
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k = k.shape[1]
+    chosen = config is None  # a caller's config pins fwd_kernel
     target, config, planned = _forward_plan(q, options, config)
     if out is None:
         out = empty_aligned((batch, seqlen_q, nheads, head_dim), q.dtype, q.device, aligned=planned)
@@ -342,9 +349,17 @@ def _flash_attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, optio
         _empty_rows_lse(lse, options, variants)
         return out, lse
     q, k, v = _aligned_operands(planned, q, k, v)
+    use_tma = _use_tma(config.use_tma, target, q, k, v, out)
+    sm90 = prefill_fwd_sm90_config(options, q.dtype, seqlen_k, target) if use_tma and drop is None else None
+    if sm90 is not None and chosen:  # Hopper's warp-specialized kernel (kernels/prefill_sm90.py)
+        from .prefill_sm90 import forward as sm90_forward  # Gluon, imported only where it runs
+
+        _ensure_tma_allocator()
+        with _on_device(q):
+            sm90_forward(q, k, v, out, lse, options, sm90, variants)
+        return out, lse
     _launch_forward(q, k, v, out, lse, batch, seqlen_q, seqlen_k, options, config,
-                    dict(_dropout_args(drop), **(variants or {})),
-                    use_tma=_use_tma(config.use_tma, target, q, k, v, out))
+                    dict(_dropout_args(drop), **(variants or {})), use_tma=use_tma)
     return out, lse
 
 

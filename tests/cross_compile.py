@@ -100,8 +100,14 @@ def _compile_shared(spec: dict) -> int:
 
     fn = getattr(importlib.import_module(spec["module"]), spec["name"])
     attrs = {(i,): [["tt.divisibility", 16]] for i in spec["divisible"]}
-    src = ASTSource(fn, spec["signature"], spec["constexprs"], attrs)
     target = GPUTarget("cuda", spec["arch"], 32)
+    if fn.is_gluon():  # a Gluon kernel starts at TTGIR: compile it whole (ptxas included)
+        import triton
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        src = GluonASTSource(fn, spec["signature"], spec["constexprs"], attrs)
+        return int(triton.compile(src, target=target, options=spec["options"]).metadata.shared)
+    src = ASTSource(fn, spec["signature"], spec["constexprs"], attrs)
     backend = make_backend(target)
     options = backend.parse_options(spec["options"])
     stages: dict = {}

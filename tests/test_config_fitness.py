@@ -25,7 +25,7 @@ import torch
 import cross_compile
 from helpers import DEVICE
 from kernels import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
-from kernels._configs import decode_unsupported, prefill_bwd_unsupported
+from kernels._configs import decode_unsupported, gluon_sm90_available, prefill_bwd_unsupported
 from kernels._launch import recording
 from kernels._utils import TARGETS, Target
 from kernels.decode import _chunked_prefill_pays
@@ -97,7 +97,13 @@ def _prefill_calls(dtype: torch.dtype, target: Target):
                                        softcap=5.0, alibi_slopes=torch.ones(4, device=DEVICE),
                                        sinks=torch.zeros(4, device=DEVICE), block_table=table)
 
+        def dense_long(head_dim=head_dim, causal=causal):  # long enough for Hopper's warp-specialized kernel
+            q = _empty(1, 2048, 4, head_dim, dtype=dtype)
+            k = _empty(1, 2048, 2, head_dim, dtype=dtype)
+            flash_attn_func(q, k, k, causal=causal)
+
         yield f"prefill D={head_dim} causal={causal}", dense
+        yield f"long prefill D={head_dim} causal={causal}", dense_long
         yield f"varlen D={head_dim} causal={causal}", packed
         yield f"dropout D={head_dim} causal={causal}", dropout
         yield f"variants D={head_dim} causal={causal}", variants
@@ -199,9 +205,11 @@ def test_every_config_fits_the_card(card):
         specs.setdefault(key, spec)
         labels.setdefault(key, label)
     kernels = {spec["name"] for spec in specs.values()}
-    assert kernels == {"fwd_kernel", "bwd_preprocess_kernel", "bwd_dkdv_kernel", "bwd_dq_kernel", "decode_kernel",
-                       "combine_kernel", "append_kernel", "dropout_probs_kernel"}, (
-        f"the calls launched only {sorted(kernels)}")
+    expected = {"fwd_kernel", "bwd_preprocess_kernel", "bwd_dkdv_kernel", "bwd_dq_kernel", "decode_kernel",
+                "combine_kernel", "append_kernel", "dropout_probs_kernel"}
+    if target.capability[0] == 9 and gluon_sm90_available():  # Hopper's Gluon forward (kernels/prefill_sm90.py)
+        expected.add("fwd_kernel_sm90_ws")
+    assert kernels == expected, f"the calls launched {sorted(kernels)}"
     results = cross_compile.shared_bytes(list(specs.values()))
     over, failed = [], []
     for (key, spec), result in zip(specs.items(), results):

@@ -1,0 +1,268 @@
+"""The dense prefill forward for Hopper (sm_90), written in Gluon (Triton's tile-level dialect), as
+FlashAttention-3 schedules it.
+
+Triton's block-level compiler waits for each warpgroup MMA right before the softmax that follows it, so in
+`prefill_kernels.fwd_kernel` the tensor cores idle while a block's softmax runs, and Triton 3.6's automatic
+warp specialization does not reach that kernel's shape (docs/perf-notes.md, Prefill). Here the schedule is
+written out. A program owns BLOCK_M query rows of one (batch, head) and runs three partitions:
+
+- a loader warp streams K and V blocks by TMA into rings of NUM_STAGES shared-memory slots, each slot
+  with a "ready" mbarrier (the copy landed) and an "empty" one (both consumers are done with it);
+- two consumer warpgroups own BLOCK_M / 2 rows each and take turns on the tensor cores (two mbarriers
+  pass the turn): while one issues its products, the other runs its softmax;
+- within a consumer, block j's softmax also overlaps its own p @ v of block j - 1:
+
+      iteration j:  [its turn] S_j = Q K_j^T, O += P_{j-1} V_{j-1} (issued)   wait S_j   release K_j
+                    softmax(S_j) -> P_j, alpha_j   wait O   release V_{j-1}   O *= alpha_j
+
+Masks, scores, the softmax step and the epilogue are kernels/_jit.py's helpers, shared with every other
+kernel. The shapes and options this kernel takes, and when it is chosen, are `_configs.prefill_fwd_sm90_config`;
+Gluon kernels do not run under the Triton interpreter, which keeps the portable kernel.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from ._configs import AttnConfig
+from ._jit import LOG2E, finalize, gqa_kv_head, key_range, score_units, softmax_step, variant_scores, window_extent
+from ._launch import LaunchCache
+from ._options import AttnOptions
+
+# Registers: three warpgroups (two consumers, the loader's) x 128 threads x MAXNREG = 64512 of the SM's
+# 65536. After setmaxnreg each consumer thread holds CONSUMER_REGS (its [64, 128] fp32 output and scores,
+# and the bf16 probabilities), the loader's 24; one program per SM (160 KB of shared memory at D = 128).
+MAXNREG = 168
+CONSUMER_REGS = gl.constexpr(240)
+LOADER_REGS = gl.constexpr(24)
+
+
+@gluon.constexpr_function
+def _mma_layout(num_warps, n):
+    """Accumulator layout of a [rows, n] warpgroup MMA: the warps stacked along rows (16 rows per warp)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 16])
+
+
+@gluon.constexpr_function
+def _smem_layout(rows, cols, dtype):
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], dtype)
+
+
+@gluon.jit
+def _ws_loader(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_lo, n_blocks,
+               BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """One warp: streams K_j, V_j into the ring as slots free up (both consumers release each slot)."""
+    for j in range(n_blocks):
+        slot = j % NUM_STAGES
+        phase = (j // NUM_STAGES) & 1
+        start_n = n_lo + j * BLOCK_N
+        mbarrier.wait(k_empty.index(slot), phase ^ 1)  # a fresh barrier counts as released (phase 1)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [start_n, 0], k_ready.index(slot), k_smem.index(slot))
+        mbarrier.wait(v_empty.index(slot), phase ^ 1)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [start_n, 0], v_ready.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
+def _ws_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
+                 o_desc, Lse, Sinks, Alibi, stride_alibi_b, off_b, off_h, pid_bh, M, start_m, n_lo, n_full_lo,
+                 n_full, n_end, n_blocks, diag, left, right, qk_scale, cap_scale, unit,
+                 HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                 IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+                 HAS_ALIBI: gl.constexpr, HAS_SINKS: gl.constexpr):
+    """One warpgroup: rows [start_m + WG * ROWS, + ROWS) of the tile. Each iteration issues S_j = Q K_j^T and
+    O += P_{j-1} V_{j-1} in its turn (the other warpgroup runs its softmax meanwhile), then takes block
+    j's softmax while its own p @ v is in flight."""
+    dtype: gl.constexpr = q_smem.dtype
+    NUM_WARPS: gl.constexpr = gl.num_warps()
+    s_layout: gl.constexpr = _mma_layout(NUM_WARPS, BLOCK_N)
+    o_layout: gl.constexpr = _mma_layout(NUM_WARPS, HEAD_DIM)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    cols_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    q_tile = q_smem.index(WG)
+    row0 = start_m + WG * ROWS
+    offs_m = row0 + gl.arange(0, ROWS, layout=rows_s)
+    offs_n = gl.arange(0, BLOCK_N, layout=cols_s)
+    if HAS_ALIBI:
+        slope = gl.load(Alibi + off_b * stride_alibi_b + off_h) / unit
+    else:
+        slope = 0.0
+    if HAS_SINKS:
+        m_i = gl.full([ROWS], 0.0, gl.float32, layout=rows_s) + gl.load(Sinks + off_h).to(gl.float32) * LOG2E
+        l_i = gl.full([ROWS], 1.0, gl.float32, layout=rows_s)
+    else:
+        m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=rows_s)
+        l_i = gl.zeros([ROWS], gl.float32, layout=rows_s)
+    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+    mbarrier.wait(q_bar, 0)
+    if n_blocks > 0:
+        # block 0: scores only (warpgroup 0 takes the first turn)
+        mbarrier.wait(k_ready.index(0), 0)
+        mbarrier.wait(turn.index(WG), 1 - WG)
+        qk = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.arrive(turn.index(1 - WG), count=1)
+        qk = warpgroup_mma_wait(0, deps=(qk,))
+        mbarrier.arrive(k_empty.index(0), count=1)
+        if (n_lo < n_full_lo) | (n_lo >= n_full):
+            qk = variant_scores(qk, offs_m, n_lo + offs_n, n_end, diag, left, right, cap_scale, slope, True,
+                                IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
+        else:
+            qk = variant_scores(qk, offs_m, n_lo + offs_n, n_end, diag, left, right, cap_scale, slope, False,
+                                IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
+        p32, m_i, l_i, alpha = softmax_step(qk, m_i, l_i, qk_scale, True)
+        p = p32.to(dtype)
+        for j in range(1, n_blocks):
+            start_n = n_lo + j * BLOCK_N
+            slot = j % NUM_STAGES
+            prev = (j - 1) % NUM_STAGES
+            mbarrier.wait(k_ready.index(slot), (j // NUM_STAGES) & 1)
+            mbarrier.wait(v_ready.index(prev), ((j - 1) // NUM_STAGES) & 1)
+            # my turn on the tensor cores: S_j = Q K_j^T, then O += P_{j-1} V_{j-1}
+            mbarrier.wait(turn.index(WG), (j & 1) ^ (1 - WG))
+            qk = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            acc = warpgroup_mma(gl.convert_layout(p, p_layout), v_smem.index(prev), acc, is_async=True)
+            mbarrier.arrive(turn.index(1 - WG), count=1)
+            qk = warpgroup_mma_wait(1, deps=(qk,))
+            mbarrier.arrive(k_empty.index(slot), count=1)
+            # block j's softmax while P_{j-1} V_{j-1} runs (and the other warpgroup's products)
+            if (start_n < n_full_lo) | (start_n >= n_full):
+                qk = variant_scores(qk, offs_m, start_n + offs_n, n_end, diag, left, right, cap_scale, slope, True,
+                                    IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
+            else:
+                qk = variant_scores(qk, offs_m, start_n + offs_n, n_end, diag, left, right, cap_scale, slope, False,
+                                    IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
+            p32, m_i, l_i, alpha = softmax_step(qk, m_i, l_i, qk_scale, True)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            mbarrier.arrive(v_empty.index(prev), count=1)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, rows_o), 1)
+            p = p32.to(dtype)
+        last = (n_blocks - 1) % NUM_STAGES
+        mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // NUM_STAGES) & 1)
+        acc = warpgroup_mma(gl.convert_layout(p, p_layout), v_smem.index(last), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(v_empty.index(last), count=1)
+    out, lse = finalize(acc, gl.convert_layout(m_i, rows_o), gl.convert_layout(l_i, rows_o))
+    offs_m_o = row0 + gl.arange(0, ROWS, layout=rows_o)
+    gl.store(Lse + pid_bh.to(gl.int64) * M + offs_m_o, lse, mask=offs_m_o < M)
+    q_tile.store(out.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [row0, 0], q_tile)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def fwd_kernel_sm90_ws(
+    Q, K, V, Out, Lse,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_ob, stride_om, stride_oh,
+    H, M, N, GROUP, softmax_scale, window_left, window_right, softcap,
+    HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+    HAS_SINKS: gl.constexpr,
+    Alibi=None, stride_alibi_b=None, Sinks=None,
+    NUM_STAGES: gl.constexpr = 2,
+):
+    """The forward as FlashAttention-3 schedules it: BLOCK_M rows split over two consumer warpgroups
+    (the kernel's 4 warps and a 4-warp worker) that alternate on the tensor cores, and a loader warp."""
+    gl.static_assert(HEAD_DIM == HEAD_DIM_PAD, "descriptor tiles cover the head dim exactly")
+    gl.static_assert(gl.num_warps() == 4, "the default partition is one consumer warpgroup")
+    ROWS: gl.constexpr = BLOCK_M // 2
+    dtype: gl.constexpr = Q.dtype.element_ty
+    q_smem_layout: gl.constexpr = _smem_layout(ROWS, HEAD_DIM, dtype)
+    kv_smem_layout: gl.constexpr = _smem_layout(BLOCK_N, HEAD_DIM, dtype)
+    unit, cap_scale = score_units(softmax_scale, softcap, HAS_SOFTCAP)
+    qk_scale = unit * LOG2E
+    if IS_CAUSAL:
+        pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
+    else:
+        pid_m = gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    off_b = (pid_bh // H).to(gl.int64)
+    off_h = pid_bh % H
+    off_hk = gqa_kv_head(off_h, GROUP)
+    start_m = pid_m * BLOCK_M
+    q_desc = tma.make_tensor_descriptor(Q + off_b * stride_qb + off_h.to(gl.int64) * stride_qh, [M, HEAD_DIM],
+                                        [stride_qm, 1], [ROWS, HEAD_DIM], q_smem_layout)
+    k_desc = tma.make_tensor_descriptor(K + off_b * stride_kb + off_hk * stride_kh, [N, HEAD_DIM],
+                                        [stride_kn, 1], [BLOCK_N, HEAD_DIM], kv_smem_layout)
+    v_desc = tma.make_tensor_descriptor(V + off_b * stride_vb + off_hk * stride_vh, [N, HEAD_DIM],
+                                        [stride_vn, 1], [BLOCK_N, HEAD_DIM], kv_smem_layout)
+    o_desc = tma.make_tensor_descriptor(Out + off_b * stride_ob + off_h.to(gl.int64) * stride_oh, [M, HEAD_DIM],
+                                        [stride_om, 1], [ROWS, HEAD_DIM], q_smem_layout)
+    diag = N - M
+    left, right = window_extent(window_left, window_right, M, N, IS_CAUSAL, HAS_WINDOW)
+    n_lo, n_full_lo, n_full, n_end = key_range(start_m, BLOCK_M, BLOCK_N, diag, N, left, right, IS_CAUSAL,
+                                               HAS_WINDOW)
+    n_blocks = gl.cdiv(n_end - n_lo, BLOCK_N)
+
+    q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_smem_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], kv_smem_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], kv_smem_layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=2)
+    mbarrier.init(turn.index(0), count=1)
+    mbarrier.init(turn.index(1), count=1)
+    fence_async_shared()
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [start_m, 0], q_bar, q_smem.index(0))
+    tma.async_copy_global_to_shared(q_desc, [start_m + ROWS, 0], q_bar, q_smem.index(1))
+
+    gl.warp_specialize([
+        (_ws_consumer, (0, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, o_desc, Lse,
+                        Sinks, Alibi, stride_alibi_b, off_b, off_h, pid_bh, M, start_m, n_lo, n_full_lo, n_full,
+                        n_end, n_blocks, diag, left, right, qk_scale, cap_scale, unit, HEAD_DIM, ROWS, BLOCK_N,
+                        NUM_STAGES, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_SINKS)),
+        (_ws_consumer, (1, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, o_desc, Lse,
+                        Sinks, Alibi, stride_alibi_b, off_b, off_h, pid_bh, M, start_m, n_lo, n_full_lo, n_full,
+                        n_end, n_blocks, diag, left, right, qk_scale, cap_scale, unit, HEAD_DIM, ROWS, BLOCK_N,
+                        NUM_STAGES, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_SINKS)),
+        (_ws_loader, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_lo, n_blocks, BLOCK_N,
+                      NUM_STAGES)),
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
+_launch_ws = LaunchCache(fwd_kernel_sm90_ws)
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+            options: AttnOptions, config: AttnConfig, variants: Optional[dict] = None) -> None:
+    """Launch the warp-specialized forward on dense (batch, seqlen, heads, D) tensors whose rows TMA can
+    address, writing out and lse (batch, nheads, seqlen_q) float32; `variants` as `prefill.variant_args`.
+    The caller checks the call is one `_configs.prefill_fwd_sm90_config` gives a config for."""
+    batch, seqlen_q, nheads, _ = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    grid = (triton.cdiv(seqlen_q, config.block_m), batch * nheads, 1)
+    args = (q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+            nheads, seqlen_q, seqlen_k, nheads // nheads_k)
+    kwargs = dict(**options.runtime, **options.constexprs, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                  NUM_STAGES=config.num_stages, **(variants or {}))
+    _launch_ws(None, grid, args, config.num_warps, 1, kwargs, q.device.index or 0, maxnreg=MAXNREG)

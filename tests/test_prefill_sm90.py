@@ -1,0 +1,141 @@
+"""Hopper's warp-specialized forward (kernels/prefill_sm90.py) and the rule that chooses it.
+
+The kernel itself (GPU of capability 9.x with Triton 3.6 only; Gluon does not run under the interpreter) is
+launched directly, whatever the rule would choose, on shapes that reach every path: ragged row and key
+tails, more queries than keys and fewer (rows that see no key), GQA and MQA, one key block and many, and
+each variant (window, softcap, ALiBi, sinks), against kernels.attention_ref with the suite's error rule. The
+rule is checked without a GPU, for the cards users bring.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import ON_GPU, assert_close_to_ref, assert_lse_close, make_qkv
+from kernels import flash_attn_func
+from kernels._configs import SM90_WS_MIN_KEYS, gluon_sm90_available, prefill_fwd_sm90_config
+from kernels._launch import recording
+from kernels._options import attn_options
+from kernels._utils import TARGETS
+from kernels.prefill import _ensure_tma_allocator, variant_options
+from kernels.reference import attention_ref
+
+HOPPER = ON_GPU and torch.cuda.get_device_capability()[0] == 9 and gluon_sm90_available()
+needs_hopper = pytest.mark.skipif(not HOPPER, reason="Gluon's Hopper kernel: a capability 9.x GPU with Triton 3.6")
+
+SHAPES = [  # batch, seqlen_q, seqlen_k, nheads, nheads_k
+    (2, 1000, 1000, 8, 2),  # ragged tails of both
+    (1, 300, 1000, 4, 4),  # fewer queries than keys: the diagonal moves right
+    (1, 1000, 300, 4, 1),  # more queries than keys: causal rows that see no key; MQA
+    (3, 64, 64, 4, 2),  # one key block, half a query block
+    (1, 1, 5, 4, 2),
+    (1, 2048, 2048, 4, 2),  # many blocks: the K/V rings wrap
+]
+VARIANTS = {
+    "plain": {},
+    "window": dict(window_size=(100, 3)),
+    "softcap": dict(softcap=30.0),
+    "alibi": dict(alibi_slopes=True),
+    "sinks": dict(sinks=True),
+}
+
+
+def _run_sm90(q, k, v, causal, **kw):
+    """The Hopper kernel on (q, k, v): (out, lse), with the public function's variant handling."""
+    from kernels import prefill_sm90
+
+    batch, seqlen_q, nheads, head_dim = q.shape
+    options, variants = variant_options(head_dim, None, causal, kw.get("window_size", (-1, -1)), kw.get("softcap", 0.0),
+                                        kw.get("alibi_slopes"), kw.get("sinks"), k.shape[1], batch, nheads, q.device)
+    out = torch.empty_like(q)
+    lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+    _ensure_tma_allocator()
+    prefill_sm90.forward(q, k, v, out, lse, options, prefill_sm90_config(), variants)
+    return out, lse
+
+
+def prefill_sm90_config():
+    target = TARGETS["H100"]
+    return prefill_fwd_sm90_config(attn_options(128, None, False), torch.bfloat16, 1 << 20, target)
+
+
+@needs_hopper
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}-m{}-n{}-h{}:{}".format(*s))
+def test_sm90_forward_matches_reference(shape, dtype, causal, variant):
+    batch, seqlen_q, seqlen_k, nheads, nheads_k = shape
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, 128, dtype, seed=7)
+    kw = dict(VARIANTS[variant])
+    if kw.pop("alibi_slopes", False):
+        kw["alibi_slopes"] = torch.rand(nheads, device=q.device) * 0.3
+    if kw.pop("sinks", False):
+        kw["sinks"] = torch.randn(nheads, device=q.device)
+    out, lse = _run_sm90(q, k, v, causal, **kw)
+    ref, ref_lse = attention_ref(q.float(), k.float(), v.float(), causal=causal, **kw)
+    same, _ = attention_ref(q, k, v, causal=causal, upcast=False, **kw)
+    assert_close_to_ref(out, ref.float(), same, msg=variant)
+    assert_lse_close(lse, ref_lse, dtype, msg=variant)
+
+
+@needs_hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_public_function_takes_the_hopper_kernel_and_agrees(causal, monkeypatch):
+    """flash_attn_func runs the Hopper kernel where the rule says so (KERNELS_SM90=0 switches it off), and
+    both kernels agree within the error rule."""
+    import kernels.prefill_sm90 as sm90
+
+    q, k, v = make_qkv(1, 2048, 2048, 8, 2, 128, torch.bfloat16, seed=1)
+    calls = []
+    monkeypatch.setattr(sm90, "forward", lambda *a, _f=sm90.forward: calls.append(1) or _f(*a))
+    out = flash_attn_func(q, k, v, causal=causal)
+    assert calls == [1]
+    monkeypatch.setenv("KERNELS_SM90", "0")
+    portable = flash_attn_func(q, k, v, causal=causal)
+    assert calls == [1]
+    ref, _ = attention_ref(q.float(), k.float(), v.float(), causal=causal)
+    same, _ = attention_ref(q, k, v, causal=causal, upcast=False)
+    assert_close_to_ref(out, ref.float(), same)
+    assert_close_to_ref(portable, ref.float(), same)
+
+
+def test_rule_picks_hopper_dense_head_dim_128_long_rows():
+    h100 = TARGETS["H100"]
+    full, causal = attn_options(128, None, False), attn_options(128, None, True)
+    expected = gluon_sm90_available()
+    assert (prefill_fwd_sm90_config(full, torch.bfloat16, 4096, h100) is not None) == expected
+    assert (prefill_fwd_sm90_config(causal, torch.float16, SM90_WS_MIN_KEYS[True], h100) is not None) == expected
+    assert prefill_fwd_sm90_config(causal, torch.bfloat16, SM90_WS_MIN_KEYS[True] - 1, h100) is None
+    assert prefill_fwd_sm90_config(full, torch.bfloat16, SM90_WS_MIN_KEYS[False] - 1, h100) is None
+    assert prefill_fwd_sm90_config(full, torch.float32, 4096, h100) is None
+    assert prefill_fwd_sm90_config(attn_options(64, None, False), torch.bfloat16, 4096, h100) is None
+    assert prefill_fwd_sm90_config(attn_options(256, None, False), torch.bfloat16, 4096, h100) is None
+    for card in ("A100", "L4", "T4"):
+        assert prefill_fwd_sm90_config(full, torch.bfloat16, 4096, TARGETS[card]) is None
+    assert prefill_fwd_sm90_config(full, torch.bfloat16, 4096, None) is None  # the interpreter
+
+
+@pytest.mark.skipif(not gluon_sm90_available(), reason="the Hopper kernel needs Triton 3.6")
+def test_only_dense_calls_without_dropout_reach_the_hopper_kernel():
+    """Planned for an H100: a long dense call records the Hopper kernel; dropout, packed sequences and a
+    KV cache record the portable one."""
+    from kernels import flash_attn_varlen_func, flash_attn_with_kvcache
+
+    def kernels_of(fn):
+        with recording(TARGETS["H100"]) as records:
+            fn()
+        return {getattr(r.fn, "fn", r.fn).__name__ for r in records}
+
+    dev = "cuda" if ON_GPU else "cpu"
+    q = torch.empty(1, 2048, 4, 128, dtype=torch.float16, device=dev)
+    k = torch.empty(1, 2048, 2, 128, dtype=torch.float16, device=dev)
+    assert kernels_of(lambda: flash_attn_func(q, k, k, causal=True)) == {"fwd_kernel_sm90_ws"}
+    assert kernels_of(lambda: flash_attn_func(q[:, :1024], k[:, :1024], k[:, :1024], causal=True)) == {"fwd_kernel"}
+    dropout = kernels_of(lambda: flash_attn_func(q, k, k, 0.1, causal=True))
+    assert "fwd_kernel" in dropout and "fwd_kernel_sm90_ws" not in dropout
+    cu = torch.tensor([0, 2048], dtype=torch.int32, device=dev)
+    assert kernels_of(lambda: flash_attn_varlen_func(q[0], k[0], k[0], cu, cu, 2048, 2048)) == {"fwd_kernel"}
+    lens = torch.full((1,), 2048, dtype=torch.int32, device=dev)
+    assert "fwd_kernel_sm90_ws" not in kernels_of(lambda: flash_attn_with_kvcache(q, k, k, cache_seqlens=lens))
