@@ -3,8 +3,9 @@ FlashAttention-3 schedules it.
 
 Triton's block-level compiler waits for each warpgroup MMA right before the softmax that follows it, so in
 `prefill_kernels.fwd_kernel` the tensor cores idle while a block's softmax runs, and Triton 3.6's automatic
-warp specialization does not reach that kernel's shape (docs/perf-notes.md, Prefill). Here the schedule is
-written out. A program owns BLOCK_M query rows of one (batch, head) and runs three partitions:
+warp specialization does not reach that kernel's shape (docs/perf-notes.md, "Prefill at cuDNN's speed on
+Hopper"). Here the schedule is written out. A program owns BLOCK_M query rows of one (batch, head) and runs
+three partitions:
 
 - a loader warp streams K and V blocks by TMA into rings of NUM_STAGES shared-memory slots, each slot
   with a "ready" mbarrier (the copy landed) and an "empty" one (both consumers are done with it);
