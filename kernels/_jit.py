@@ -52,6 +52,21 @@ def gqa_kv_head(off_h, GROUP):
 
 
 @triton.jit
+def query_block(H, GROUP, IS_CAUSAL: tl.constexpr):
+    """The block a program of a (query blocks, batch * heads) grid owns: (pid_m, pid_bh, off_b (int64),
+    off_h, off_hk (`gqa_kv_head`)). A causal grid takes its heaviest blocks first: the last query blocks
+    see the most keys."""
+    if IS_CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    off_b = (pid_bh // H).to(tl.int64)
+    off_h = pid_bh % H
+    return pid_m, pid_bh, off_b, off_h, gqa_kv_head(off_h, GROUP)
+
+
+@triton.jit
 def gqa_q_head(off_hk, GROUP, g):
     """Query head number `g` (< GROUP; a scalar or a vector) of KV head `off_hk`'s group."""
     return off_hk * GROUP + g

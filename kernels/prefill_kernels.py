@@ -112,6 +112,7 @@ from ._jit import (
     mask_scores,
     online_softmax,
     physical_blocks,
+    query_block,
     score_mods,
     score_units,
     store_rows,
@@ -237,15 +238,8 @@ def fwd_kernel(
     tl.static_assert(not (HAS_DROPOUT and IS_KVCACHE), "dropout is a training option: no cache mode")
     unit, cap_scale = score_units(softmax_scale, softcap, HAS_SOFTCAP)
     qk_scale = unit * LOG2E  # scores to base-2 logits
-    # -- which query block and head ------------------------------------------------------------
-    if IS_CAUSAL:  # heaviest blocks first: the last query blocks see the most keys
-        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    else:
-        pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    off_b = (pid_bh // H).to(tl.int64)
-    off_h = pid_bh % H
-    off_hk = gqa_kv_head(off_h, GROUP)  # the KV head this query head reads
+    # -- which query block and head (off_hk: the KV head this query head reads) ----------------
+    pid_m, pid_bh, off_b, off_h, off_hk = query_block(H, GROUP, IS_CAUSAL)
     start_m = pid_m * BLOCK_M
     if IS_VARLEN:  # off_b is a packed sequence: its own M, N and first rows (see [Note] Packed sequences)
         q_start = tl.load(Cu_seqlens_q + off_b)
@@ -786,14 +780,7 @@ def bwd_dq_kernel(
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
     unit, cap_scale = score_units(softmax_scale, softcap, HAS_SOFTCAP)
     qk_scale = unit * LOG2E
-    if IS_CAUSAL:
-        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    else:
-        pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    off_b = (pid_bh // H).to(tl.int64)
-    off_h = pid_bh % H
-    off_hk = gqa_kv_head(off_h, GROUP)
+    pid_m, pid_bh, off_b, off_h, off_hk = query_block(H, GROUP, IS_CAUSAL)
     off_h = off_h.to(tl.int64)
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)

@@ -38,7 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ._configs import AttnConfig
-from ._jit import LOG2E, finalize, gqa_kv_head, key_range, score_units, softmax_step, variant_scores, window_extent
+from ._jit import LOG2E, finalize, key_range, query_block, score_units, softmax_step, variant_scores, window_extent
 from ._launch import LaunchCache
 from ._options import AttnOptions
 
@@ -75,6 +75,21 @@ def _ws_loader(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empt
         mbarrier.wait(v_empty.index(slot), phase ^ 1)
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(v_desc, [start_n, 0], v_ready.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
+def _block_scores(qk, start_n, offs_m, offs_n, n_full_lo, n_full, n_end, diag, left, right, cap_scale, slope,
+                  IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+                  HAS_ALIBI: gl.constexpr):
+    """`variant_scores` of the key block at start_n, masked only outside [n_full_lo, n_full), the blocks
+    every row of the program sees whole."""
+    if (start_n < n_full_lo) | (start_n >= n_full):
+        qk = variant_scores(qk, offs_m, start_n + offs_n, n_end, diag, left, right, cap_scale, slope, True,
+                            IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
+    else:
+        qk = variant_scores(qk, offs_m, start_n + offs_n, n_end, diag, left, right, cap_scale, slope, False,
+                            IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
+    return qk
 
 
 @gluon.jit
@@ -120,12 +135,8 @@ def _ws_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_rea
         mbarrier.arrive(turn.index(1 - WG), count=1)
         qk = warpgroup_mma_wait(0, deps=(qk,))
         mbarrier.arrive(k_empty.index(0), count=1)
-        if (n_lo < n_full_lo) | (n_lo >= n_full):
-            qk = variant_scores(qk, offs_m, n_lo + offs_n, n_end, diag, left, right, cap_scale, slope, True,
-                                IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
-        else:
-            qk = variant_scores(qk, offs_m, n_lo + offs_n, n_end, diag, left, right, cap_scale, slope, False,
-                                IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
+        qk = _block_scores(qk, n_lo, offs_m, offs_n, n_full_lo, n_full, n_end, diag, left, right, cap_scale, slope,
+                           IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
         p32, m_i, l_i, alpha = softmax_step(qk, m_i, l_i, qk_scale, True)
         p = p32.to(dtype)
         for j in range(1, n_blocks):
@@ -142,12 +153,8 @@ def _ws_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_rea
             qk = warpgroup_mma_wait(1, deps=(qk,))
             mbarrier.arrive(k_empty.index(slot), count=1)
             # block j's softmax while P_{j-1} V_{j-1} runs (and the other warpgroup's products)
-            if (start_n < n_full_lo) | (start_n >= n_full):
-                qk = variant_scores(qk, offs_m, start_n + offs_n, n_end, diag, left, right, cap_scale, slope, True,
-                                    IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
-            else:
-                qk = variant_scores(qk, offs_m, start_n + offs_n, n_end, diag, left, right, cap_scale, slope, False,
-                                    IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
+            qk = _block_scores(qk, start_n, offs_m, offs_n, n_full_lo, n_full, n_end, diag, left, right, cap_scale,
+                               slope, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
             p32, m_i, l_i, alpha = softmax_step(qk, m_i, l_i, qk_scale, True)
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(v_empty.index(prev), count=1)
@@ -192,14 +199,7 @@ def fwd_kernel_sm90_ws(
     kv_smem_layout: gl.constexpr = _smem_layout(BLOCK_N, HEAD_DIM, dtype)
     unit, cap_scale = score_units(softmax_scale, softcap, HAS_SOFTCAP)
     qk_scale = unit * LOG2E
-    if IS_CAUSAL:
-        pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
-    else:
-        pid_m = gl.program_id(0)
-    pid_bh = gl.program_id(1)
-    off_b = (pid_bh // H).to(gl.int64)
-    off_h = pid_bh % H
-    off_hk = gqa_kv_head(off_h, GROUP)
+    pid_m, pid_bh, off_b, off_h, off_hk = query_block(H, GROUP, IS_CAUSAL)
     start_m = pid_m * BLOCK_M
     q_desc = tma.make_tensor_descriptor(Q + off_b * stride_qb + off_h.to(gl.int64) * stride_qh, [M, HEAD_DIM],
                                         [stride_qm, 1], [ROWS, HEAD_DIM], q_smem_layout)
