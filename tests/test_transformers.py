@@ -131,8 +131,9 @@ def test_registration_is_explicit():
 
 
 def test_hub_kernels_clash_is_refused(tmp_path):
-    """With Hugging Face's hub-kernels distribution installed next to ours, transformers' import of it gets
-    ours and fails; the integration says so before that happens."""
+    """With Hugging Face's hub-kernels distribution installed next to ours, the integration refuses to load
+    and names it. (Whether transformers' own import then fails depends on its version: `import
+    transformers.modeling_utils` fails on 5.23 and succeeds on 5.17; either way `kernels` is ours.)"""
     dist = tmp_path / "kernels-0.18.3.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kernels\nVersion: 0.18.3\n")
@@ -140,9 +141,6 @@ def test_hub_kernels_clash_is_refused(tmp_path):
     ours = subprocess.run([sys.executable, "-c", "import kernels.integrations.transformers"], cwd=REPO,
                           capture_output=True, text=True, env=env)
     assert ours.returncode != 0 and "hub-kernels package 'kernels' 0.18.3 is installed" in ours.stderr, ours.stderr
-    theirs = subprocess.run([sys.executable, "-c", "import transformers.modeling_utils"], cwd=REPO,
-                            capture_output=True, text=True, env=env)
-    assert theirs.returncode != 0 and "cannot import name" in theirs.stderr, theirs.stderr[-2000:]
 
 
 def test_register_refuses_names_transformers_routes_elsewhere():
