@@ -53,8 +53,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels import flash_attn_func, flash_attn_with_kvcache
-from kernels._configs import prefill_bwd_config, prefill_fwd_config
-from kernels._options import head_dim_tile
+from kernels._configs import prefill_bwd_config, prefill_fwd_config, prefill_fwd_sm90_config
+from kernels._options import AttnOptions, head_dim_tile
 from kernels._utils import device_target, gpu_name, has_gpu
 from kernels.decode import _chunked_prefill_pays, _plan
 from kernels.reference import (
@@ -464,13 +464,19 @@ def _cfg(c) -> str:
     return f"BM{c.block_m}/BN{c.block_n}/w{c.num_warps}/s{c.num_stages}" + ("/tma" if c.use_tma else "")
 
 
-def prefill_config(dtype: torch.dtype, head_dim: int, causal: bool, device: torch.device, mode: str) -> str:
-    """The config table's choice for our prefill kernels (kernels/_configs.py), as text."""
+def prefill_config(dtype: torch.dtype, head_dim: int, causal: bool, device: torch.device, mode: str,
+                   seqlen_k: int = 0) -> str:
+    """The config table's choice for our prefill kernels (kernels/_configs.py), as text; with seqlen_k, a
+    dense flash_attn_func call that Hopper's warp-specialized forward takes is named as that kernel."""
     try:
         pad = head_dim_tile(head_dim)
-        text = "fwd " + _cfg(prefill_fwd_config(pad, dtype, causal, device_target(torch.device(device))))
+        target = device_target(torch.device(device))
+        options = AttnOptions(head_dim=head_dim, softmax_scale=head_dim ** -0.5, causal=causal)
+        ws = prefill_fwd_sm90_config(options, dtype, seqlen_k, target) if seqlen_k else None
+        fwd = ws if ws is not None else prefill_fwd_config(pad, dtype, causal, target)
+        text = ("fwd sm90_ws " if ws is not None else "fwd ") + _cfg(fwd)
         if mode == "fwd_bwd":
-            kv, dq = prefill_bwd_config(pad, dtype, causal, device_target(torch.device(device)))
+            kv, dq = prefill_bwd_config(pad, dtype, causal, target)
             text += f"; bwd dkdv {_cfg(kv)} dq {_cfg(dq)}"
         return text
     except Exception as exc:  # a private detail: record it as unknown rather than fail a run
@@ -608,7 +614,7 @@ def _prefill_shape(ctx: Context, suite: str, mode: str, dtype: torch.dtype, shap
         what = f"{suite} {LABELS.get(peer.name, peer.name)} {base['dtype']} {describe(shape)}"
         fields = dict(base, impl=peer.name, label=LABELS.get(peer.name, peer.name), flops=flops)
         if peer.name == "ours":
-            fields["config"] = prefill_config(dtype, d, shape.causal, ctx.device, mode)
+            fields["config"] = prefill_config(dtype, d, shape.causal, ctx.device, mode, s)
         a, b_, c, g = layouts[peer.layout]
         try:
             if peer.name == "ours":
@@ -1020,7 +1026,8 @@ def _chunked_shape(ctx: Context, dtype, shape: ChunkedShape, impls: Sequence[Chu
         what = f"chunked {impl.label} {base['dtype']} {describe(shape)}"
         fields = dict(base, impl=impl.name, label=impl.label, page_size=impl.page_size, flops=flops)
         if impl.name == "ours_prefill":
-            fields["config"] = prefill_config(dtype, shape.head_dim, True, ctx.device, "fwd")
+            fields["config"] = prefill_config(dtype, shape.head_dim, True, ctx.device, "fwd",
+                                              shape.cache_len + shape.chunk)
         else:
             cap = shape.cache_len + shape.chunk
             if impl.page_size:
