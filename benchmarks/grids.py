@@ -46,9 +46,10 @@ CHUNK_PREFIXES = (0, 4096, 12288)
 CHUNK_BATCHES = (1, 4)
 CHUNK_PAGE_SIZES = (64, 256)
 
+_PREFILL_KEY = ("impl", "grid", "dtype", "batch", "seqlen", "nheads", "nheads_k", "head_dim", "causal", "quick")
 KEY_COLUMNS = {
-    "prefill_fwd": ("impl", "dtype", "batch", "seqlen", "nheads", "nheads_k", "head_dim", "causal", "quick"),
-    "prefill_fwd_bwd": ("impl", "dtype", "batch", "seqlen", "nheads", "nheads_k", "head_dim", "causal", "quick"),
+    "prefill_fwd": _PREFILL_KEY,
+    "prefill_fwd_bwd": _PREFILL_KEY,
     "decode": ("metric", "impl", "page_size", "dtype", "batch", "cache_len", "nheads", "nheads_k", "head_dim",
                "quick"),
     "decode_splits": ("metric", "impl", "num_splits", "dtype", "batch", "cache_len", "nheads", "nheads_k",

@@ -140,6 +140,22 @@ def test_prefill_grid_has_issue_seed_and_head_dim_64():
     assert seed == {(2, s, 32, 8, 128, c) for s in (2048, 4096, 8192) for c in (False, True)}
 
 
+def test_a_seed_shape_equal_to_an_issue_shape_keeps_both_rows():
+    """The seed's batch 2 x 8192 GQA shape is also an issue-grid point: the grid is part of the key, so
+    loading keeps the issue row (the plots draw that grid) next to the seed's."""
+    import pandas as pd
+
+    full = grids.prefill_shapes(False)
+    shared = {(s.batch, s.seqlen, s.nheads_k, s.head_dim, s.causal) for s in full if s.grid == "seed"} & {
+        (s.batch, s.seqlen, s.nheads_k, s.head_dim, s.causal) for s in full if s.grid == "issue"}
+    assert shared
+    row = dict(impl="ours", dtype="bf16", batch=2, seqlen=8192, nheads=32, nheads_k=8, head_dim=128, causal=True,
+               quick=False, gpu="G", tflops=1.0)
+    df = report.normalize(pd.DataFrame([dict(row, grid="issue"), dict(row, grid="seed")]), "prefill_fwd")
+    assert sorted(df["grid"]) == ["issue", "seed"]
+    assert suite.row_key("prefill_fwd", dict(row, grid="issue")) != suite.row_key("prefill_fwd", dict(row, grid="seed"))
+
+
 def test_decode_and_chunked_grids():
     """Decode: batch {1,8,32,128} x cache {1024..65536} at D=128 and 64, the seed's batch 2 up to 8192, one
     host-overhead shape (batch 1 x 4096, D=128); chunked: chunks 512/2048 on 0/4096/12288 cached tokens."""
