@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 from . import results
 from .grids import COLORS, CSV_NAMES, KEY_COLUMNS, LABELS, MODES, PAGE_STYLES, SUITES, PathLike
@@ -182,6 +182,34 @@ def value_table(df, suite: str, value: Optional[str] = None, metric: str = "step
         return None
     df = df.assign(shape=[_shape_text(suite, r) for _, r in df.iterrows()])
     return df.pivot_table(index=["gpu", "dtype", "shape"], columns="label", values=value, sort=False)
+
+
+def prefill_ranges(df, suite: str, peers: Sequence[str] = ("sdpa_cudnn", "sdpa_flash", "flex"), grid: str = "issue"):
+    """The README's prefill table: per (gpu, dtype, head_dim, seqlen) of `grid`, the range over MHA / GQA and
+    causal or not of ours' TFLOP/s and of ours / each peer (same run), as "lo-hi" text; None without rows."""
+    import pandas as pd
+
+    df = _ok(normalize(df, suite))
+    df = df[df["grid"] == grid]
+    keys = ["gpu", "dtype", "head_dim", "seqlen"]
+    shape = keys + ["nheads_k", "causal"]
+    ours = df[df["impl"] == "ours"].set_index(shape)["tflops"]
+    if len(ours) == 0:
+        return None
+    columns = {"ours TFLOP/s": ours}
+    for peer in peers:
+        theirs = df[df["impl"] == peer].set_index(shape)["tflops"]
+        if len(theirs):
+            columns[f"ours / {LABELS.get(peer, peer)}"] = (ours / theirs).dropna()
+
+    def span(values, fmt):
+        return f"{fmt(values.min())}-{fmt(values.max())}" if len(values) else "-"
+
+    out = {}
+    for name, values in columns.items():
+        fmt = (lambda v: f"{v:.0f}") if name == "ours TFLOP/s" else (lambda v: f"{v:.2f}")
+        out[name] = values.groupby(level=keys).apply(lambda v, f=fmt: span(v, f))
+    return pd.DataFrame(out).sort_index().fillna("-")
 
 
 def load_ceilings(results_dir: PathLike = "results", gpu: Optional[str] = None) -> Optional[Dict[str, float]]:

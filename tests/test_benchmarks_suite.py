@@ -451,6 +451,23 @@ def test_headline_ratios(tmp_path):
     assert (memory.to_numpy() == 10.0).all()
 
 
+def test_prefill_ranges():
+    """The README's prefill table: per seqlen, ours' TFLOP/s and ours / peer as min-max over heads and masks."""
+    import pandas as pd
+
+    rows = []
+    for hk, causal, ours, cudnn in ((32, False, 400.0, 500.0), (8, False, 450.0, 500.0), (32, True, 300.0, 500.0),
+                                    (8, True, 350.0, 350.0)):
+        shape = dict(gpu="G", dtype="bf16", batch=4, seqlen=4096, nheads=32, nheads_k=hk, head_dim=128,
+                     causal=causal, quick=False, grid="issue", status="ok")
+        rows += [dict(shape, impl="ours", tflops=ours), dict(shape, impl="sdpa_cudnn", tflops=cudnn)]
+    rows.append(dict(rows[0], grid="seed", batch=2, tflops=1.0))  # another grid: not in the ranges
+    table = report.prefill_ranges(pd.DataFrame(rows), "prefill_fwd", peers=("sdpa_cudnn", "flex"))
+    row = table.loc[("G", "bf16", 128, 4096)]
+    assert row["ours TFLOP/s"] == "300-450" and row["ours / SDPA cuDNN"] == "0.60-1.00"
+    assert "ours / FlexAttention (compiled)" not in table.columns  # a peer without rows gets no column
+
+
 def test_plots_from_synthetic_csvs(tmp_path):
     """plot_all draws every suite's figure and the roofline from CSVs into the given folder only."""
     _synthetic_results(tmp_path / "res")
