@@ -156,6 +156,24 @@ def test_a_seed_shape_equal_to_an_issue_shape_keeps_both_rows():
     assert suite.row_key("prefill_fwd", dict(row, grid="issue")) != suite.row_key("prefill_fwd", dict(row, grid="seed"))
 
 
+def test_prefill_config_names_the_kernel_that_runs(monkeypatch):
+    """On Hopper with Gluon, a forward the dispatcher gives the warp-specialized kernel is labelled as that
+    kernel, from its key-count threshold on; shorter calls and the backward keep the block-level tables."""
+    import kernels._configs as configs
+    from kernels._utils import TARGETS, planning_for
+
+    monkeypatch.setattr(configs, "gluon_sm90_available", lambda: True)
+    cuda = torch.device("cuda")
+    with planning_for(TARGETS["H100"]):
+        long = suite.prefill_config(torch.bfloat16, 128, False, cuda, "fwd_bwd", 4096)
+        short = suite.prefill_config(torch.bfloat16, 128, True, cuda, "fwd", 1024)
+        d64 = suite.prefill_config(torch.bfloat16, 64, False, cuda, "fwd", 4096)
+    with planning_for(TARGETS["L4"]):
+        ada = suite.prefill_config(torch.bfloat16, 128, False, cuda, "fwd", 4096)
+    assert long.startswith("fwd sm90_ws BM128/BN128") and "; bwd dkdv BM" in long, long
+    assert all(t.startswith("fwd BM") for t in (short, d64, ada)), (short, d64, ada)
+
+
 def test_decode_and_chunked_grids():
     """Decode: batch {1,8,32,128} x cache {1024..65536} at D=128 and 64, the seed's batch 2 up to 8192, one
     host-overhead shape (batch 1 x 4096, D=128); chunked: chunks 512/2048 on 0/4096/12288 cached tokens."""
