@@ -202,13 +202,10 @@ def prefill_ranges(df, suite: str, peers: Sequence[str] = ("sdpa_cudnn", "sdpa_f
         if len(theirs):
             columns[f"ours / {LABELS.get(peer, peer)}"] = (ours / theirs).dropna()
 
-    def span(values, fmt):
-        return f"{fmt(values.min())}-{fmt(values.max())}" if len(values) else "-"
-
     out = {}
     for name, values in columns.items():
-        fmt = (lambda v: f"{v:.0f}") if name == "ours TFLOP/s" else (lambda v: f"{v:.2f}")
-        out[name] = values.groupby(level=keys).apply(lambda v, f=fmt: span(v, f))
+        fmt = "{:.0f}" if name == "ours TFLOP/s" else "{:.2f}"
+        out[name] = values.groupby(level=keys).agg(lambda v, f=fmt: f"{f.format(v.min())}-{f.format(v.max())}")
     return pd.DataFrame(out).sort_index().fillna("-")
 
 
