@@ -23,13 +23,13 @@ QUICK_DTYPES = ("bf16",)
 FLEX_DTYPES = ("bf16",)  # FlexAttention compiles per shape and dtype: minutes; bf16 only unless --flex-dtypes
 
 # Grids. Prefill (issues 2/3): 32 q heads over 32 (MHA) or 8 (GQA) KV heads, batch x seqlen = 16384
-# tokens, causal and not, at head dims 128 and 64; the seed's setup (32 q
+# tokens, causal and not, at head dims 128, 64 and 256; the seed's setup (32 q
 # heads, 8 KV heads, D=128, batch 2, seqlen 2048/4096/8192). Decode (issue 4): 32 q / 8 KV heads,
 # D=128 (and 64), batch x cache length; the seed's decode (batch 2, caches up to 8192).
 PREFILL_NHEADS, PREFILL_TOKENS = 32, 16384
 PREFILL_NHEADS_K = (32, 8)
 PREFILL_SEQLENS = (1024, 2048, 4096, 8192, 16384)
-PREFILL_HEAD_DIMS = (128, 64)
+PREFILL_HEAD_DIMS = (128, 64, 256)
 SEED_BATCH, SEED_SEQLENS = 2, (2048, 4096, 8192)
 DECODE_NHEADS, DECODE_NHEADS_K = 32, 8
 DECODE_BATCHES = (1, 8, 32, 128)
@@ -123,7 +123,7 @@ class ChunkedShape:
 
 
 def prefill_shapes(quick: bool = False) -> List[PrefillShape]:
-    """The prefill grid: the issues' grid at head dims 128 and 64, plus the seed's setup.
+    """The prefill grid: the issues' grid at head dims 128, 64 and 256, plus the seed's setup.
 
     quick: head dim 128, seqlens 1024/4096/16384, and one seed shape (seqlen 4096, causal).
     """

@@ -128,14 +128,15 @@ def test_grids_quick_is_a_small_subset_of_full():
         assert len(quick) <= len(full) / 2, name
 
 
-def test_prefill_grid_has_issue_seed_and_head_dim_64():
-    """Prefill: 16384 tokens, 32 q heads over 32/8 KV heads, causal and not, D=128 and 64, and the seed's rows."""
+def test_prefill_grid_has_issue_seed_and_head_dims_64_and_256():
+    """Prefill: 16384 tokens, 32 q heads over 32/8 KV heads, causal and not, D=128, 64 and 256, and the seed's
+    rows."""
     full = grids.prefill_shapes(False)
     issue = [s for s in full if s.grid == "issue"]
     assert all(s.batch * s.seqlen == 16384 and s.nheads == 32 for s in issue)
     assert {s.seqlen for s in issue} == {1024, 2048, 4096, 8192, 16384}
     assert {(s.nheads_k, s.causal, s.head_dim) for s in issue} == {
-        (hk, c, d) for hk in (32, 8) for c in (False, True) for d in (128, 64)}
+        (hk, c, d) for hk in (32, 8) for c in (False, True) for d in (128, 64, 256)}
     seed = {(s.batch, s.seqlen, s.nheads, s.nheads_k, s.head_dim, s.causal) for s in full if s.grid == "seed"}
     assert seed == {(2, s, 32, 8, 128, c) for s in (2048, 4096, 8192) for c in (False, True)}
 
@@ -158,7 +159,8 @@ def test_a_seed_shape_equal_to_an_issue_shape_keeps_both_rows():
 
 def test_prefill_config_names_the_kernel_that_runs(monkeypatch):
     """On Hopper with Gluon, a forward the dispatcher gives the warp-specialized kernel is labelled as that
-    kernel, from its key-count threshold on; shorter calls and the backward keep the block-level tables."""
+    kernel, from its key-count threshold on; shorter calls, head dims 64 and 256 and the backward keep the
+    block-level tables."""
     import kernels._configs as configs
     from kernels._utils import TARGETS, planning_for
 
@@ -168,10 +170,11 @@ def test_prefill_config_names_the_kernel_that_runs(monkeypatch):
         long = suite.prefill_config(torch.bfloat16, 128, False, cuda, "fwd_bwd", 4096)
         short = suite.prefill_config(torch.bfloat16, 128, True, cuda, "fwd", 1024)
         d64 = suite.prefill_config(torch.bfloat16, 64, False, cuda, "fwd", 4096)
+        d256 = suite.prefill_config(torch.bfloat16, 256, False, cuda, "fwd", 4096)
     with planning_for(TARGETS["L4"]):
         ada = suite.prefill_config(torch.bfloat16, 128, False, cuda, "fwd", 4096)
     assert long.startswith("fwd sm90_ws BM128/BN128") and "; bwd dkdv BM" in long, long
-    assert all(t.startswith("fwd BM") for t in (short, d64, ada)), (short, d64, ada)
+    assert all(t.startswith("fwd BM") for t in (short, d64, d256, ada)), (short, d64, d256, ada)
 
 
 def test_decode_and_chunked_grids():
