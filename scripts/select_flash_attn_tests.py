@@ -27,6 +27,10 @@ How a function's sample is drawn (deterministic: the RNG is seeded with --seed a
 
 A parameter group such as "seqlen_q,seqlen_k" counts as one parameter whose values are the pairs.
 Functions of flash-attn's internals (skips.OUT_OF_SCOPE) are not sampled.
+
+With --hopper-forward it writes, instead of a sample, every case whose forward Hopper's warp-specialized
+kernel takes (kernels/prefill_sm90.py: the dispatcher's own rule, planned for an H100) and that no skip
+entry applies to, to tests/upstream/selected_hopper_forward.txt; the sample above holds few of them.
 """
 
 from __future__ import annotations
@@ -47,10 +51,18 @@ UPSTREAM_DIR = REPO_ROOT / "tests" / "upstream"
 VENDOR_FILE = UPSTREAM_DIR / "vendor" / "test_flash_attn.py"
 DEFAULT_OUT = UPSTREAM_DIR / "selected.txt"
 
+sys.path.insert(0, str(REPO_ROOT))  # kernels, for --hopper-forward's rule
 sys.path.insert(0, str(UPSTREAM_DIR))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import skips  # noqa: E402  (tests/upstream/skips.py)
 from fetch_flash_attn_tests import upstream_commit  # noqa: E402
+
+HOPPER_OUT = UPSTREAM_DIR / "selected_hopper_forward.txt"
+# The upstream functions whose bodies call the dense forward (flash_attn_func, its kvpacked and qkvpacked
+# forms): the only calls the Hopper forward can take (varlen and the KV cache never do).
+DENSE_FORWARD = ("test_flash_attn_qkvpacked", "test_flash_attn_output", "test_flash_attn_causal",
+                 "test_flash_attn_splitkv", "test_flash_attn_race_condition", "test_flash_attn_bwd_overflow",
+                 "test_flash_attn_bwd_transpose", "test_flash_attn_deterministic")
 
 # Conditions under which the upstream test body calls pytest.skip() itself (read from the file):
 # such cases would only spend the budget.
@@ -193,17 +205,74 @@ def sample(name: str, cases: List[Case], budget: int, seed: int) -> List[Case]:
     return sorted({id(c): c for c in chosen}.values(), key=lambda c: order[id(c)])
 
 
+def takes_hopper_forward(name: str, params: Mapping) -> bool:
+    """Whether the dispatcher gives this case's forward to Hopper's warp-specialized kernel on an H100:
+    a dense call without dropout, judged by kernels._configs.prefill_fwd_sm90_config itself (head dim,
+    dtype, key count against the causal or full threshold). A window, softcap or ALiBi does not matter."""
+    from kernels._configs import prefill_fwd_sm90_config
+    from kernels._options import attn_options
+    from kernels._utils import TARGETS
+
+    if name not in DENSE_FORWARD or params.get("dropout_p", 0.0) > 0:
+        return False
+    if "seqlen" in params:
+        seqlen_k = params["seqlen"]
+    else:  # these bodies swap the pair when swap_sq_sk is set
+        seqlen_k = params["seqlen_q"] if params.get("swap_sq_sk") else params["seqlen_k"]
+    causal = params.get("causal", name == "test_flash_attn_causal")  # test_flash_attn_causal is always causal
+    options = attn_options(params["d"], causal=causal)
+    return prefill_fwd_sm90_config(options, params["dtype"], seqlen_k, TARGETS["H100"]) is not None
+
+
+def write_hopper_forward(cases: Mapping[str, List[Case]], groups: Mapping[str, List[List[str]]], vendor: Path,
+                         out: Path) -> int:
+    """Every case (not a sample) that takes the Hopper forward and runs today, in upstream's order."""
+    from kernels._configs import gluon_sm90_available
+
+    if not gluon_sm90_available():
+        print("the Hopper forward needs Triton 3.6 (its Gluon API); run this where that Triton is installed",
+              file=sys.stderr)
+        return 1
+    lines = []
+    for name, fn_cases in cases.items():
+        annotate(name, fn_cases, groups[name])
+        chosen = [c for c in fn_cases if takes_hopper_forward(name, c.params) and not c.self_skipped
+                  and not skips.matching(name, c.params)]
+        if chosen:
+            lines.append(f"# {name}: {len(chosen)} of {len(fn_cases)} cases")
+            lines += [c.nodeid for c in chosen]
+    total = sum(not line.startswith("#") for line in lines)
+    shown = out.relative_to(REPO_ROOT) if out.is_relative_to(REPO_ROOT) else out
+    header = [
+        f"# flash-attention tests/test_flash_attn.py at {upstream_commit(vendor) or 'unknown commit'}:",
+        f"# all {total} cases whose forward takes Hopper's warp-specialized kernel (dense, no dropout, the",
+        "# dispatcher's rule for an H100) and that no skip entry applies to; made by",
+        "# scripts/select_flash_attn_tests.py --hopper-forward (do not edit by hand). Run on an H100/H200:",
+        f"# python -m pytest tests/upstream -n 8 -p no:cacheprovider -q --selected {shown}",
+    ]
+    out.write_text("\n".join(header + lines) + "\n")
+    print("\n".join(line for line in lines if line.startswith("#")))
+    print(f"wrote {total} cases to {out}")
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--budget", type=int, default=300, help="cases per test function, about (default 300)")
     parser.add_argument("--seed", type=int, default=0, help="RNG seed (default 0)")
     parser.add_argument("--vendor", type=Path, default=VENDOR_FILE, help=f"the upstream file (default {VENDOR_FILE})")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output file (default {DEFAULT_OUT})")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"output file (default {DEFAULT_OUT}, with --hopper-forward {HOPPER_OUT})")
+    parser.add_argument("--hopper-forward", action="store_true",
+                        help="every case that takes Hopper's warp-specialized forward, not a sample")
     args = parser.parse_args(argv)
     if not args.vendor.is_file():
         print(f"{args.vendor} is missing: run scripts/fetch_flash_attn_tests.py first.", file=sys.stderr)
         return 1
     cases, groups = collect(args.vendor.resolve())
+    if args.hopper_forward:
+        return write_hopper_forward(cases, groups, args.vendor, (args.out or HOPPER_OUT).resolve())
+    args.out = args.out or DEFAULT_OUT
 
     lines, report = [], []
     total_cases = total_selected = total_runnable = 0

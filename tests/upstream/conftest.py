@@ -14,9 +14,10 @@ On a GPU machine, from the repo root (einops installed; the vendor file present,
         --selected tests/upstream/selected.txt --upstream-json results-upstream.json
 
 - `--selected FILE`: run only the node IDs listed in FILE (tests/upstream/selected.txt is the
-  committed sample made by scripts/select_flash_attn_tests.py). Unlisted cases are dropped while the
-  parametrisation is generated, before any test item exists: collecting the ~509k-case file then
-  takes about 20 s and 1.4 GB per xdist worker (on 2 CPU cores; 70 s and 2.7 GB without the
+  committed sample made by scripts/select_flash_attn_tests.py; selected_hopper_forward.txt, made by its
+  --hopper-forward, every case whose forward takes Hopper's warp-specialized kernel). Unlisted cases are
+  dropped while the parametrisation is generated, before any test item exists: collecting the ~509k-case
+  file then takes about 20 s and 1.4 GB per xdist worker (on 2 CPU cores; 70 s and 2.7 GB without the
   option). A listed ID the file no longer generates is a usage error.
 - Cases matching an entry of tests/upstream/skips.py are skipped with its reason (features not
   implemented yet, flash-attn internals); delete an entry when its feature lands.
