@@ -54,7 +54,7 @@ import torch.nn.functional as F
 
 from kernels import flash_attn_func, flash_attn_with_kvcache
 from kernels._configs import prefill_bwd_config, prefill_fwd_config, prefill_fwd_sm90_config
-from kernels._options import AttnOptions, head_dim_tile
+from kernels._options import attn_options, head_dim_tile
 from kernels._utils import device_target, gpu_name, has_gpu
 from kernels.decode import _chunked_prefill_pays, _plan
 from kernels.reference import (
@@ -471,7 +471,7 @@ def prefill_config(dtype: torch.dtype, head_dim: int, causal: bool, device: torc
     try:
         pad = head_dim_tile(head_dim)
         target = device_target(torch.device(device))
-        options = AttnOptions(head_dim=head_dim, softmax_scale=head_dim ** -0.5, causal=causal)
+        options = attn_options(head_dim, causal=causal)
         ws = prefill_fwd_sm90_config(options, dtype, seqlen_k, target) if seqlen_k else None
         fwd = ws if ws is not None else prefill_fwd_config(pad, dtype, causal, target)
         text = ("fwd sm90_ws " if ws is not None else "fwd ") + _cfg(fwd)
