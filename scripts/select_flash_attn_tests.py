@@ -224,6 +224,12 @@ def takes_hopper_forward(name: str, params: Mapping) -> bool:
     return prefill_fwd_sm90_config(options, params["dtype"], seqlen_k, TARGETS["H100"]) is not None
 
 
+def write_selection(out: Path, vendor: Path, about: Sequence[str], lines: Sequence[str]) -> None:
+    """A selection file: the upstream commit, `about` (what was selected and how to run it), then `lines`."""
+    header = [f"# flash-attention tests/test_flash_attn.py at {upstream_commit(vendor) or 'unknown commit'}:"]
+    out.write_text("\n".join([*header, *about, *lines]) + "\n")
+
+
 def write_hopper_forward(cases: Mapping[str, List[Case]], groups: Mapping[str, List[List[str]]], vendor: Path,
                          out: Path) -> int:
     """Every case (not a sample) that takes the Hopper forward and runs today, in upstream's order."""
@@ -243,14 +249,12 @@ def write_hopper_forward(cases: Mapping[str, List[Case]], groups: Mapping[str, L
             lines += [c.nodeid for c in chosen]
     total = sum(not line.startswith("#") for line in lines)
     shown = out.relative_to(REPO_ROOT) if out.is_relative_to(REPO_ROOT) else out
-    header = [
-        f"# flash-attention tests/test_flash_attn.py at {upstream_commit(vendor) or 'unknown commit'}:",
+    write_selection(out, vendor, [
         f"# all {total} cases whose forward takes Hopper's warp-specialized kernel (dense, no dropout, the",
         "# dispatcher's rule for an H100) and that no skip entry applies to; made by",
         "# scripts/select_flash_attn_tests.py --hopper-forward (do not edit by hand). Run on an H100/H200:",
         f"# python -m pytest tests/upstream -n 8 -p no:cacheprovider -q --selected {shown}",
-    ]
-    out.write_text("\n".join(header + lines) + "\n")
+    ], lines)
     print("\n".join(line for line in lines if line.startswith("#")))
     print(f"wrote {total} cases to {out}")
     return 0
@@ -296,13 +300,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         lines.append(f"# {name}: {len(chosen)} of {len(fn_cases)} cases, {runnable} not skipped today")
         lines += [c.nodeid for c in chosen]
 
-    header = [
-        f"# flash-attention tests/test_flash_attn.py at {upstream_commit(args.vendor) or 'unknown commit'}:",
+    write_selection(args.out, args.vendor, [
         f"# a seeded (seed {args.seed}), stratified sample of about {args.budget} cases per test function,",
         "# every parameter value covered; made by scripts/select_flash_attn_tests.py (do not edit by hand).",
         "# Run: python -m pytest tests/upstream -n 8 -p no:cacheprovider -q --selected tests/upstream/selected.txt",
-    ]
-    args.out.write_text("\n".join(header + lines) + "\n")
+    ], lines)
     print(f"{'function':<50} {'cases':>7} {'selected':>8} {'run now':>8}")
     print("\n".join(report))
     print(f"{'total':<50} {total_cases:>7} {total_selected:>8} {total_runnable:>8}")
