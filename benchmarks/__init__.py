@@ -1,4 +1,4 @@
-"""The benchmark harness of the Triton attention kernels in kernels/: `python -m benchmarks --help`.
+"""The benchmark harness of the attention library tritonattn (kernels/tritonattn/): `python -m benchmarks --help`.
 
 - benchmarks/grids.py    the suites, their shape grids, dtypes, labels
 - benchmarks/measure.py  FLOP and byte models, GPU timing, ceilings
@@ -8,5 +8,14 @@
 - benchmarks/__main__.py the command line
 - benchmarks/tune_prefill.py, tune_decode.py, paged_locality.py: tuning and investigation scripts
 
-kernels/ never imports this package.
+tritonattn never imports this package. Importing it puts this checkout's source root (kernels/) first on
+sys.path, so `python -m benchmarks` from the repository root measures this checkout's tritonattn without
+installing it.
 """
+
+import sys
+from pathlib import Path
+
+SOURCE_ROOT = str(Path(__file__).resolve().parents[1] / "kernels")
+if SOURCE_ROOT not in sys.path:
+    sys.path.insert(0, SOURCE_ROOT)

@@ -3,7 +3,7 @@
     python -m benchmarks.ab --base /path/to/old/checkout --new . --rounds 3 [--quick] [--out DIR]
 
 Each round runs one process per tree, alternating which goes first, and every process imports
-`kernels` from its tree (the harness, this module and benchmarks.measure, from this one) and times
+`tritonattn` from its tree (the harness, this module and benchmarks.measure, from this one) and times
 the same cases on fresh seeded inputs, through the public API only, so trees of any layout compare:
 
 - prefill: flash_attn_func forward and forward + backward, bf16, D = 128, 32 q heads over 32 or 8 KV
@@ -75,10 +75,10 @@ def case_name(c: Dict) -> str:
 
 
 def _measure(cases: List[Dict]) -> Dict[str, float]:
-    """Run in a process whose `kernels` is the tree under test: ms (host: us) per case."""
+    """Run in a process whose `tritonattn` is the tree under test: ms (host: us) per case."""
     import torch
 
-    from kernels import flash_attn_func, flash_attn_with_kvcache
+    from tritonattn import flash_attn_func, flash_attn_with_kvcache
 
     from . import measure
     from .grids import ChunkedShape, DecodeShape
@@ -137,23 +137,23 @@ def _measure(cases: List[Dict]) -> Dict[str, float]:
     return out
 
 
-def _host_call(c: Dict, dtype, dev, gen, kernels=None) -> Callable:
-    """The eager call of a host case with an `api` (its inputs made here), from the package `kernels`
+def _host_call(c: Dict, dtype, dev, gen, tritonattn=None) -> Callable:
+    """The eager call of a host case with an `api` (its inputs made here), from the package `tritonattn`
     (default: the importable one)."""
     import torch
 
     from .inputs import randn
 
-    if kernels is None:
-        import kernels
+    if tritonattn is None:
+        import tritonattn
 
     if c["api"] == "flash_attn_with_kvcache":  # one token appended at a fixed length, device lengths
         k_cache, v_cache = (randn((c["batch"], c["cache_len"], 8, 128), dtype, dev, gen) for _ in range(2))
         q, k, v = (randn((c["batch"], 1, h, 128), dtype, dev, gen) for h in (32, 8, 8))
         lens = torch.full((c["batch"],), c["cache_len"] - 1, dtype=torch.int32, device=dev)
-        return lambda: kernels.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens)
+        return lambda: tritonattn.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens)
     if c["api"] == "KVCache.decode":  # back to the prompt every 4,096 steps (the same for both trees)
-        cache = kernels.KVCache(c["batch"], c["cache_len"] + 4096, 8, 128, dtype=dtype, device=dev)
+        cache = tritonattn.KVCache(c["batch"], c["cache_len"] + 4096, 8, 128, dtype=dtype, device=dev)
         prompt = [randn((c["batch"], c["cache_len"], h, 128), dtype, dev, gen) for h in (32, 8, 8)]
         cache.prefill(*prompt)
         q, k, v = (randn((c["batch"], 1, h, 128), dtype, dev, gen) for h in (32, 8, 8))
@@ -170,16 +170,23 @@ def _host_call(c: Dict, dtype, dev, gen, kernels=None) -> Callable:
     k, v = randn(q.shape[:1] + (8, 128), dtype, dev, gen), randn(q.shape[:1] + (8, 128), dtype, dev, gen)
     if c["api"] == "flash_attn_func":
         q, k, v = (t.view(c["batch"], c["seqlen"], *t.shape[1:]) for t in (q, k, v))
-        return lambda: kernels.flash_attn_func(q, k, v, causal=True)
+        return lambda: tritonattn.flash_attn_func(q, k, v, causal=True)
     cu = torch.arange(0, c["batch"] + 1, dtype=torch.int32, device=dev) * c["seqlen"]
-    return lambda: kernels.flash_attn_varlen_func(q, k, v, cu, cu, c["seqlen"], c["seqlen"], causal=True)
+    return lambda: tritonattn.flash_attn_varlen_func(q, k, v, cu, cu, c["seqlen"], c["seqlen"], causal=True)
+
+
+def package_dir(tree: str) -> Path:
+    """The library's package folder in a checkout: kernels/tritonattn/ (kernels/ itself in trees older than
+    the source-root layout, so an A/B can span the move)."""
+    nested = Path(tree) / "kernels" / "tritonattn"
+    return nested if (nested / "__init__.py").exists() else Path(tree) / "kernels"
 
 
 def _import_tree(tree: str, name: str):
-    """tree's kernels/ imported as the package `name` (its modules import each other relatively)."""
+    """tree's package imported as `name` (its modules import each other relatively)."""
     import importlib.util
 
-    init = Path(tree) / "kernels" / "__init__.py"
+    init = package_dir(tree) / "__init__.py"
     spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[str(init.parent)])
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
@@ -196,7 +203,7 @@ def _host_ab(trees: Dict[str, str], rounds: int, batches: int = 20, calls: int =
     from .inputs import generator
 
     dev, dtype = torch.device("cuda"), torch.bfloat16
-    packages = {which: _import_tree(tree, f"kernels_ab_{which}") for which, tree in trees.items()}
+    packages = {which: _import_tree(tree, f"tritonattn_ab_{which}") for which, tree in trees.items()}
     fns = {(which, case_name(c)): _host_call(c, dtype, dev, generator(dev, 0), packages[which])
            for c in HOST_CASES for which in trees}
     runs: Dict[str, List[Dict]] = {which: [] for which in trees}
@@ -215,19 +222,17 @@ def _host_ab(trees: Dict[str, str], rounds: int, batches: int = 20, calls: int =
 
 
 def _worker(tree: str, quick: bool) -> int:
-    sys.path.insert(0, tree)  # this tree's kernels first; benchmarks resolves to the harness's checkout
-    import kernels
-
-    if Path(kernels.__file__).resolve().parents[1] != Path(tree).resolve():
-        raise RuntimeError(f"imported {kernels.__file__}, not the kernels of {tree}")
+    tritonattn = _import_tree(tree, "tritonattn")  # this tree's package; benchmarks is the harness's checkout
+    if Path(tritonattn.__file__).resolve().parent != package_dir(tree).resolve():
+        raise RuntimeError(f"imported {tritonattn.__file__}, not the package of {tree}")
     print("AB-RESULT " + json.dumps(_measure(_cases(quick))), flush=True)
     return 0
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.ab", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--base", required=True, help="checkout whose kernels/ is the baseline")
-    ap.add_argument("--new", default=str(HERE), help="checkout whose kernels/ is measured against it")
+    ap.add_argument("--base", required=True, help="checkout whose library is the baseline")
+    ap.add_argument("--new", default=str(HERE), help="checkout whose library is measured against it")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
     ap.add_argument("--host", action="store_true", help="the host cases only, both trees in one process")

@@ -18,8 +18,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from kernels import attention_ref, flash_attn_func
-from kernels.testing import rel_err
+from tritonattn import attention_ref, flash_attn_func
+from tritonattn.testing import rel_err
 
 from .measure import table_bench_args, time_fn
 from .results import make_row, write_csv

@@ -23,9 +23,9 @@ import sys
 
 import torch
 
-from kernels import attention_ref, flash_attn_func, flash_attn_with_kvcache
-from kernels._utils import empty_aligned
-from kernels.testing import rel_err
+from tritonattn import attention_ref, flash_attn_func, flash_attn_with_kvcache
+from tritonattn._utils import empty_aligned
+from tritonattn.testing import rel_err
 
 from .measure import table_bench_args, time_fn
 from .results import make_row, write_csv

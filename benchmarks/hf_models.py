@@ -1,5 +1,5 @@
 """A transformers model end to end with each attention backend: ours ("triton_attention",
-kernels/integrations/transformers.py), "sdpa" and "flex_attention".
+kernels/tritonattn/integrations/transformers.py), "sdpa" and "flex_attention".
 
 The model: a Llama-3.2-1B-shaped config with random weights (2048 hidden, 16 layers, 32 query heads and
 8 KV heads of 64, 8192 MLP, 128256 vocab, tied embeddings: 1.24 B parameters), bf16, no download.
@@ -40,7 +40,7 @@ def llama_1b():
 def measure(rounds: int = 2, verbose: bool = True) -> list:
     import transformers
 
-    import kernels.integrations.transformers  # noqa: F401  (registers "triton_attention")
+    import tritonattn.integrations.transformers  # noqa: F401  (registers "triton_attention")
 
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(llama_1b(), dtype=torch.bfloat16).cuda().eval()

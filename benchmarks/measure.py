@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._utils import has_gpu
+from tritonattn._utils import has_gpu
 
 from .results import Row
 

@@ -28,9 +28,9 @@ from types import SimpleNamespace
 
 import torch
 
-from kernels import flash_attn_with_kvcache
-from kernels.reference import attention_ref
-from kernels.testing import rel_err
+from tritonattn import flash_attn_with_kvcache
+from tritonattn.reference import attention_ref
+from tritonattn.testing import rel_err
 
 from .inputs import random_block_table
 from .measure import GRAPH_MIN_CALLS, capture_graph, decode_kv_bytes, l2_cache_bytes, replay_median_ms

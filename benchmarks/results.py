@@ -14,7 +14,7 @@ import subprocess
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Union
 
-from kernels._utils import env_summary, gpu_name
+from tritonattn._utils import env_summary, gpu_name
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 Row = Dict[str, Any]  # one benchmark measurement: its fields plus the environment stamped by make_row
@@ -25,10 +25,10 @@ Row = Dict[str, Any]  # one benchmark measurement: its fields plus the environme
 # --------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def git_commit() -> str:
-    """Short sha of this checkout's HEAD; $KERNELS_COMMIT where the tree travels without .git
+    """Short sha of this checkout's HEAD; $TRITONATTN_COMMIT where the tree travels without .git
     (a remote GPU box); 'unknown' when neither is available."""
-    if os.environ.get("KERNELS_COMMIT"):
-        return os.environ["KERNELS_COMMIT"]
+    if os.environ.get("TRITONATTN_COMMIT"):
+        return os.environ["TRITONATTN_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],

@@ -22,7 +22,7 @@ the L2 (decode); chunked calls are timed behind a GPU sleep that covers their ho
 the increment over what was allocated before the call. The ceilings
 (bf16 matmul TFLOP/s, device copy and read-only streaming GB/s) are measured in the same invocation
 and stored on every row (and in bench_ceilings.csv), with each row's fraction of them. Each of our
-kernels is checked against kernels.reference once per shape before timing (flash-attn's rule:
+kernels is checked against tritonattn.reference once per shape before timing (flash-attn's rule:
 error <= 2x PyTorch's same-dtype error + a floor, 3x for gradients): a wrong result is written as a
 row with status "wrong" and no timing. Peers are only required to run; a peer missing from this torch
 is skipped with a message, one that fails on a shape is written with status "error".
@@ -52,19 +52,19 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 import torch
 import torch.nn.functional as F
 
-from kernels import flash_attn_func, flash_attn_with_kvcache
-from kernels._configs import prefill_bwd_config, prefill_fwd_config, prefill_fwd_sm90_config
-from kernels._options import attn_options, head_dim_tile
-from kernels._utils import device_target, gpu_name, has_gpu
-from kernels.decode import _chunked_prefill_pays, _plan
-from kernels.reference import (
+from tritonattn import flash_attn_func, flash_attn_with_kvcache
+from tritonattn._configs import prefill_bwd_config, prefill_fwd_config, prefill_fwd_sm90_config
+from tritonattn._options import attn_options, head_dim_tile
+from tritonattn._utils import device_target, gpu_name, has_gpu
+from tritonattn.decode import _chunked_prefill_pays, _plan
+from tritonattn.reference import (
     attention_eager,
     attention_ref,
     decode_eager_cat,
     decode_eager_slice,
     sdpa_supports_enable_gqa,
 )
-from kernels.testing import check_close
+from tritonattn.testing import check_close
 
 from . import inputs, measure, results
 from .grids import (
@@ -262,7 +262,7 @@ def _row(ctx: Context, **fields: Any) -> Row:
 # ============================================================================================
 def _judge(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]]) -> Tuple[bool, float, float]:
     """(ok, err, bound) over (ours, fp32 ref, same-dtype ref, is a gradient) tuples by the error rule of
-    kernels/testing.py; err/bound of the worst one (err NaN when it is not finite)."""
+    kernels/tritonattn/testing.py; err/bound of the worst one (err NaN when it is not finite)."""
     worst = (-1.0, 0.0, 0.0)
     ok = True
     for ours, ref, same, grad in pairs:
@@ -466,7 +466,7 @@ def _cfg(c) -> str:
 
 def prefill_config(dtype: torch.dtype, head_dim: int, causal: bool, device: torch.device, mode: str,
                    seqlen_k: int = 0) -> str:
-    """The config table's choice for our prefill kernels (kernels/_configs.py), as text; with seqlen_k, a
+    """The config table's choice for our prefill kernels (kernels/tritonattn/_configs.py), as text; with seqlen_k, a
     dense flash_attn_func call that Hopper's warp-specialized forward takes is named as that kernel."""
     try:
         pad = head_dim_tile(head_dim)

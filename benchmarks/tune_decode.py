@@ -19,11 +19,11 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from kernels import _configs, decode, flash_attn_with_kvcache
-from kernels._launch import LaunchCache
-from kernels._utils import device_target
-from kernels.reference import attention_ref
-from kernels.testing import rel_err
+from tritonattn import _configs, decode, flash_attn_with_kvcache
+from tritonattn._launch import LaunchCache
+from tritonattn._utils import device_target
+from tritonattn.reference import attention_ref
+from tritonattn.testing import rel_err
 
 from .measure import decode_kv_bytes, host_overhead_us, time_cuda_graph
 from .results import make_row, write_csv
@@ -38,7 +38,7 @@ def _set_config(cfg: _configs.DecodeConfig) -> None:
 
 
 def chunked_crossover() -> list:
-    """Decode kernel vs prefill path (see kernels.decode [Note] Chunked prefill) as seqlen_q grows:
+    """Decode kernel vs prefill path (see tritonattn.decode [Note] Chunked prefill) as seqlen_q grows:
     where CHUNKED_PREFILL_MIN_SEQLEN_Q should sit. Append + causal over 4096 cached tokens."""
     rows = []
     threshold, wave = decode.CHUNKED_PREFILL_MIN_SEQLEN_Q, decode.CHUNKED_PREFILL_MIN_WAVE

@@ -2,7 +2,7 @@
 
 Usage (GPU only): python -m benchmarks.tune_prefill [--out DIR] [--quick]
 Writes tune_fwd.csv and tune_bwd.csv to --out (default results/<gpu>/). The winners are copied by
-hand into kernels/_configs.py: the tables there are the contract, this script is how they were found.
+hand into kernels/tritonattn/_configs.py: the tables there are the contract, this script is how they were found.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import time
 import torch
 import triton
 
-from kernels._configs import AttnConfig
-from kernels._options import attn_options
-from kernels.prefill import _flash_attn_backward, _flash_attn_forward
-from kernels.reference import attention_ref
-from kernels.testing import rel_err
+from tritonattn._configs import AttnConfig
+from tritonattn._options import attn_options
+from tritonattn.prefill import _flash_attn_backward, _flash_attn_forward
+from tritonattn.reference import attention_ref
+from tritonattn.testing import rel_err
 
 
 def flops(b, h, m, n, d, causal, mode):

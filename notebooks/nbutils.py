@@ -7,7 +7,7 @@ sys.path. It holds no kernel and no reference code (those are in kernels/) and n
 - `sizes`, `decode_sizes`, `serving_sizes`: the shapes of each notebook, small under the Triton
   interpreter (CPU), full on a GPU.
 - `Case`, `grid`, `make_inputs`, `decode_inputs`: attention problems and their seeded inputs.
-- Check tables (pandas DataFrames, judged by the error rule of kernels/testing.py; `assert_table_ok`
+- Check tables (pandas DataFrames, judged by the error rule of kernels/tritonattn/testing.py; `assert_table_ok`
   fails loudly with the offending rows): `forward_error_table`, `grad_error_table`,
   `padded_keys_table`, `gqa_group_sum_table`, the decode tables (`decode_equivalence_table`,
   `decode_ragged_table`, `decode_split_table`, `decode_causal_table`, `decode_append_table`,
@@ -35,13 +35,13 @@ import torch
 
 from benchmarks import measure, report, results, suite
 from benchmarks.grids import LABELS
-from kernels import KVCache, PagedKVCache, flash_attn_func, flash_attn_with_kvcache
-from kernels._configs import prefill_fwd_config
-from kernels._options import head_dim_tile
-from kernels._utils import device_target
-from kernels.reference import attention_padded_keys_ref, attention_ref, attention_sdpa
-from kernels.serving import ServingEngine, check_attention
-from kernels.testing import agreement_tolerance, check_lse, error_bound, rel_err
+from tritonattn import KVCache, PagedKVCache, flash_attn_func, flash_attn_with_kvcache
+from tritonattn._configs import prefill_fwd_config
+from tritonattn._options import head_dim_tile
+from tritonattn._utils import device_target
+from tritonattn.reference import attention_padded_keys_ref, attention_ref, attention_sdpa
+from tritonattn.serving import ServingEngine, check_attention
+from tritonattn.testing import agreement_tolerance, check_lse, error_bound, rel_err
 
 
 # --------------------------------------------------------------------------------------------
@@ -228,7 +228,7 @@ def _finite(t: torch.Tensor) -> bool:
 def padded_keys_table(cases: Sequence[Case], device, block_n: int, *, seed: int = 0):
     """Our kernel vs an emulated kernel WITHOUT the key-length mask, both against the fp32 reference.
 
-    The emulation (kernels.reference.attention_padded_keys_ref) pads K/V with zero keys up to a
+    The emulation (tritonattn.reference.attention_padded_keys_ref) pads K/V with zero keys up to a
     multiple of block_n and lets them into the softmax. Columns: the case, block_n, padded_keys,
     err_kernel, err_unmasked (both vs the fp32 reference), eager_err (PyTorch same-dtype), bound
     (the rule's bound for the kernel), ok (kernel within bound, finite).
@@ -1203,7 +1203,7 @@ def summary(stats) -> Dict[str, float]:
 def save_stats(stats: Sequence[Dict[str, Any]], config: Dict[str, Any], name: str = "serving_steps",
                results_dir: Union[str, Path] = "results") -> Path:
     """Append a run's stats rows, tagged with the config, a run id and the environment
-    (kernels.results.make_row), to results/<gpu>/<name>.csv."""
+    (tritonattn.results.make_row), to results/<gpu>/<name>.csv."""
     run = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S.%f")  # sorts by time
     config = {key: (str(value).replace("torch.", "") if isinstance(value, torch.dtype) else value)
               for key, value in config.items() if isinstance(value, (numbers.Number, str, torch.dtype))}

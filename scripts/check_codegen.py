@@ -11,8 +11,8 @@ Takes about 3-4 minutes on 2 CPU cores (200 compiles); more cores, less time.
 Exit status: 0 every specialisation compiled on both sides to identical code; 1 one differs or
 failed to compile on either side; 2 bad arguments or a revision that cannot be read.
 
-What it does. Each side's `kernels/` package is materialised in a temporary folder (a revision via
-`git show REV:kernels/<file>`, the working tree as a snapshot of its files taken at start, so edits
+What it does. Each side's library package is materialised in a temporary folder (a revision via
+`git show REV:kernels/tritonattn/<file>`, the working tree as a snapshot of its files taken at start, so edits
 made while the check runs do not leak in). Worker subprocesses (never both packages in one
 interpreter; TRITON_INTERPRET unset) compile a fixed list of specialisations of the dense code
 paths with `triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))` for sm_90 (Hopper)
@@ -33,14 +33,14 @@ and every `stride_*` integer with the 16-divisibility hint, other integers plain
 "fp32"; arguments that only the varlen or paged paths use are passed as Triton makes them when they
 are None / False, see DENSE_VALUES, and are simply absent from older trees):
 - prefill `fwd_kernel`, `bwd_dkdv_kernel`, `bwd_dq_kernel`: bf16, fp16 x head dim 64, 128 x causal
-  or not x USE_TMA (sm_90: True and False, with `_HOPPER_FWD` / `_HOPPER_BWD` of kernels/_configs.py;
+  or not x USE_TMA (sm_90: True and False, with `_HOPPER_FWD` / `_HOPPER_BWD` of kernels/tritonattn/_configs.py;
   sm_89: False, with `_SMALL_SMEM_FWD` / `_SMALL_SMEM_BWD`, what an Ada GPU is given).
   `bwd_preprocess_kernel`: bf16, fp16 x 64, 128 (BLOCK_M=64, Triton's default 4 warps, 3 stages).
 - decode `decode_kernel`: bf16, head dim 128, append x split x causal, STORE_LSE=False (the API's
   default), BLOCK_H=BLOCK_NEW=16 (GQA group 4, one new token) with `_HOPPER_DECODE` (sm_90) or
   `_SMALL_SMEM_DECODE` (sm_89). `combine_kernel`: bf16, head dim 128, SPLITS_PAD 2 (1 warp) and
   64 (4 warps), the launcher's warp rule.
-The tile tables are read from each side's own kernels/_configs.py, so a config change shows up as
+The tile tables are read from each side's own kernels/tritonattn/_configs.py, so a config change shows up as
 a difference (in the "config" column).
 """
 
@@ -281,7 +281,7 @@ def worker(pkg_root: Path, out: Path, shard: int, shards: int, archs, kernel_fil
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    configs = importlib.import_module("kernels._configs")
+    configs = importlib.import_module("tritonattn._configs")
     if Path(configs.__file__).resolve().parents[1] != pkg_root.resolve():
         raise RuntimeError(f"imported {configs.__file__}, not the package under {pkg_root}")
     out.mkdir(parents=True, exist_ok=True)
@@ -316,8 +316,8 @@ def worker(pkg_root: Path, out: Path, shard: int, shards: int, archs, kernel_fil
 
 
 def _find_kernel(importlib, module: str, kernel: str):
-    """kernels.<module>.<kernel>; in trees that kept the jit code beside its launcher (kernels.prefill,
-    kernels.decode), the same kernel under its older, underscored name."""
+    """kernels.<module>.<kernel>; in trees that kept the jit code beside its launcher (tritonattn.prefill,
+    tritonattn.decode), the same kernel under its older, underscored name."""
     try:
         return getattr(importlib.import_module(f"kernels.{module}"), kernel)
     except ModuleNotFoundError:
@@ -340,11 +340,14 @@ def _scale_types(fn, types: dict) -> dict:
 # Driver
 # ============================================================================================
 def materialise(rev: str, dest: Path) -> str:
-    """Write `rev`'s kernels/ (or the working tree's) under dest/kernels; returns a description."""
-    pkg = dest / "kernels"
+    """Write `rev`'s library package (or the working tree's) under dest/tritonattn; returns a description.
+    The package is kernels/tritonattn/ (kernels/ itself in revisions older than the source-root layout); its
+    modules import each other relatively, so either is materialised under the one name."""
+    pkg = dest / "tritonattn"
     pkg.mkdir(parents=True)
     if rev == WORKTREE:
-        for f in sorted((REPO / "kernels").iterdir()):
+        src = REPO / "kernels" / "tritonattn"
+        for f in sorted(src.iterdir()):
             if f.is_file():
                 shutil.copy2(f, pkg / f.name)
         dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", "kernels"],
@@ -355,9 +358,10 @@ def materialise(rev: str, dest: Path) -> str:
                          capture_output=True, text=True, check=True).stdout.strip()
     files = subprocess.run(["git", "-C", str(REPO), "ls-tree", "-r", "--name-only", sha, "--", "kernels/"],
                            capture_output=True, text=True, check=True).stdout.split()
-    for path in files:
+    prefix = "kernels/tritonattn/" if any(f.startswith("kernels/tritonattn/") for f in files) else "kernels/"
+    for path in (f for f in files if f.startswith(prefix)):
         blob = subprocess.run(["git", "-C", str(REPO), "show", f"{sha}:{path}"], capture_output=True, check=True)
-        target = dest / path
+        target = pkg / path[len(prefix):]
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(blob.stdout)
     return f"{rev} ({sha})"

@@ -1,7 +1,7 @@
 """Write flash-attention's tests/test_flash_attn.py into tests/upstream/vendor/ (git-ignored).
 
 The upstream file is flash-attention's, not ours: it is never committed, only fetched into the
-ignored folder from which tests/upstream/conftest.py runs it against `kernels`. Its first line is
+ignored folder from which tests/upstream/conftest.py runs it against `tritonattn`. Its first line is
 a comment naming where it came from and the upstream commit, which the pytest run prints in its
 header and scripts/select_flash_attn_tests.py records in tests/upstream/selected.txt.
 

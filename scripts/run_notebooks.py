@@ -1,7 +1,7 @@
 """Execute notebooks headless without Jupyter: each notebook's code cells run in order with `exec`.
 
 One fresh namespace per notebook, the notebook's own folder as the working directory (as Jupyter
-does), matplotlib on the Agg backend, and TRITON_INTERPRET=1 set before anything imports `kernels`
+does), matplotlib on the Agg backend, and TRITON_INTERPRET=1 set before anything imports `tritonattn`
 when PyTorch sees no GPU. IPython-only lines (`!pip ...`, `%magic`) are skipped with a note. Outputs
 are not written back: notebooks save their figures to files themselves.
 
@@ -39,8 +39,9 @@ def _setup_environment(jupyter: bool = False) -> None:
 
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         os.environ["TRITON_INTERPRET"] = "1"
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT))
+    for path in (str(REPO_ROOT), str(REPO_ROOT / "kernels")):  # the harness and the library's source root
+        if path not in sys.path:
+            sys.path.insert(0, path)
 
 
 def _strip_ipython(source: str) -> str:

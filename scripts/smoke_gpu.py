@@ -5,11 +5,11 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from kernels import attention_ref, flash_attn_func, rel_err  # noqa: E402
-from kernels._configs import AttnConfig  # noqa: E402
-from kernels._options import attn_options  # noqa: E402
-from kernels.prefill import _flash_attn_forward  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "kernels"))  # the library's source root
+from tritonattn import attention_ref, flash_attn_func, rel_err  # noqa: E402
+from tritonattn._configs import AttnConfig  # noqa: E402
+from tritonattn._options import attn_options  # noqa: E402
+from tritonattn.prefill import _flash_attn_forward  # noqa: E402
 
 torch.manual_seed(0)
 bad = 0

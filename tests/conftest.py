@@ -1,7 +1,7 @@
 """pytest setup: interpreter switch, import guard, markers, device fixtures.
 
 Order matters: TRITON_INTERPRET must be set before `triton` decorates the kernels, which happens
-when `kernels` is first imported, so this file decides it before importing anything else.
+when `tritonattn` is first imported, so this file decides it before importing anything else.
 """
 
 import fcntl
@@ -11,25 +11,27 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch  # only to ask whether a GPU exists; triton and kernels come after the switch
+import torch  # only to ask whether a GPU exists; triton and tritonattn come after the switch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 TESTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent
-for path in (str(REPO_ROOT), str(TESTS_DIR)):  # `import kernels` and `from helpers import ...`
+# kernels/ is the library's source root (`import tritonattn`), the root holds the harness (`import benchmarks`),
+# tests/ the helpers (`from helpers import ...`).
+for path in (str(REPO_ROOT), str(REPO_ROOT / "kernels"), str(TESTS_DIR)):
     if path not in sys.path:
         sys.path.insert(0, path)
 
 import pytest  # noqa: E402
 
-import kernels  # noqa: E402
+import tritonattn  # noqa: E402
 
-# PyPI has an unrelated package called `kernels`: make sure we test this repo's.
-assert Path(kernels.__file__).resolve().is_relative_to(REPO_ROOT), (
-    f"imported kernels from {kernels.__file__}, not from this repo ({REPO_ROOT}); "
-    f"uninstall the other package or run pytest from the repo root"
+# An installed copy (pip install . of another checkout) must not stand in for this one.
+assert Path(tritonattn.__file__).resolve().is_relative_to(REPO_ROOT), (
+    f"imported tritonattn from {tritonattn.__file__}, not from this repo ({REPO_ROOT}); "
+    f"uninstall the other copy (pip uninstall tritonattn) or run pytest from the repo root"
 )
 
 from helpers import DEVICE, INTERPRET, ON_GPU  # noqa: E402
@@ -68,7 +70,7 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_report_header(config):
     mode = "compiled on " + torch.cuda.get_device_name() if ON_GPU else "Triton interpreter (CPU)"
-    return f"kernels: {kernels.__file__} | device: {DEVICE} | {mode}"
+    return f"tritonattn: {tritonattn.__file__} | device: {DEVICE} | {mode}"
 
 
 @pytest.fixture(scope="session")
@@ -94,7 +96,7 @@ def interpret() -> bool:
 # keeps what a test freed for that worker's later tests. So `slow` tests take a file lock shared by
 # all workers of the machine, and a test that leaves more than this much cached gives it back.
 _KEEP_CACHED_BYTES = 4 << 30
-_SLOW_LOCK = Path(tempfile.gettempdir()) / "kernels-tests-slow-gpu.lock"
+_SLOW_LOCK = Path(tempfile.gettempdir()) / "tritonattn-tests-slow-gpu.lock"
 
 
 @pytest.fixture(autouse=True)

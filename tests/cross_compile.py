@@ -2,7 +2,7 @@
 without a GPU (`ASTSource` + `GPUTarget`), and the bytes a block needs are known once the TritonGPU
 module has its shared memory allocated, before LLVM and ptxas run.
 
-`specs_of(records, target)` turns `kernels._launch.recording`'s launch records into plain JSON specs
+`specs_of(records, target)` turns `tritonattn._launch.recording`'s launch records into plain JSON specs
 (the kernel's module and name, the signature Triton's launcher would build, constexprs, alignment
 hints, launch options); `shared_bytes(specs)` compiles each spec in worker processes started without
 TRITON_INTERPRET (the interpreter's kernels cannot be compiled) and returns the bytes per spec.
@@ -34,7 +34,7 @@ def spec_of(record, arch: int) -> dict:
     16-divisible integers and 16-byte aligned pointers with the divisibility hint."""
     import torch
 
-    from kernels._launch import _is_constexpr
+    from tritonattn._launch import _is_constexpr
 
     fn = getattr(record.fn, "fn", record.fn)  # the Python function behind the JIT (or interpreted) kernel
     params = list(inspect.signature(fn).parameters.values())

@@ -4,7 +4,7 @@ Imported by the test modules as `from helpers import ...` (tests/conftest.py put
 sys.path). conftest.py has already set TRITON_INTERPRET=1 on machines without a GPU by the time
 this module is imported, so DEVICE / ON_GPU / INTERPRET below describe the run correctly.
 
-The error rule is kernels/testing.py's (flash-attn's): a kernel in fp16/bf16 is judged by its error
+The error rule is kernels/tritonattn/testing.py's (flash-attn's): a kernel in fp16/bf16 is judged by its error
 against an fp32 reference *relative to* the error PyTorch's own eager code makes in the same dtype,
 so the bound follows the precision of the inputs instead of being a magic constant. The assertions
 below apply that one rule and say why a result failed it.
@@ -18,10 +18,10 @@ from typing import Optional, Tuple
 import pytest
 import torch
 
-from kernels import attention_ref
-from kernels._utils import is_interpreter
-from kernels.reference import attention_sdpa
-from kernels.testing import (
+from tritonattn import attention_ref
+from tritonattn._utils import is_interpreter
+from tritonattn.reference import attention_sdpa
+from tritonattn.testing import (
     ATOL_FLOOR,
     FWD_FACTOR,
     GRAD_FACTOR,
@@ -178,12 +178,12 @@ def sdpa_references(q, k, v, *, causal: bool, softmax_scale: Optional[float] = N
 
 
 # --------------------------------------------------------------------------------------------
-# Error rules: kernels.testing's, with messages that say which bound failed and why
+# Error rules: tritonattn.testing's, with messages that say which bound failed and why
 # --------------------------------------------------------------------------------------------
 def record_chunked_prefill(monkeypatch) -> list:
-    """Make kernels.decode record each call of its chunked-prefill path (`_flash_attn_kvcache_forward`,
+    """Make tritonattn.decode record each call of its chunked-prefill path (`_flash_attn_kvcache_forward`,
     which still runs): returns the list the calls' q shapes are appended to."""
-    from kernels import decode
+    from tritonattn import decode
 
     calls = []
     forward = decode._flash_attn_kvcache_forward
@@ -204,10 +204,10 @@ def assert_close_to_ref(
     grad: bool = False,
     msg: str = "",
 ) -> None:
-    """kernels.testing.check_close: rel_err(out, ref_fp32) <= factor * rel_err(ref_same_dtype, ref_fp32)
+    """tritonattn.testing.check_close: rel_err(out, ref_fp32) <= factor * rel_err(ref_same_dtype, ref_fp32)
     + ATOL_FLOOR, factor FWD_FACTOR (outputs) or GRAD_FACTOR (`grad`: gradients).
 
-    fp32 inputs get the plain bound of kernels.testing.error_bound instead (tight under the
+    fp32 inputs get the plain bound of tritonattn.testing.error_bound instead (tight under the
     interpreter, whose fp32 dot is exact; looser on a GPU for tf32 matmuls). NaN or inf in `out`
     never passes.
     """
@@ -228,7 +228,7 @@ def assert_close_to_ref(
 
 
 def assert_lse_close(lse: torch.Tensor, ref_lse: torch.Tensor, dtype: torch.dtype, msg: str = "") -> None:
-    """kernels.testing.check_lse: lse is float32 (B, H, M), +inf exactly where the reference is +inf,
+    """tritonattn.testing.check_lse: lse is float32 (B, H, M), +inf exactly where the reference is +inf,
     finite elsewhere and within lse_tolerance(dtype) of it; NaN never passes."""
     assert lse.dtype == torch.float32, f"lse dtype {lse.dtype} {msg}"
     assert lse.shape == ref_lse.shape, f"lse shape {tuple(lse.shape)} != {tuple(ref_lse.shape)} {msg}"

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from benchmarks import measure
-from kernels.reference import causal_mask
+from tritonattn.reference import causal_mask
 
 
 def _brute_pairs(seqlen_q: int, seqlen_k: int) -> int:

@@ -161,8 +161,8 @@ def test_prefill_config_names_the_kernel_that_runs(monkeypatch):
     """On Hopper with Gluon, a forward the dispatcher gives the warp-specialized kernel is labelled as that
     kernel, from its key-count threshold on; shorter calls, head dims 64 and 256 and the backward keep the
     block-level tables."""
-    import kernels._configs as configs
-    from kernels._utils import TARGETS, planning_for
+    import tritonattn._configs as configs
+    from tritonattn._utils import TARGETS, planning_for
 
     monkeypatch.setattr(configs, "gluon_sm90_available", lambda: True)
     cuda = torch.device("cuda")

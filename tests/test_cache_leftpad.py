@@ -1,7 +1,7 @@
-"""cache_leftpad in flash_attn_with_kvcache (kernels/decode_kernels.py [Note] Left padding): request b's
+"""cache_leftpad in flash_attn_with_kvcache (kernels/tritonattn/decode_kernels.py [Note] Left padding): request b's
 keys are cache rows [cache_leftpad[b], cache_seqlens[b]), the rows before are padding.
 
-Checked against kernels.reference.attention_ref with key_leftpad (fp32 ground truth, the error relative to
+Checked against tritonattn.reference.attention_ref with key_leftpad (fp32 ground truth, the error relative to
 PyTorch's own fp16 error): dense caches with and without an append, seqlen_q 1 and 4, causal or not, GQA,
 unsplit and split, cache_batch_idx, the chunked-prefill path (prefill's fwd_kernel in its cache mode); a
 request padded up to its length gives zeros and LSE +inf; zero padding equals no padding bit for bit; the
@@ -23,10 +23,10 @@ from helpers import (
     per_request_references,
     record_chunked_prefill,
 )
-from kernels import decode, flash_attn_with_kvcache, rel_err
-from kernels.errors import InputError, InputTypeError
-from kernels.reference import rotary_ref
-from kernels.testing import agreement_tolerance
+from tritonattn import decode, flash_attn_with_kvcache, rel_err
+from tritonattn.errors import InputError, InputTypeError
+from tritonattn.reference import rotary_ref
+from tritonattn.testing import agreement_tolerance
 
 DTYPE = torch.float16
 HEAD_DIM = 128 if ON_GPU else 32

@@ -1,5 +1,5 @@
 """Chunked prefill: flash_attn_with_kvcache with many new tokens per request runs the prefill kernel
-family over the cache (kernels.decode [Note] Chunked prefill), dense or paged.
+family over the cache (tritonattn.decode [Note] Chunked prefill), dense or paged.
 
 Checked: the prefill path against the decode kernel (num_splits=1 forces it) and the reference,
 ragged lengths incl. 0, causal or not, with or without an append, MHA/GQA/MQA, page sizes that take
@@ -25,9 +25,9 @@ from helpers import (
     record_chunked_prefill,
     references,
 )
-from kernels import decode, flash_attn_func, flash_attn_with_kvcache
-from kernels._utils import device_target
-from kernels.testing import agreement_tolerance
+from tritonattn import decode, flash_attn_func, flash_attn_with_kvcache
+from tritonattn._utils import device_target
+from tritonattn.testing import agreement_tolerance
 
 DTYPES = [torch.float16] + ([torch.bfloat16] if ON_GPU else [torch.float32])
 HEAD_DIM = 128 if ON_GPU else 32

@@ -1,4 +1,4 @@
-"""torch.compile over the public functions (kernels/_ops.py): dynamo traces each with fullgraph=True into
+"""torch.compile over the public functions (kernels/tritonattn/_ops.py): dynamo traces each with fullgraph=True into
 the registered custom ops, which pass torch.library.opcheck (schema, fake tensors, autograd
 registration, AOT dispatch); compiled results and gradients equal the eager ones; lengths that change
 do not recompile; dropout draws fresh bits per compiled call."""
@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-import kernels._ops as ops
+import tritonattn._ops as ops
 from helpers import DEVICE
-from kernels import flash_attn_func
+from tritonattn import flash_attn_func
 
 DTYPE = torch.float16 if DEVICE.type == "cuda" else torch.float32
 
@@ -82,7 +82,7 @@ def test_prefill_ops_pass_opcheck():
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_flash_attn_varlen_func_traces_whole(backend):
-    from kernels import flash_attn_varlen_func
+    from tritonattn import flash_attn_varlen_func
 
     torch._dynamo.reset()
     q, k, v = randn(50, 4, 32, grad=True), randn(60, 2, 32, grad=True), randn(60, 2, 32, grad=True)
@@ -109,7 +109,7 @@ def test_kvcache_decode_loop_traces_whole(page_size):
     """A decode step (append in place, attend with a window and sinks, advance the lengths on the
     device) compiled whole equals the eager step, caches included, step after step."""
     from helpers import paged_copy
-    from kernels import flash_attn_with_kvcache
+    from tritonattn import flash_attn_with_kvcache
 
     torch._dynamo.reset()
     batch, capacity, nheads, nheads_k, head_dim = 3, 64, 4, 2, 32
@@ -177,7 +177,7 @@ KVCACHE_EXTRAS = {
 def test_kvcache_arguments_trace_whole(extra):
     """Every flash_attn_with_kvcache argument compiles whole (rotary, cache_batch_idx, cache_leftpad, an
     int length) and gives the eager result, the appended caches included."""
-    from kernels import flash_attn_with_kvcache
+    from tritonattn import flash_attn_with_kvcache
 
     torch._dynamo.reset()
     (q, k_cache, v_cache, k, v), kw = _kvcache_case()
@@ -191,7 +191,7 @@ def test_kvcache_arguments_trace_whole(extra):
 
 
 def test_full_caches_without_lengths_trace_whole():
-    from kernels import flash_attn_with_kvcache
+    from tritonattn import flash_attn_with_kvcache
 
     torch._dynamo.reset()
     q, k_cache = randn(2, 1, 4, 32), randn(2, 40, 2, 32)
@@ -202,7 +202,7 @@ def test_full_caches_without_lengths_trace_whole():
 def test_varlen_paged_traces_whole():
     """flash_attn_varlen_func over a paged K/V compiles whole (forward only, as eager)."""
     from helpers import paged_copy
-    from kernels import flash_attn_varlen_func
+    from tritonattn import flash_attn_varlen_func
 
     torch._dynamo.reset()
     k_cache, v_cache, table = paged_copy(randn(2, 64, 2, 32), randn(2, 64, 2, 32), 16)
@@ -221,7 +221,7 @@ def test_varlen_paged_traces_whole():
 def test_cache_classes_run_eagerly_under_compile():
     """KVCache's methods keep host state: compiled code runs them outside the graph (same results as
     eager), and fullgraph=True refuses them rather than tracing host values."""
-    from kernels import KVCache
+    from tritonattn import KVCache
 
     torch._dynamo.reset()
     caches = [KVCache(2, 32, 2, 32, dtype=DTYPE, device=DEVICE) for _ in range(2)]
@@ -239,7 +239,7 @@ def test_cache_classes_run_eagerly_under_compile():
 
 def test_packed_functions_trace_whole():
     """The packed variants call the traced functions: they compile whole too."""
-    from kernels import flash_attn_kvpacked_func, flash_attn_qkvpacked_func, flash_attn_varlen_qkvpacked_func
+    from tritonattn import flash_attn_kvpacked_func, flash_attn_qkvpacked_func, flash_attn_varlen_qkvpacked_func
 
     cu = torch.tensor([0, 10, 30], dtype=torch.int32, device=DEVICE)
     cases = [(lambda x: flash_attn_qkvpacked_func(x, causal=True), (randn(2, 30, 3, 4, 32),)),
@@ -266,7 +266,7 @@ def test_inductor_attention_layer_forward_backward_equals_eager():
     """Projections, rotary, attention and output projection compiled whole by inductor (fullgraph):
     the output and every gradient agree with the eager layer's."""
     from benchmarks.compile import rotary_tables
-    from kernels.testing import rel_err
+    from tritonattn.testing import rel_err
 
     torch._dynamo.reset()
     layer = _layer()
@@ -304,8 +304,8 @@ def test_reduce_overhead_decode_replays_cuda_graphs(page_size, monkeypatch):
     changing lengths recompile nothing, and every step and the caches agree with the eager layer."""
     from benchmarks.compile import rotary_tables
     from helpers import paged_copy
-    from kernels import flash_attn_with_kvcache
-    from kernels.testing import rel_err
+    from tritonattn import flash_attn_with_kvcache
+    from tritonattn.testing import rel_err
 
     torch._dynamo.reset()
     layer = _layer()
@@ -362,7 +362,7 @@ def test_compiled_calls_check_what_eager_checks():
     as an exception it observed, our message inside), softmax_lse takes no gradient as in eager, and a
     paged varlen call refuses a backward with eager's message."""
     from helpers import paged_copy
-    from kernels import InputError, flash_attn_varlen_func
+    from tritonattn import InputError, flash_attn_varlen_func
 
     torch._dynamo.reset()
     q, k = randn(1, 17, 4, 32, grad=True), randn(1, 17, 2, 32, grad=True)
@@ -392,8 +392,8 @@ def test_compiled_calls_check_what_eager_checks():
 def test_inductor_odd_head_dims(head_dim):
     """A head dim that is not a multiple of 8 (on Hopper the eager paths return views of padded
     buffers): inductor forward + backward and a compiled chunked kvcache call equal eager."""
-    from kernels import flash_attn_with_kvcache
-    from kernels.testing import rel_err
+    from tritonattn import flash_attn_with_kvcache
+    from tritonattn.testing import rel_err
 
     torch._dynamo.reset()
     q, k, v = (randn(2, 70, h, head_dim, grad=True) for h in (4, 2, 2))

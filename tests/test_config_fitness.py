@@ -1,6 +1,6 @@
 """Every launch the config selection can choose fits the shared memory of the card it is chosen for. For each
-card users bring (kernels._utils.TARGETS: T4, A100, A10, L4, H100/H200) the public functions are called under
-`kernels._launch.recording`, which plans each call for that card and records its launches instead of running
+card users bring (tritonattn._utils.TARGETS: T4, A100, A10, L4, H100/H200) the public functions are called under
+`tritonattn._launch.recording`, which plans each call for that card and records its launches instead of running
 them, across what changes the choice: head dim, dtype, causal, packed (varlen) or not, dropout or not, the
 attention variants (all on at once, paged varlen too) or not, forward and backward, and for the KV-cache path
 the query rows per program (seqlen_q x group size), dense or paged with several page sizes, append or not,
@@ -24,15 +24,15 @@ import torch
 
 import cross_compile
 from helpers import DEVICE
-from kernels import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
-from kernels._configs import decode_unsupported, gluon_sm90_available, prefill_bwd_unsupported
-from kernels._launch import recording
-from kernels._utils import TARGETS, Target
-from kernels.decode import _chunked_prefill_pays
+from tritonattn import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+from tritonattn._configs import decode_unsupported, gluon_sm90_available, prefill_bwd_unsupported
+from tritonattn._launch import recording
+from tritonattn._utils import TARGETS, Target
+from tritonattn.decode import _chunked_prefill_pays
 
-# KERNELS_FITNESS=full compiles every head-dim tile for every card; by default (CI) the two largest, whose
+# TRITONATTN_FITNESS=full compiles every head-dim tile for every card; by default (CI) the two largest, whose
 # tiles need the most shared memory: a smaller head dim gets the same or smaller tiles from every table.
-FULL = os.environ.get("KERNELS_FITNESS", "") == "full"
+FULL = os.environ.get("TRITONATTN_FITNESS", "") == "full"
 HEAD_DIMS = (16, 32, 64, 128, 256) if FULL else (128, 256)
 SEQLEN_Q = (1, 4, 16, 64, 128)  # rows per program = seqlen_q x group: 1 .. 1024
 GROUPS = (1, 8)
@@ -207,7 +207,7 @@ def test_every_config_fits_the_card(card):
     kernels = {spec["name"] for spec in specs.values()}
     expected = {"fwd_kernel", "bwd_preprocess_kernel", "bwd_dkdv_kernel", "bwd_dq_kernel", "decode_kernel",
                 "combine_kernel", "append_kernel", "dropout_probs_kernel"}
-    if target.capability[0] == 9 and gluon_sm90_available():  # Hopper's Gluon forward (kernels/prefill_sm90.py)
+    if target.capability[0] == 9 and gluon_sm90_available():  # Hopper's Gluon forward (prefill_sm90.py)
         expected.add("fwd_kernel_sm90_ws")
     assert kernels == expected, f"the calls launched {sorted(kernels)}"
     results = cross_compile.shared_bytes(list(specs.values()))

@@ -1,7 +1,7 @@
-"""Decode attention (kernels/decode.py, kernels/decode_kernels.py): flash_attn_with_kvcache, and KVCache
-(kernels/kv_cache.py).
+"""Decode attention (tritonattn/decode.py, tritonattn/decode_kernels.py): flash_attn_with_kvcache, and KVCache
+(tritonattn/kv_cache.py).
 
-Ground truth is kernels.reference.attention_ref in fp32, per request over the keys it should see
+Ground truth is tritonattn.reference.attention_ref in fp32, per request over the keys it should see
 (cache rows [0, L_b) plus the new tokens); fp16/bf16 outputs are judged against PyTorch's own
 same-dtype error (helpers.assert_close_to_ref). Small shapes under the interpreter, bigger ones
 and bf16 on a GPU.
@@ -25,11 +25,11 @@ from helpers import (
     per_request_references,
     references,
 )
-from kernels import KVCache, attention_ref, flash_attn_func, flash_attn_with_kvcache, rel_err
-from kernels._launch import DirectLaunch
-from kernels._options import attn_options
-from kernels.decode import _flash_attn_with_kvcache_launch
-from kernels.testing import agreement_tolerance
+from tritonattn import KVCache, attention_ref, flash_attn_func, flash_attn_with_kvcache, rel_err
+from tritonattn._launch import DirectLaunch
+from tritonattn._options import attn_options
+from tritonattn.decode import _flash_attn_with_kvcache_launch
+from tritonattn.testing import agreement_tolerance
 
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if ON_GPU else [])
 HALF_DTYPES = [torch.float16] + ([torch.bfloat16] if ON_GPU else [])
@@ -180,7 +180,7 @@ def test_partial_append(seqlen_q, seqlen_new, causal, path, monkeypatch):
     tokens' k/v go to rows [L_b, L_b + seqlen_new) and nothing else changes; the queries are aligned to
     the last seqlen_q of the L_b + seqlen_new keys (causal bottom-right), on the decode kernel (split
     and not) and on the chunked-prefill path."""
-    from kernels import decode
+    from tritonattn import decode
 
     lengths = [0, 3, 40, 100] if INTERPRET else [0, 3, 400, 2040]
     seqlen_cache = 110 if INTERPRET else 2048
@@ -207,7 +207,7 @@ def test_partial_append(seqlen_q, seqlen_new, causal, path, monkeypatch):
 @pytest.mark.parametrize("seqlen_q", [16, 64, 128] if ON_GPU else [16, 40])
 def test_wide_heads_many_query_rows(seqlen_q, paged):
     """Head dim 256 with many query rows per program (seqlen_q x a group of 4) and an append: the plan's
-    tiles shrink to the GPU's shared memory (kernels._configs.decode_fit) and the result still matches,
+    tiles shrink to the GPU's shared memory (tritonattn._configs.decode_fit) and the result still matches,
     on the decode kernel (split and not) and, through num_splits=0 at 128 new tokens, its dispatch."""
     lengths = [0, 37, 90] if INTERPRET else [0, 37, 900]
     capacity = 160 if INTERPRET else 1152
@@ -451,8 +451,8 @@ def test_fast_launch_reuses_kernel_only_for_the_same_key(monkeypatch):
     raw pointers, the current stream, no launch hooks."""
     import triton.language as tl
 
-    import kernels._launch as launch
-    from kernels._launch import LaunchCache
+    import tritonattn._launch as launch
+    from tritonattn._launch import LaunchCache
 
     launches = []
 
@@ -522,7 +522,7 @@ def test_launch_hooks_detected():
     """A Triton launch hook switches the fast path off (HookChain in Triton >= 3.5, a callable before)."""
     import triton
 
-    from kernels._launch import launch_hooks_active
+    from tritonattn._launch import launch_hooks_active
 
     knobs = getattr(triton, "knobs", None)
     if knobs is None or not hasattr(knobs.runtime.launch_enter_hook, "add"):
@@ -658,11 +658,11 @@ def _no_full_path(*args, **kwargs):
 
 @pytest.mark.gpu
 def test_replayed_calls_match_the_full_path(monkeypatch):
-    """A repeat of a validated call with device lengths replays its recorded launches (kernels.decode
+    """A repeat of a validated call with device lengths replays its recorded launches (tritonattn.decode
     [Note] Host overhead): fresh values and lengths, a recording made with aliased tensors, a misaligned
     q (takes the full path), split scratch shared by calls of different sizes, and another stream all
     give the reference's answer and append."""
-    import kernels.decode as decode
+    import tritonattn.decode as decode
 
     dtype, nheads, nheads_k, head_dim = torch.bfloat16, 32, 8, 128
 
@@ -725,7 +725,7 @@ def test_replayed_calls_match_the_full_path(monkeypatch):
 def test_replay_variants(monkeypatch, paged, append, return_lse, causal, seqlen_q):
     """Replays of dense and paged calls (a new block table each call), with and without an append, the
     LSE, the causal mask and several new tokens, equal the reference; the second call is a replay."""
-    import kernels.decode as decode
+    import tritonattn.decode as decode
 
     dtype, batch, nheads, nheads_k, head_dim, seqlen_cache, page = torch.bfloat16, 2, 32, 8, 128, 2048, 64
 
@@ -763,8 +763,8 @@ def test_replay_templates_take_pointers_by_parameter():
     """A recorded launch's pointer slots follow the kernel's parameter names, not the tensors the
     recording passed (aliased there: k is v), and its option slots take the replayed call's runtime
     options; the replay key holds the options' compiled part only and plain Python arguments only."""
-    import kernels.decode as decode
-    from kernels._launch import LaunchCache
+    import tritonattn.decode as decode
+    from tritonattn._launch import LaunchCache
 
     for names, sources in ((decode._launch_decode.names, decode._DECODE_SOURCES),
                            (decode._launch_combine.names, decode._COMBINE_SOURCES)):
@@ -841,7 +841,7 @@ def test_split_scratch_is_per_stream_and_thread(monkeypatch):
     import threading
     from types import SimpleNamespace
 
-    import kernels.decode as decode
+    import tritonattn.decode as decode
 
     monkeypatch.setattr(decode, "_SCRATCH_LOCAL", decode._ScratchLocal())  # this test's buffers go with it
     real_empty, stream, capturing = torch.empty, [7], [False]
@@ -889,7 +889,7 @@ def test_large_cache_int64_offsets():
 
 
 def test_validation_cache_never_hides_an_error():
-    """The per-signature validation cache (kernels.decode [Note] Host overhead; on a GPU, off under the
+    """The per-signature validation cache (tritonattn.decode [Note] Host overhead; on a GPU, off under the
     interpreter) skips checks only for a signature already validated: a changed dtype, shape or stride
     after a good call still raises, and a repeated good signature with new values gives the right answer."""
     dtype, batch, nheads, nheads_k, head_dim, seqlen_cache = torch.float16, 2, 8, 2, 64, 256

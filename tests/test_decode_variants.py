@@ -1,6 +1,6 @@
 """The attention variants in flash_attn_with_kvcache: sliding window, softcap, ALiBi and sinks in decode
 (dense and paged caches, split and unsplit, with and without an append, one or several query tokens)
-and in its chunked-prefill path, against the float32 reference per request (kernels/reference.py),
+and in its chunked-prefill path, against the float32 reference per request (kernels/tritonattn/reference.py),
 each request aligned bottom-right against its own length. Ragged batches hold lengths 0, 1, the
 window's +- 1 and a full cache; a window's keys before the band are never read (poisoned with NaN,
 the output is unchanged); the splits tile the band, not the cache.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels.decode as decode
+import tritonattn.decode as decode
 from helpers import (
     DEVICE,
     INTERPRET,
@@ -22,8 +22,8 @@ from helpers import (
     needs_graph_capture,
     paged_copy,
 )
-from kernels import attention_ref, flash_attn_with_kvcache
-from kernels._configs import INTERPRETER_DECODE_CONFIG
+from tritonattn import attention_ref, flash_attn_with_kvcache
+from tritonattn._configs import INTERPRETER_DECODE_CONFIG
 
 DTYPE = torch.float16
 BATCH, NHEADS, NHEADS_K, HEAD_DIM = 6, 4, 2, 32
@@ -300,7 +300,7 @@ def full_sequence_reference(q, k, v, kw, b):
 def test_kv_cache_helpers_take_the_variants(variant):
     """KVCache and PagedKVCache prefill a prompt and decode token by token with a variant; every step's
     output equals the reference over the whole sequence so far."""
-    from kernels import KVCache, PagedKVCache
+    from tritonattn import KVCache, PagedKVCache
 
     kw = {key: value for key, value in make_variant(variant).items() if key != "causal"}
     batch, prompt, steps = 2, 21, 30
@@ -327,7 +327,7 @@ def test_paged_cache_returns_the_pages_before_its_window():
     the rest go back to the pool (poisoned with NaN there, the next steps never read them) and the
     outputs still equal the whole sequence's windowed reference; a call asking for a wider window
     raises before anything changes."""
-    from kernels import PagedKVCache
+    from tritonattn import PagedKVCache
 
     window, page, prompt, steps, batch = 20, 8, 13, 40, 2
     total = prompt + steps

@@ -8,7 +8,7 @@ NaN after an append: a kernel that writes one is caught. The buffers are 16-byte
 Hopper the tensor-descriptor (TMA) paths, which clip the padded box at the real head dim, run as well.
 Head dims: odd ones (1, 13, 36, 72, 200 on the interpreter; 13, 100, 250 on a GPU) and, on a GPU,
 the common 64, 96, 128, 192 and 256. `test_aligned_copies` runs the copies Hopper makes of unaligned
-rows (kernels/prefill.py `_aligned_operands`) on any device by planning them with the pointer path.
+rows (kernels/tritonattn/prefill.py `_aligned_operands`) on any device by planning them with the pointer path.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from helpers import DEVICE, INTERPRET, ON_GPU, assert_close_to_ref, assert_lse_close, per_request_references
-from kernels import attention_ref, decode, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+from tritonattn import attention_ref, decode, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 
 HEAD_DIMS = [13, 100, 250, 64, 96, 128, 192, 256] if ON_GPU else [1, 13, 36, 72, 200]
 DTYPES = [torch.float16, torch.bfloat16] if ON_GPU else [torch.float16]
@@ -160,7 +160,7 @@ def test_aligned_copies(head_dim, monkeypatch):
     """With tensor descriptors planned (patched here so that the copies happen on any device while the
     kernels keep their pointer loads), contiguous inputs of an odd head dim are copied into aligned
     buffers: out is a view of one, and out and the gradients still match the reference."""
-    from kernels import prefill
+    from tritonattn import prefill
 
     monkeypatch.setattr(prefill, "_tma_planned", lambda *args: True)
     monkeypatch.setattr(prefill, "_use_tma", lambda *args: False)

@@ -1,5 +1,5 @@
-"""The layers of the tree (docs/design.md): no import circles anywhere, and kernels/ imports nothing but
-itself, the standard library and its runtime dependencies.
+"""The layers of the tree (docs/design.md): no import circles anywhere, and the library (kernels/tritonattn/)
+imports nothing but itself, the standard library and its runtime dependencies.
 
 The import graph is read statically (every `import` statement, also inside functions) from the
 sources, so a circle that only closes at run time counts too.
@@ -16,16 +16,21 @@ REPO = Path(__file__).resolve().parents[1]
 # Folders whose files are top-level modules on sys.path (scripts run from scripts/, notebooks put
 # notebooks/ on the path for nbutils, tests put tests/ on the path for helpers).
 FLAT_DIRS = ("scripts", "notebooks", "tests")
+# Folders holding packages: benchmarks/ is one, kernels/ is the library's source root (kernels/tritonattn/ is
+# the package `tritonattn`, found on sys.path through kernels/).
 PACKAGES = ("kernels", "benchmarks")
-# What kernels/ may import besides itself: the standard library and these; kernels/integrations/<lib>
-# imports the library it adapts (an optional extra, never imported by `import kernels`).
-KERNELS_MAY_IMPORT = {"torch", "triton", "numpy", "pandas"}
-INTEGRATIONS = {"kernels.integrations.transformers": {"transformers"}}
+SOURCE_ROOTS = ("kernels",)
+# What the library may import besides itself: the standard library and these; kernels/tritonattn/integrations/<lib>
+# imports the library it adapts (an optional extra, never imported by `import tritonattn`).
+LIBRARY_MAY_IMPORT = {"torch", "triton", "numpy", "pandas"}
+INTEGRATIONS = {"tritonattn.integrations.transformers": {"transformers"}}
 
 
 def _module_name(path: Path) -> str:
     rel = path.relative_to(REPO).with_suffix("")
     parts = list(rel.parts)
+    if parts[0] in SOURCE_ROOTS:
+        parts = parts[1:]
     if parts[0] in FLAT_DIRS:
         return parts[-1]
     if parts[-1] == "__init__":
@@ -115,27 +120,27 @@ def test_no_import_circles():
     assert not cycles, "import circles: " + "; ".join(" <-> ".join(c) for c in cycles)
 
 
-def test_kernels_imports_only_the_library():
-    """kernels/ imports only kernels/, the standard library, torch, triton, numpy (pandas for the serving
+def test_library_imports_only_itself():
+    """tritonattn imports only tritonattn, the standard library, torch, triton, numpy (pandas for the serving
     engine's optional tables, an integration its library): never the benchmark harness, the notebooks'
     helpers, scripts or tests."""
     graph = import_graph()
     stdlib = set(sys.stdlib_module_names) | {"__future__"}
     bad = {}
     for name, imported in graph.items():
-        if name.split(".")[0] != "kernels":
+        if name.split(".")[0] != "tritonattn":
             continue
-        outside = {m for m in imported if m.split(".")[0] != "kernels" and m.split(".")[0] not in stdlib
-                   and m.split(".")[0] not in KERNELS_MAY_IMPORT | INTEGRATIONS.get(name, set())}
+        outside = {m for m in imported if m.split(".")[0] != "tritonattn" and m.split(".")[0] not in stdlib
+                   and m.split(".")[0] not in LIBRARY_MAY_IMPORT | INTEGRATIONS.get(name, set())}
         if outside:
             bad[name] = sorted(outside)
-    assert not bad, f"kernels/ imports from outside the library: {bad}"
+    assert not bad, f"tritonattn imports from outside the library: {bad}"
 
 
 def test_the_checks_see_a_circle():
     """The circle detector finds a planted circle and the first-party resolver maps relative imports."""
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     graph = import_graph()
-    assert "kernels.decode" in graph["kernels.kv_cache"]  # `from .decode import ...`
+    assert "tritonattn.decode" in graph["tritonattn.kv_cache"]  # `from .decode import ...`
     assert "benchmarks.measure" in graph["benchmarks.suite"]  # `from . import measure, results`
-    assert "kernels" in graph["benchmarks.suite"]
+    assert "tritonattn" in graph["benchmarks.suite"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from helpers import DEVICE
-from kernels.serving import Request, ServingEngine
+from tritonattn.serving import Request, ServingEngine
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "notebooks"))
 import nbutils  # noqa: E402

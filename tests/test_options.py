@@ -1,4 +1,4 @@
-"""The options object (kernels/_options.py) and the cache keys derived from it: every field reaches the
+"""The options object (kernels/tritonattn/_options.py) and the cache keys derived from it: every field reaches the
 kernels through its compiled or its runtime part, launch and replay keys follow the compiled part, and
 no launch recorded for one value of a field is reused for another.
 
@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from helpers import DEVICE, ON_GPU
-from kernels import decode as decode_module
-from kernels import flash_attn_with_kvcache
-from kernels._options import AttnOptions, attn_options
-from kernels._utils import device_target
-from kernels.reference import attention_ref
-from kernels.testing import check_close
+from tritonattn import decode as decode_module
+from tritonattn import flash_attn_with_kvcache
+from tritonattn._options import AttnOptions, attn_options
+from tritonattn._utils import device_target
+from tritonattn.reference import attention_ref
+from tritonattn.testing import check_close
 
 BASE = dict(head_dim=64, softmax_scale=0.125, causal=False, window_left=-1, window_right=-1, softcap=0.0,
             alibi=False, sinks=False)
@@ -69,8 +69,8 @@ def test_each_field_reaches_the_kernels(field):
 
 def test_runtime_options_name_kernel_parameters():
     """Every runtime option is a parameter of each attention kernel, every compiled one a constexpr."""
-    from kernels import decode_kernels, prefill_kernels
-    from kernels._launch import LaunchCache
+    from tritonattn import decode_kernels, prefill_kernels
+    from tritonattn._launch import LaunchCache
 
     opts = _build(**BASE)
     for kernel in (prefill_kernels.fwd_kernel, prefill_kernels.bwd_dkdv_kernel, prefill_kernels.bwd_dq_kernel,

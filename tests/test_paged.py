@@ -1,10 +1,10 @@
-"""Paged KV cache (kernels/decode.py, kernels/decode_kernels.py): flash_attn_with_kvcache(..., block_table=...),
-and PagedKVCache (kernels/kv_cache.py).
+"""Paged KV cache (tritonattn/decode.py, tritonattn/decode_kernels.py): flash_attn_with_kvcache(..., block_table=...),
+and PagedKVCache (tritonattn/kv_cache.py).
 
 Pools are filled with random data and read through random permuted block tables (flash-attn's
 `_generate_block_kvcache`, FlashInfer's paged tests); the dense caches gathered through the same
 tables are the yardstick: paged decode must equal dense decode on them (bit for bit under the
-interpreter, where both run the same arithmetic), and both must match kernels.reference.attention_ref
+interpreter, where both run the same arithmetic), and both must match tritonattn.reference.attention_ref
 in fp32 over each request's keys. Small shapes under the interpreter, bigger ones and bf16 on a GPU.
 """
 
@@ -26,12 +26,12 @@ from helpers import (
     per_request_references,
     references,
 )
-from kernels import PagedKVCache, PoolExhaustedError, flash_attn_with_kvcache, rel_err
-from kernels._jit import wide_pages
-from kernels._options import attn_options
-from kernels._utils import device_target
-from kernels.decode import _flash_attn_with_kvcache_launch
-from kernels.testing import agreement_tolerance
+from tritonattn import PagedKVCache, PoolExhaustedError, flash_attn_with_kvcache, rel_err
+from tritonattn._jit import wide_pages
+from tritonattn._options import attn_options
+from tritonattn._utils import device_target
+from tritonattn.decode import _flash_attn_with_kvcache_launch
+from tritonattn.testing import agreement_tolerance
 
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if ON_GPU else [])
 NHEADS = 8 if ON_GPU else 4
@@ -147,9 +147,9 @@ def test_paged_equals_dense_and_reference(page_size, append, dtype):
 def test_deep_grid_equals_dense_and_reference(page_size):
     """An unsplit grid of DECODE_DEEP_GRID programs per SM (decode_paged_tiles: the config's stages and,
     for P = 16 at a 128-key BLOCK_N, BLOCK_N 64) still equals dense decode and the reference."""
-    from kernels import decode
-    from kernels._configs import DECODE_DEEP_GRID, DECODE_DEEP_MIN_BLOCKS, INTERPRETER_SM_COUNT
-    from kernels._utils import device_sm_count
+    from tritonattn import decode
+    from tritonattn._configs import DECODE_DEEP_GRID, DECODE_DEEP_MIN_BLOCKS, INTERPRETER_SM_COUNT
+    from tritonattn._utils import device_sm_count
 
     dtype = torch.bfloat16 if ON_GPU else torch.float16
     nheads, nheads_k, head_dim = 8, 2, 64
@@ -266,9 +266,9 @@ def test_seqlen_q_causal_bottom_right(group, append):
 @pytest.mark.parametrize("one_loop", [False, True])
 def test_one_loop_and_two_loops_match_the_reference(monkeypatch, one_loop, page_size):
     """Both forms of a split's loop over its cached keys (ONE_LOOP, [Note] One loop for short splits in
-    kernels/decode_kernels.py), forced whatever the split length, over dense and paged caches: ragged tails of
-    every size, empty splits, causal seqlen_q > 1 with and without an append."""
-    from kernels import decode
+    tritonattn/decode_kernels.py), forced whatever the split length, over dense and paged caches: ragged tails
+    of every size, empty splits, causal seqlen_q > 1 with and without an append."""
+    from tritonattn import decode
 
     monkeypatch.setattr(decode, "_one_loop", lambda blocks_per_split, gathers: one_loop)
     decode._REPLAYS.clear()  # replays key on the call, which decides ONE_LOOP in real use: record the forced form
@@ -296,10 +296,10 @@ def test_one_loop_and_two_loops_match_the_reference(monkeypatch, one_loop, page_
 
 
 def test_split_heuristic_fills_more_programs_for_paged_caches():
-    """num_splits=0 (kernels._configs.decode_num_splits): a paged cache's splits fill DECODE_PAGED_WAVES
+    """num_splits=0 (tritonattn._configs.decode_num_splits): a paged cache's splits fill DECODE_PAGED_WAVES
     programs per SM, a dense cache's one, and neither splits once the programs fill 0.8 of that."""
-    from kernels._configs import DECODE_MAX_SPLITS, DECODE_PAGED_WAVES, decode_num_splits, planning_sm_count
-    from kernels._utils import device_target
+    from tritonattn._configs import DECODE_MAX_SPLITS, DECODE_PAGED_WAVES, decode_num_splits, planning_sm_count
+    from tritonattn._utils import device_target
 
     device = device_target(torch.device(DEVICE))  # the target the heuristic plans for here
     sms = planning_sm_count(device)
@@ -316,8 +316,8 @@ def test_split_heuristic_fills_more_programs_for_paged_caches():
 def test_split_heuristic_keeps_a_second_wave_of_splits_long():
     """Past one wave's count, a paged cache's splits keep DECODE_PAGED_WAVE_MIN_BLOCKS blocks each: a
     long cache takes the full second wave, a shorter one part of it, a short one the dense count."""
-    from kernels._configs import DECODE_PAGED_WAVE_MIN_BLOCKS, decode_num_splits, planning_sm_count
-    from kernels._utils import device_target
+    from tritonattn._configs import DECODE_PAGED_WAVE_MIN_BLOCKS, decode_num_splits, planning_sm_count
+    from tritonattn._utils import device_target
 
     device = device_target(torch.device(DEVICE))  # the target the heuristic plans for here
     sms = planning_sm_count(device)
@@ -335,9 +335,9 @@ def test_split_heuristic_keeps_a_second_wave_of_splits_long():
 
 def test_paged_caches_cap_the_pipeline_stages(monkeypatch):
     """A paged cache's decode runs at most DECODE_PAGED_STAGES pipeline stages in a split or shallow
-    grid; a dense one keeps the config's own (kernels/_configs.py says why)."""
-    from kernels import decode
-    from kernels._configs import DECODE_PAGED_STAGES, DecodeConfig
+    grid; a dense one keeps the config's own (kernels/tritonattn/_configs.py says why)."""
+    from tritonattn import decode
+    from tritonattn._configs import DECODE_PAGED_STAGES, DecodeConfig
 
     deep = DecodeConfig(64, 4, DECODE_PAGED_STAGES + 2)  # a config deeper than the cap
     monkeypatch.setattr(decode, "decode_config", lambda *args, **kwargs: deep)
@@ -356,8 +356,8 @@ def test_deep_paged_grids_keep_the_config_stages_and_split_wide_gathers():
     """decode_paged_tiles: split or shallow grids get the stage cap; an unsplit grid of at least
     DECODE_DEEP_GRID programs per SM keeps the config's stages for long caches and halves a BLOCK_N
     that would gather more than DECODE_GATHER_MAX_PAGES pages; and _plan follows it."""
-    from kernels import _configs, decode
-    from kernels._configs import (
+    from tritonattn import _configs, decode
+    from tritonattn._configs import (
         DECODE_DEEP_GRID,
         DECODE_DEEP_MIN_BLOCKS,
         DECODE_GATHER_MAX_PAGES,
@@ -408,8 +408,8 @@ def test_register_cap_only_where_registers_would_cut_occupancy(monkeypatch):
     Hopper-sized SM, is capped at 65536 / (3 x 32 x warps) registers rounded down to 8 (unless that is
     below DECODE_MIN_REGISTER_CAP); dense plans, deeper plans, grids of at most 2 programs per SM and
     small-smem GPUs get no cap."""
-    from kernels._configs import DECODE_PAGED_STAGES, decode_max_registers
-    from kernels._utils import TARGETS
+    from tritonattn._configs import DECODE_PAGED_STAGES, decode_max_registers
+    from tritonattn._utils import TARGETS
 
     hopper = TARGETS["H100"]
     assert hopper.sm_count == 132
@@ -428,8 +428,8 @@ def test_register_cap_only_where_registers_would_cut_occupancy(monkeypatch):
 def test_capped_registers_compile_and_match_dense(page_size):
     """A paged grid of more than 2 programs per SM with a short cache (3 stages) compiles within its
     register cap and still equals dense decode and the reference."""
-    from kernels import decode
-    from kernels._utils import device_sm_count
+    from tritonattn import decode
+    from tritonattn._utils import device_sm_count
 
     dtype, nheads, nheads_k, head_dim = torch.bfloat16, 32, 8, 128
     batch = -(-(2 * device_sm_count(torch.cuda.current_device()) + 1) // nheads_k)
@@ -527,7 +527,7 @@ def test_wide_page_offsets_read_and_write_the_same_rows(monkeypatch, path):
     """With WIDE_PAGES forced on (64-bit in-page offsets, taken by pools whose page rows lie 2^31 / (P - 1)
     elements apart or more), the decode kernel, the append and the chunked-prefill path give the same
     output and caches as the 32-bit offsets, and match the reference."""
-    from kernels import decode, prefill
+    from tritonattn import decode, prefill
 
     dtype, page_size = torch.float16, 16
     lengths = [0, 5, page_size - 2, 3 * page_size + 7]
@@ -556,7 +556,7 @@ def test_wide_page_offsets_read_and_write_the_same_rows(monkeypatch, path):
         assert torch.equal(kp, k_exp) and torch.equal(vp, v_exp), f"{path}, wide={wide}: wrong cache rows"
         results.append(out)
     # the decode kernel, or the append kernel and the prefill kernel, specialised on WIDE_PAGES=True
-    assert asked == ({"kernels.decode"} if path == "decode" else {"kernels.decode", "kernels.prefill"}), asked
+    assert asked == ({"tritonattn.decode"} if path == "decode" else {"tritonattn.decode", "tritonattn.prefill"}), asked
     assert_paged_equals_dense(results[1], results[0], dtype, f"{path}: wide vs 32-bit in-page offsets")
 
 
@@ -909,7 +909,7 @@ def test_paged_kvcache_decode_takes_no_pages_on_bad_input():
 def test_cache_decode_takes_one_key_per_query():
     """KVCache.decode and PagedKVCache.decode advance each length by seqlen_q: k/v of fewer (or more)
     tokens than q is refused before anything changes (flash_attn_with_kvcache itself allows fewer)."""
-    from kernels import KVCache
+    from tritonattn import KVCache
 
     q = randn(1, 3, 4, 32, dtype=torch.float16)
     k = randn(1, 2, 2, 32, dtype=torch.float16)
@@ -929,7 +929,7 @@ def test_cache_decode_takes_one_key_per_query():
 def test_partial_append_paged(page_size, path, monkeypatch):
     """seqlen_new < seqlen_q into a paged pool: the seqlen_new new rows land page by page at each
     request's length (crossing pages), the queries align to the last seqlen_q of L_b + seqlen_new keys."""
-    from kernels import decode
+    from tritonattn import decode
 
     lengths = [0, 13, 37]
     seqlen_q, seqlen_new, dtype = 6, 2, torch.float16

@@ -1,5 +1,5 @@
-"""Backward of kernels.flash_attn_func: gradients for MHA, GQA and MQA against autograd through
-the fp32 reference, judged by kernels.testing's rule for gradients (<= GRAD_FACTOR x PyTorch's own
+"""Backward of tritonattn.flash_attn_func: gradients for MHA, GQA and MQA against autograd through
+the fp32 reference, judged by tritonattn.testing's rule for gradients (<= GRAD_FACTOR x PyTorch's own
 same-dtype error + a floor)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from helpers import DEVICE, INTERPRET, ON_GPU, assert_close_to_ref, make_qkv
-from kernels import attention_ref, flash_attn_func
+from tritonattn import attention_ref, flash_attn_func
 
 
 def _grads(fn, q, k, v, dout):

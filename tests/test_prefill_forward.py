@@ -1,6 +1,6 @@
-"""Forward correctness of kernels.flash_attn_func (FlashAttention-2 prefill, MHA/GQA/MQA).
+"""Forward correctness of tritonattn.flash_attn_func (FlashAttention-2 prefill, MHA/GQA/MQA).
 
-Ground truth is kernels.attention_ref in fp32; a fp16/bf16 kernel must be within 2x of PyTorch's
+Ground truth is tritonattn.attention_ref in fp32; a fp16/bf16 kernel must be within 2x of PyTorch's
 own same-dtype eager error (flash-attn's rule, see helpers.assert_close_to_ref), and its LSE must
 match the reference LSE, +inf exactly on rows that see no key.
 
@@ -28,7 +28,7 @@ from helpers import (
     references,
     sdpa_references,
 )
-from kernels import flash_attn_func
+from tritonattn import flash_attn_func
 
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
@@ -67,7 +67,7 @@ else:
     EXTRA_HEAD_DIMS = ()
     DTYPES = (torch.float16, torch.float32)
 
-INTERPRETER_BLOCK = 32  # kernels._configs.INTERPRETER_CONFIG tiles
+INTERPRETER_BLOCK = 32  # tritonattn._configs.INTERPRETER_CONFIG tiles
 INTERPRETER_MAX_TILES = 256  # ~4 ms per (BLOCK_M x BLOCK_N) tile on one CPU core: ~1 s a case
 INTERPRETER_SAMPLES = 25
 

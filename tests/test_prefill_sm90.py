@@ -1,9 +1,9 @@
-"""Hopper's warp-specialized forward (kernels/prefill_sm90.py) and the rule that chooses it.
+"""Hopper's warp-specialized forward (kernels/tritonattn/prefill_sm90.py) and the rule that chooses it.
 
 The kernel itself (GPU of capability 9.x with Triton 3.6 only; Gluon does not run under the interpreter) is
 launched directly, whatever the rule would choose, on shapes that reach every path: ragged row and key
 tails, more queries than keys and fewer (rows that see no key), GQA and MQA, one key block and many, and
-each variant (window, softcap, ALiBi, sinks), against kernels.attention_ref with the suite's error rule. The
+each variant (window, softcap, ALiBi, sinks), against tritonattn.attention_ref with the suite's error rule. The
 rule is checked without a GPU, for the cards users bring.
 """
 
@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from helpers import ON_GPU, assert_close_to_ref, assert_lse_close, make_qkv
-from kernels import flash_attn_func
-from kernels._configs import SM90_WS_MIN_KEYS, gluon_sm90_available, prefill_fwd_sm90_config
-from kernels._launch import recording
-from kernels._options import attn_options
-from kernels._utils import TARGETS
-from kernels.prefill import _ensure_tma_allocator, variant_options
-from kernels.reference import attention_ref
+from tritonattn import flash_attn_func
+from tritonattn._configs import SM90_WS_MIN_KEYS, gluon_sm90_available, prefill_fwd_sm90_config
+from tritonattn._launch import recording
+from tritonattn._options import attn_options
+from tritonattn._utils import TARGETS
+from tritonattn.prefill import _ensure_tma_allocator, variant_options
+from tritonattn.reference import attention_ref
 
 HOPPER = ON_GPU and torch.cuda.get_device_capability()[0] == 9 and gluon_sm90_available()
 needs_hopper = pytest.mark.skipif(not HOPPER, reason="Gluon's Hopper kernel: a capability 9.x GPU with Triton 3.6")
@@ -43,7 +43,7 @@ VARIANTS = {
 
 def _run_sm90(q, k, v, causal, **kw):
     """The Hopper kernel on (q, k, v): (out, lse), with the public function's variant handling."""
-    from kernels import prefill_sm90
+    from tritonattn import prefill_sm90
 
     batch, seqlen_q, nheads, head_dim = q.shape
     options, variants = variant_options(head_dim, None, causal, kw.get("window_size", (-1, -1)), kw.get("softcap", 0.0),
@@ -83,16 +83,16 @@ def test_sm90_forward_matches_reference(shape, dtype, causal, variant):
 @needs_hopper
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_public_function_takes_the_hopper_kernel_and_agrees(causal, monkeypatch):
-    """flash_attn_func runs the Hopper kernel where the rule says so (KERNELS_SM90=0 switches it off), and
+    """flash_attn_func runs the Hopper kernel where the rule says so (TRITONATTN_SM90=0 switches it off), and
     both kernels agree within the error rule."""
-    import kernels.prefill_sm90 as sm90
+    import tritonattn.prefill_sm90 as sm90
 
     q, k, v = make_qkv(1, 2048, 2048, 8, 2, 128, torch.bfloat16, seed=1)
     calls = []
     monkeypatch.setattr(sm90, "forward", lambda *a, _f=sm90.forward: calls.append(1) or _f(*a))
     out = flash_attn_func(q, k, v, causal=causal)
     assert calls == [1]
-    monkeypatch.setenv("KERNELS_SM90", "0")
+    monkeypatch.setenv("TRITONATTN_SM90", "0")
     portable = flash_attn_func(q, k, v, causal=causal)
     assert calls == [1]
     ref, _ = attention_ref(q.float(), k.float(), v.float(), causal=causal)
@@ -121,7 +121,7 @@ def test_rule_picks_hopper_dense_head_dim_128_long_rows():
 def test_only_dense_calls_without_dropout_reach_the_hopper_kernel():
     """Planned for an H100: a long dense call records the Hopper kernel; dropout, packed sequences and a
     KV cache record the portable one."""
-    from kernels import flash_attn_varlen_func, flash_attn_with_kvcache
+    from tritonattn import flash_attn_varlen_func, flash_attn_with_kvcache
 
     def kernels_of(fn):
         with recording(TARGETS["H100"]) as records:

@@ -1,4 +1,4 @@
-"""flash-attn's forward / backward primitives (kernels.flash_attn_interface) as ring attention uses them:
+"""flash-attn's forward / backward primitives (tritonattn.flash_attn_interface) as ring attention uses them:
 queries and keys split into blocks along the sequence, each query block attending to the key blocks at
 or before it (the diagonal one causal), the partial results merged by log-sum-exp, and each block's
 gradients computed against the merged output and LSE. The whole must equal one flash_attn_func call,
@@ -13,15 +13,15 @@ import pytest
 import torch
 
 from helpers import DEVICE, ON_GPU, assert_close_to_ref, references
-from kernels import flash_attn_func
-from kernels.flash_attn_interface import (
+from tritonattn import flash_attn_func
+from tritonattn.flash_attn_interface import (
     _flash_attn_backward,
     _flash_attn_forward,
     _flash_attn_varlen_backward,
     _flash_attn_varlen_forward,
     merge_attention,
 )
-from kernels.testing import agreement_tolerance, rel_err
+from tritonattn.testing import agreement_tolerance, rel_err
 
 DTYPES = [torch.float16, torch.bfloat16] if ON_GPU else [torch.float16, torch.float32]
 
@@ -127,7 +127,7 @@ def test_merge_attention_empty_parts():
 
 def test_varlen_primitives_match_varlen_function():
     """_flash_attn_varlen_forward / _backward give flash_attn_varlen_func's output, LSE and gradients."""
-    from kernels import flash_attn_varlen_func
+    from tritonattn import flash_attn_varlen_func
 
     cu = torch.tensor([0, 5, 5, 17], dtype=torch.int32, device=DEVICE)
     q, k, v = (torch.randn(17, h, 32, device=DEVICE, dtype=torch.float16) for h in (4, 2, 2))

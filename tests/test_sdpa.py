@@ -1,4 +1,4 @@
-"""The SDPA provider (kernels/sdpa.py): registered on import, never active until the user activates it;
+"""The SDPA provider (kernels/tritonattn/sdpa.py): registered on import, never active until the user activates it;
 while active, scaled_dot_product_attention's flash backend runs our kernels (output and gradients equal
 ours and the reference: causal, GQA through enable_gqa, dropout with a mask replayed by the backward,
 either input layout, under torch.compile too); after restore_flash_attention_impl PyTorch's own runs
@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from helpers import DEVICE, assert_close_to_ref
-from kernels import flash_attn_func, sdpa
-from kernels.prefill import Dropout, dropout_probs, variant_options
-from kernels.reference import attention_ref
+from tritonattn import flash_attn_func, sdpa
+from tritonattn.prefill import Dropout, dropout_probs, variant_options
+from tritonattn.reference import attention_ref
 
 pytestmark = pytest.mark.skipif(not sdpa.available(), reason="torch has no flash attention provider hook (< 2.10)")
 attn = torch.nn.attention
@@ -152,7 +152,7 @@ def test_sdpa_flash_under_compile_runs_our_kernels():
 @pytest.mark.gpu
 def test_varlen_op_runs_our_kernels():
     """aten::_flash_attention_forward (packed sequences, torch.nn.attention.varlen's op) is ours too."""
-    from kernels import flash_attn_varlen_func
+    from tritonattn import flash_attn_varlen_func
 
     q, k, v = (torch.randn(70, 4, 64, device=DEVICE, dtype=torch.float16) for _ in range(3))
     cu = torch.tensor([0, 30, 70], dtype=torch.int32, device=DEVICE)

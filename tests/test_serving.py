@@ -1,9 +1,9 @@
-"""Chunked prefill against a cache, and the continuous-batching engine (kernels/serving.py).
+"""Chunked prefill against a cache, and the continuous-batching engine (kernels/tritonattn/serving.py).
 
 Chunked prefill: a prompt prefilled in uneven chunks through flash_attn_with_kvcache (seqlen_q =
 chunk: append the chunk, attend bottom-right causal over the cache plus the chunk), into a dense
 cache buffer and into a PagedKVCache, must equal one-shot causal prefill (flash_attn_func, within
-kernels.testing.agreement_tolerance) and the fp32 reference. Rows of the caches that are not the
+tritonattn.testing.agreement_tolerance) and the fp32 reference. Rows of the caches that are not the
 request's hold NaN, so reading one fails.
 
 The engine: outputs of a mixed workload (prompts prefilled in chunks while others decode) equal the
@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from helpers import DEVICE, ON_GPU, assert_close_to_ref, make_qkv, references
-from kernels import PagedKVCache, attention_ref, flash_attn_func, flash_attn_with_kvcache, rel_err
-from kernels.serving import Request, ServingEngine, VerificationError, make_workload
-from kernels.testing import agreement_tolerance
+from tritonattn import PagedKVCache, attention_ref, flash_attn_func, flash_attn_with_kvcache, rel_err
+from tritonattn.serving import Request, ServingEngine, VerificationError, make_workload
+from tritonattn.testing import agreement_tolerance
 
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if ON_GPU else [])
 NHEADS, NHEADS_K, HEAD_DIM = (32, 8, 128) if ON_GPU else (4, 2, 32)

@@ -1,20 +1,21 @@
-"""The transformers backend (kernels/integrations/transformers.py), end to end on models built from
+"""The transformers backend (kernels/tritonattn/integrations/transformers.py), end to end on models built from
 configs with random weights: a Llama-style model with GQA, a Mistral-style model whose sliding window
 engages, a Gemma-2-style model with softcap, a gpt-oss-style model with sinks.
 
 Each model runs with attn_implementation="triton_attention" against a baseline ("sdpa" where
 transformers' sdpa path applies all the model's options, "eager" for softcap and sinks) and the fp32
 eager model as ground truth: teacher-forced logits at every real position of a left-padded batch (Llama
-also right-padded and unpadded) and a training step's gradients (right padding) within kernels.testing's
+also right-padded and unpadded) and a training step's gradients (right padding) within tritonattn.testing's
 rule; for a left-padded batch, decode logits along the baseline's tokens within the rule's bound, and
 greedy tokens equal to the baseline's up to the first step where its own top two logits are within
 that tolerance. A window off by one key fails the Mistral logits check (8e-2 against 1e-5 on CPU). CPU (the Triton
 interpreter, fp32, tiny models) checks the same paths exactly; the GPU runs bf16 at a larger size.
-Also: registration is explicit, transformers runs with our package importable under the name
-"kernels", and a clash with Hugging Face's hub-kernels package is refused with a clear error."""
+Also: registration is explicit, and our package lives beside Hugging Face's hub-kernels package (`import
+kernels`, which transformers >= 5.25 requires) without shadowing it."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -26,10 +27,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-import kernels.integrations.transformers as kt  # noqa: E402
+import tritonattn.integrations.transformers as kt  # noqa: E402
 from helpers import DEVICE, ON_GPU  # noqa: E402
-from kernels.errors import InputError  # noqa: E402
-from kernels.testing import check_close, error_bound, rel_err  # noqa: E402
+from tritonattn.errors import InputError  # noqa: E402
+from tritonattn.testing import check_close, error_bound, rel_err  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DTYPE = torch.bfloat16 if ON_GPU else torch.float32
@@ -111,36 +112,57 @@ def logits(model, ids, mask, attn: str) -> torch.Tensor:
 
 
 def test_registration_is_explicit():
-    """`import kernels` registers nothing with transformers; importing the integration registers NAME."""
+    """`import tritonattn` registers nothing with transformers; importing the integration registers NAME."""
     code = textwrap.dedent("""
-        import kernels
+        import tritonattn
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
         assert "triton_attention" not in AttentionInterface._global_mapping
-        import kernels.integrations.transformers
+        import tritonattn.integrations.transformers
         assert "triton_attention" in AttentionInterface._global_mapping
         assert "triton_attention" in AttentionMaskInterface._global_mapping
-        from transformers.utils.import_utils import is_kernels_available
-        assert not is_kernels_available()  # ours (0.1.0) is not Hugging Face's hub-kernels package
         import transformers.modeling_utils
         print("ok")
     """)
     run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                         env=dict(os.environ, PYTHONPATH=str(REPO)))
+                         env=dict(os.environ, PYTHONPATH=str(REPO / "kernels")))
     assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-2000:]
 
 
-def test_hub_kernels_clash_is_refused(tmp_path):
-    """With Hugging Face's hub-kernels distribution installed next to ours, the integration refuses to load
-    and names it. (Whether transformers' own import then fails depends on its version: `import
-    transformers.modeling_utils` fails on 5.23 and succeeds on 5.17; either way `kernels` is ours.)"""
-    dist = tmp_path / "kernels-0.18.3.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kernels\nVersion: 0.18.3\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(tmp_path)]))
-    ours = subprocess.run([sys.executable, "-c", "import kernels.integrations.transformers"], cwd=REPO,
-                          capture_output=True, text=True, env=env)
-    assert ours.returncode != 0 and "hub-kernels package 'kernels' 0.18.3 is installed" in ours.stderr, ours.stderr
+def test_hub_kernels_is_not_shadowed():
+    """With our source root first on sys.path, `import kernels` is Hugging Face's hub-kernels package (where
+    installed: transformers >= 5.25 requires it) or nothing, never this repository; transformers' own import
+    and our backend load side by side."""
+    code = textwrap.dedent("""
+        import importlib.metadata, importlib.util, json
+        import tritonattn.integrations.transformers
+        import transformers.modeling_utils
+        spec = importlib.util.find_spec("kernels")
+        try:
+            hub = importlib.metadata.version("kernels")
+        except importlib.metadata.PackageNotFoundError:
+            hub = None
+        if hub is not None:
+            import kernels
+            origin = kernels.__file__
+        else:
+            origin = spec.origin if spec else None
+        print(json.dumps({"hub": hub, "origin": origin, "ours": tritonattn.__file__}))
+    """)
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=str(REPO / "kernels")))
+    assert run.returncode == 0, run.stderr[-2000:]
+    found = json.loads(run.stdout.strip().splitlines()[-1])
+    assert Path(found["ours"]).resolve().parent == REPO / "kernels" / "tritonattn"
+    if found["hub"] is not None:
+        assert found["origin"] and REPO not in Path(found["origin"]).resolve().parents, found
+    else:
+        assert found["origin"] is None or REPO not in Path(found["origin"]).resolve().parents, found
+    from importlib.metadata import version
+
+    from packaging.version import Version
+    if Version(version("transformers")) >= Version("5.25"):
+        assert found["hub"] is not None, "transformers >= 5.25 requires hub-kernels; it should be installed"
 
 
 def test_register_refuses_names_transformers_routes_elsewhere():
@@ -309,7 +331,7 @@ def test_training_step_gradients(name):
             continue
         ok, err, bound = check_close(ours[n], ref[n], same[n], grad=True)
         if n.endswith("sinks") and DTYPE != torch.float32:
-            # a cancelling sum: kernels.testing.check_dsinks's floor of 1e-2 (its bound also takes the
+            # a cancelling sum: tritonattn.testing.check_dsinks's floor of 1e-2 (its bound also takes the
             # forward output's error, so it is never lower than this)
             bound += 1e-2 - error_bound(DTYPE, 0.0, grad=True)
             ok = err <= bound

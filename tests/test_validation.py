@@ -1,4 +1,4 @@
-"""Input validation of kernels.flash_attn_func: the right exception type and a message that says
+"""Input validation of tritonattn.flash_attn_func: the right exception type and a message that says
 what was expected, raised before anything is allocated or launched."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels.prefill as prefill
+import tritonattn.prefill as prefill
 from helpers import DEVICE, make_qkv
-from kernels import flash_attn_func
+from tritonattn import flash_attn_func
 
 B, M, N, H, H_KV, D = 2, 17, 23, 4, 2, 64
 
@@ -95,7 +95,7 @@ def test_unsupported_device_raises_value_error():
 
 def test_cpu_tensors_without_interpreter_raise_value_error(monkeypatch):
     """CPU tensors with TRITON_INTERPRET unset/0 raise ValueError telling to set TRITON_INTERPRET=1."""
-    monkeypatch.setenv("TRITON_INTERPRET", "0")  # read by kernels._utils.is_interpreter() per call
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # read by tritonattn._utils.is_interpreter() per call
     q, k, v = (t.cpu() for t in qkv())
     with pytest.raises(ValueError, match="Got CPU tensors.*TRITON_INTERPRET=1"):
         flash_attn_func(q, k, v)

@@ -1,6 +1,6 @@
 """The attention variants in flash_attn_func / flash_attn_varlen_func, forward and backward: sliding
 window, logit softcap, ALiBi and learnable sinks, alone and combined, against the float64 reference
-(kernels/reference.py, itself checked loop by loop in test_reference_variants.py): out, lse, dq, dk,
+(kernels/tritonattn/reference.py, itself checked loop by loop in test_reference_variants.py): out, lse, dq, dk,
 dv and dsinks, on odd lengths, seqlen_q != seqlen_k both ways, windows of 0 and wider than the
 sequence, rows that see no key, GQA, packed batches with per-sequence alignment, and with dropout.
 """
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from helpers import DEVICE, ON_GPU, assert_close_to_ref, assert_lse_close
-from kernels import flash_attn_func, flash_attn_varlen_func, testing
-from kernels._options import attn_options
-from kernels.errors import InputError
-from kernels.reference import attention_ref
+from tritonattn import flash_attn_func, flash_attn_varlen_func, testing
+from tritonattn._options import attn_options
+from tritonattn.errors import InputError
+from tritonattn.reference import attention_ref
 
 DTYPES = [torch.float16, torch.bfloat16] if ON_GPU else [torch.float16, torch.float32]
 
@@ -83,7 +83,7 @@ def check_against_reference(q, k, v, kw, out, lse, dtype):
 
 
 def check_dsinks(g, g32, gs, out, lse, dout, sinks, dtype):
-    """kernels.testing.check_dsinks: the kernel's own arithmetic (against the float64 sum over the O and LSE
+    """tritonattn.testing.check_dsinks: the kernel's own arithmetic (against the float64 sum over the O and LSE
     it returned), then the reference, bounded by O's propagated rounding and PyTorch's own error."""
     assert g.dtype == sinks.dtype
     ok, err, bound, kernel_err = testing.check_dsinks(g, g32, gs, out, lse, dout, sinks, dtype)
@@ -204,7 +204,7 @@ def test_dsinks_deterministic():
 def test_window_sizes_normalise_to_one_kernel():
     """flash-attn's window rules: (-1, -1) is no window, (-1, 0) causal, a side at or past seqlen_k
     unbounded; causal makes the right side 0. Equal semantics give equal options."""
-    from kernels.prefill import variant_options
+    from tritonattn.prefill import variant_options
 
     def opts(**kw):
         return variant_options(64, None, kw.pop("causal", False), kw.pop("window_size", (-1, -1)), 0.0, None, None,
@@ -235,7 +235,7 @@ def test_bad_variant_inputs_raise_before_launch():
 @pytest.mark.skipif(not ON_GPU, reason="compiles: GPU only")
 def test_new_window_size_or_softcap_does_not_recompile():
     """Window sizes and softcap are runtime arguments: other values reuse the compiled kernels."""
-    from kernels.prefill_kernels import bwd_dkdv_kernel, bwd_dq_kernel, fwd_kernel
+    from tritonattn.prefill_kernels import bwd_dkdv_kernel, bwd_dq_kernel, fwd_kernel
 
     def compiled():  # Triton's per-device cache of compiled kernels
         device = torch.cuda.current_device()

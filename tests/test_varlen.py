@@ -1,6 +1,6 @@
-"""Packed variable-length prefill (kernels.flash_attn_varlen_func), forward and backward.
+"""Packed variable-length prefill (tritonattn.flash_attn_varlen_func), forward and backward.
 
-Two yardsticks: each sequence run alone through kernels.flash_attn_func (the same kernels in dense
+Two yardsticks: each sequence run alone through tritonattn.flash_attn_func (the same kernels in dense
 mode: bit-identical under the interpreter, within rounding on a GPU), and the fp32 reference per
 sequence under flash-attn's error rule (2x eager same-dtype error forward, 3x for gradients).
 Lengths 0 and 1, MHA/GQA/MQA, causal with seqlen_q != seqlen_k per sequence, non-contiguous views;
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from helpers import DEVICE, INTERPRET, ON_GPU, assert_close_to_ref, assert_lse_close
-from kernels import attention_ref, flash_attn_func, flash_attn_varlen_func, rel_err
-from kernels.testing import agreement_tolerance
+from tritonattn import attention_ref, flash_attn_func, flash_attn_varlen_func, rel_err
+from tritonattn.testing import agreement_tolerance
 
 
 # --------------------------------------------------------------------------------------------
@@ -185,7 +185,7 @@ def test_matches_each_sequence_alone(case):
 
 @pytest.mark.parametrize("case", REF_CASES, ids=[_id(c) for c in REF_CASES])
 def test_matches_reference(case):
-    """Forward and gradients within kernels.testing's bounds (FWD_FACTOR, GRAD_FACTOR) of the fp32 reference."""
+    """Forward and gradients within tritonattn.testing's bounds (FWD_FACTOR, GRAD_FACTOR) of the fp32 reference."""
     q, k, v, dout, lens_q, lens_k, causal, dtype = _inputs(case, seed=1)
     out, lse, dq, dk, dv = run_varlen(q, k, v, lens_q, lens_k, dout, causal=causal)
     ref = run_per_sequence(reference(causal), q.float(), k.float(), v.float(), lens_q, lens_k, dout.float())

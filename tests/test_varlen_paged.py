@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from helpers import DEVICE, ON_GPU
-from kernels import flash_attn_varlen_func
-from kernels.flash_attn_interface import _flash_attn_varlen_forward
+from tritonattn import flash_attn_varlen_func
+from tritonattn.flash_attn_interface import _flash_attn_varlen_forward
 
 DTYPE = torch.float16
 D = 64 if ON_GPU else 32

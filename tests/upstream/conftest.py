@@ -1,9 +1,9 @@
-"""Run flash-attention's own tests/test_flash_attn.py against this repo's `kernels`.
+"""Run flash-attention's own tests/test_flash_attn.py against this repo's `tritonattn`.
 
 The upstream file is theirs and never committed: scripts/fetch_flash_attn_tests.py writes it to
 tests/upstream/vendor/test_flash_attn.py (git-ignored), its first line naming the upstream commit.
 When it runs, `import flash_attn` finds the alias package beside this file (tests/upstream/flash_attn,
-backed by `kernels`), because this conftest puts tests/upstream first on sys.path. The main suite
+backed by `tritonattn`), because this conftest puts tests/upstream first on sys.path. The main suite
 (`python -m pytest tests`) never collects this folder: tests/conftest.py ignores it unless a path
 inside it is named on the command line.
 
@@ -77,7 +77,7 @@ if not HAS_CUDA:
 
 
 def pytest_addoption(parser):
-    group = parser.getgroup("upstream", "flash-attention's own tests against kernels")
+    group = parser.getgroup("upstream", "flash-attention's own tests against tritonattn")
     group.addoption("--selected", metavar="FILE", default=None,
                     help="run only the node IDs listed in FILE (one per line, '#' comments)")
     group.addoption("--upstream-json", metavar="FILE", default=None,

@@ -11,8 +11,8 @@ The upstream test reads three things from this module besides the attention func
   tests as out of scope).
 """
 
-from kernels.flash_attn_interface import *  # noqa: F403  the public functions
-from kernels.flash_attn_interface import __all__ as _PUBLIC
+from tritonattn.flash_attn_interface import *  # noqa: F403  the public functions
+from tritonattn.flash_attn_interface import __all__ as _PUBLIC
 
 __all__ = ["USE_TRITON_ROCM", *_PUBLIC]
 

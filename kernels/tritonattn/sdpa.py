@@ -1,10 +1,10 @@
 """Our kernels as `scaled_dot_product_attention`'s flash backend (torch >= 2.10's provider hook).
 
-Importing kernels registers the provider under the name "kernels"; nothing changes until the user
+Importing tritonattn registers the provider under the name "tritonattn"; nothing changes until the user
 activates it, for the whole process:
 
     import torch.nn.attention as attn
-    attn.activate_flash_attention_impl("kernels")   # SDPA's flash backend now runs our kernels
+    attn.activate_flash_attention_impl("tritonattn")   # SDPA's flash backend now runs our kernels
     attn.restore_flash_attention_impl()             # back to PyTorch's own
 
 While active, the CUDA kernels of aten::_scaled_dot_product_flash_attention (and its backward) and of
@@ -32,7 +32,7 @@ from torch import Tensor
 
 from ._ops import _rng_state, prefill_backward, prefill_forward
 
-IMPL_NAME = "kernels"
+IMPL_NAME = "tritonattn"
 
 
 def _window(side: Optional[int]) -> int:
@@ -52,7 +52,7 @@ def _rng_input(dropout_p: float, rng_state: Tensor) -> Optional[Tensor]:
 def _no_debug_mask(return_debug_mask: bool) -> None:
     if return_debug_mask:
         raise NotImplementedError("return_debug_mask (the dropout mask, a testing aid) is not supported by the "
-                                  "'kernels' flash attention provider; restore_flash_attention_impl() for it.")
+                                  "'tritonattn' flash attention provider; restore_flash_attention_impl() for it.")
 
 
 def _flash_attention_forward(query: Tensor, key: Tensor, value: Tensor, cum_seq_q: Optional[Tensor],
@@ -63,11 +63,11 @@ def _flash_attention_forward(query: Tensor, key: Tensor, value: Tensor, cum_seq_
     """aten::_flash_attention_forward: (batch, seqlen, nheads, headdim), or packed with cum_seq_q/k."""
     _no_debug_mask(return_debug_mask)
     if seqused_k is not None:
-        raise NotImplementedError("seqused_k is not supported by the 'kernels' flash attention provider; give the "
+        raise NotImplementedError("seqused_k is not supported by the 'tritonattn' flash attention provider; give the "
                                   "used lengths through cum_seq_k, or restore_flash_attention_impl().")
     if alibi_slopes is not None and torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
         raise NotImplementedError("ALiBi slopes with a gradient: aten::_flash_attention_backward takes no slopes, so "
-                                  "the gradient would ignore them; use kernels.flash_attn_func(alibi_slopes=...).")
+                                  "the gradient would ignore them; use tritonattn.flash_attn_func(alibi_slopes=...).")
     rng = _rng_state(dropout_p, query.device)
     out, lse = prefill_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, alibi_slopes, None, rng, scale,
                                is_causal, _window(window_size_left), _window(window_size_right), 0.0, dropout_p,

@@ -9,8 +9,8 @@ by hand:
   its power-of-two tile, causal). Another value compiles another kernel.
 - `options.runtime`: the runtime part, plain kernel arguments named like the kernel parameters
   (softmax_scale). Another value never recompiles.
-- `options.compiled`: the compiled part as a hashable tuple. Launch caches (kernels/_launch.py) and
-  decode's replays (kernels/decode.py) key on it; a replay fills `options.runtime` into the recorded
+- `options.compiled`: the compiled part as a hashable tuple. Launch caches (kernels/tritonattn/_launch.py) and
+  decode's replays (kernels/tritonattn/decode.py) key on it; a replay fills `options.runtime` into the recorded
   launch by parameter name, so a call with another runtime value reuses the launch with its own value.
 
 Attention kernels take `**options.constexprs, **options.runtime`; helper kernels that do no attention
@@ -22,8 +22,8 @@ Adding an option (the sliding window is one) -- see docs/design.md:
 2. its compiled part in `constexprs` (HAS_WINDOW) and its values in `runtime` (window_left,
    window_right), so a new window size is a new argument, not a new kernel (the kernels list such
    integers in `do_not_specialize`, so that not even Triton's divisibility specialisation recompiles);
-3. the parameters in every attention kernel and one place in kernels/_jit.py (the mask) that they call;
-4. the reference (kernels/reference.py) and the tests (tests/test_options.py checks every field).
+3. the parameters in every attention kernel and one place in kernels/tritonattn/_jit.py (the mask) that they call;
+4. the reference (kernels/tritonattn/reference.py) and the tests (tests/test_options.py checks every field).
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def attn_options(head_dim: int, softmax_scale=None, causal=False, window=(-1, -1
 
     Options are cached by value, so a decode loop builds each one once (a tensor softmax_scale is
     read when the options are built). The head dim itself is checked by the public functions
-    (kernels/_utils.py `_validate_head_dim`).
+    (kernels/tritonattn/_utils.py `_validate_head_dim`).
     """
     causal, head_dim = bool(causal), int(head_dim)
     if type(softmax_scale) not in (float, int, type(None)):  # a numpy scalar, a 0-d tensor: its value now

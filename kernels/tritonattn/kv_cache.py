@@ -1,4 +1,4 @@
-"""KV caches for generation on top of `flash_attn_with_kvcache` (kernels/decode.py).
+"""KV caches for generation on top of `flash_attn_with_kvcache` (kernels/tritonattn/decode.py).
 
 - `KVCache`: preallocated dense K/V buffers (batch, max_seqlen, nheads_k, head_dim) and lengths.
 - `PagedKVCache`: a pool of fixed-size pages shared by requests that come and go, with a free list
@@ -173,7 +173,7 @@ class KVCache:
 
         q: (n, seqlen, nheads, head_dim), k/v: (n, seqlen, nheads_k, head_dim) for the n requests
         named by batch_idx (all by default), whose caches must be empty (reset them first). Returns
-        kernels.flash_attn_func(q, k, v, causal=causal, ...) with the variants given (window_size,
+        tritonattn.flash_attn_func(q, k, v, causal=causal, ...) with the variants given (window_size,
         softcap, alibi_slopes, sinks, as flash_attn_func takes them) and sets those requests' lengths
         to seqlen.
         """
@@ -539,7 +539,7 @@ class PagedKVCache:
 
         q: (n, seqlen, nheads, head_dim), k/v: (n, seqlen, nheads_k, head_dim) for the n empty
         requests named by `slots` (prompts of one length; call once per length). Takes the pages
-        (all or nothing), returns kernels.flash_attn_func(q, k, v, causal=causal, ...) with the variants
+        (all or nothing), returns tritonattn.flash_attn_func(q, k, v, causal=causal, ...) with the variants
         given (window_size None: the cache's sliding window, see the class docstring) and sets those
         requests' lengths to seqlen.
         """

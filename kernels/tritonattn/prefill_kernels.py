@@ -17,7 +17,7 @@ interpreter); head dims that are multiples of 8 in [16, 256] (padded to D_PAD in
 with masks); any seqlen_q, seqlen_k (including seqlen_q != seqlen_k and 0); any strides with a
 contiguous last dim; causal masks aligned to the bottom-right corner; batches of sequences of
 different lengths packed without padding (flash_attn_varlen_func); dropout of the probabilities;
-the variants (sliding window, softcap, ALiBi, sinks; kernels/_jit.py [Note] Key band, [Note] Sinks
+the variants (sliding window, softcap, ALiBi, sinks; kernels/tritonattn/_jit.py [Note] Key band, [Note] Sinks
 below).
 
 [Note] Masking layout. The KV loop is split in two ranges. Blocks in [0, n_full) are seen whole by
@@ -43,11 +43,11 @@ descriptors need a scratch allocator, which `_ensure_tma_allocator` installs unl
 one. Elsewhere (older GPUs, the interpreter, fp32, unaligned views) tiles are loaded through masked
 pointers. On Hopper the pointer path is several times slower than the descriptor path
 (docs/perf-notes.md, Prefill), so the launchers copy unaligned operands into aligned buffers there
-(kernels/prefill.py `_aligned_operands`); only a chunked prefill over an unaligned cache, which
+(kernels/tritonattn/prefill.py `_aligned_operands`); only a chunked prefill over an unaligned cache, which
 cannot be copied, takes it.
 
 [Note] Causal with M != N. Query i sees key j iff j <= i + N - M (flash-attn >= 2.1). When M > N
-the first M - N rows see nothing: they output zeros and LSE = +inf (see kernels/_jit.py).
+the first M - N rows see nothing: they output zeros and LSE = +inf (see kernels/tritonattn/_jit.py).
 
 [Note] Packed sequences. flash_attn_varlen_func runs the same four kernels with IS_VARLEN=True. Then
 off_b indexes a sequence of the packed batch: each program reads that sequence's first row and
@@ -64,7 +64,7 @@ is compiled out: the dense kernels carry none of the varlen code. With a paged K
 (below): sequence b's keys are the first Cache_seqlens[b] = cu_seqlens_k[b + 1] - cu_seqlens_k[b]
 logical rows of its block-table row, and Cu_seqlens_k is not read.
 
-[Note] Chunked prefill over a cache. flash_attn_with_kvcache hands a long chunk (see kernels/decode.py
+[Note] Chunked prefill over a cache. flash_attn_with_kvcache hands a long chunk (see kernels/tritonattn/decode.py
 [Note] Chunked prefill) to the forward kernel with IS_KVCACHE=True: K and V are then a KV cache, N
 is its capacity per request, and each program reads its request's key count from Cache_seqlens
 (clamped to the capacity; plus M when the chunk was appended just before, KV_APPEND), so lengths
@@ -87,7 +87,7 @@ argument defaults to None / False: with IS_KVCACHE=False the cache code is compi
 l_i still sums every probability (the softmax is of the undropped scores, as the LSE saved for the
 backward), acc only the kept ones, and the epilogue scales the output by 1 / (1 - p) (dropout_scale),
 so O = (P * Z / (1 - p)) V for the keep mask Z. The backward regenerates Z from the same bits
-(kernels/_jit.py `dropout_keep`: a function of (seed, salt, batch x head, query, key) alone) and
+(kernels/tritonattn/_jit.py `dropout_keep`: a function of (seed, salt, batch x head, query, key) alone) and
 uses dV = (P * Z / (1 - p))^T dO, dP = (dO V^T) * Z / (1 - p), dS = P * (dP - delta) with delta =
 rowsum(dO * O) as without dropout (sum_j P_ij dP_ij = dO_i . O_i still holds). (seed, salt) are
 read from a device tensor (Rng), never baked into the launch, so a CUDA graph replays with new
@@ -260,7 +260,7 @@ def fwd_kernel(
             N = tl.minimum(n_cached + N_NEW, N)
         else:
             N = n_cached
-        if HAS_LEFTPAD:  # keys start at cache row LP_b, see [Note] Left padding in kernels/decode_kernels.py
+        if HAS_LEFTPAD:  # keys start at cache row LP_b, see [Note] Left padding in kernels/tritonattn/decode_kernels.py
             pad = left_padding(Cache_leftpad, off_b, n_cached)
             N -= pad
             K += pad.to(tl.int64) * stride_kn
@@ -653,7 +653,7 @@ def bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
 
-    # Query ranges (see [Note] Key band in kernels/_jit.py; row i sees key j iff
+    # Query ranges (see [Note] Key band in kernels/tritonattn/_jit.py; row i sees key j iff
     # i + diag - left <= j <= i + diag + right): [m_lo, m_mid) is the band's diagonal edge (masked),
     # [m_mid, m_whole) is seen whole and in bounds (no mask), [max(m_mid, m_whole), m_end) is the
     # window's far edge and the ragged row tail (masked). Rows outside [m_lo, m_end) see no key here.

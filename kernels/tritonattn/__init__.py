@@ -11,9 +11,9 @@ Public API:
     PagedKVCache:    a paged K/V block pool with a free list (add/extend/prefill/decode/free requests);
                      PoolExhaustedError when its blocks or request slots run out.
     attention_ref:   eager reference used by tests, notebooks and benchmarks.
-    rel_err:         ||out - ref|| / ||ref||; kernels.testing holds the error rule built on it.
+    rel_err:         ||out - ref|| / ||ref||; tritonattn.testing holds the error rule built on it.
     sdpa:            our kernels as scaled_dot_product_attention's flash backend, activated by the user:
-                     torch.nn.attention.activate_flash_attention_impl("kernels") (torch >= 2.10).
+                     torch.nn.attention.activate_flash_attention_impl("tritonattn") (torch >= 2.10).
     InputError, InputTypeError: what bad input raises, before any launch (ValueError / TypeError and
                      RuntimeError, as flash-attn raises).
 

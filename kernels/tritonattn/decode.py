@@ -1,13 +1,13 @@
 """Decode attention: the launcher and public function `flash_attn_with_kvcache` of the decode kernels
-in kernels/decode_kernels.py (KV-cache decode with per-request lengths, fused in-place append, GQA
+in kernels/tritonattn/decode_kernels.py (KV-cache decode with per-request lengths, fused in-place append, GQA
 read-once, split-KV, dense or paged caches), and the dispatch of long chunks to the prefill kernels
-(chunked prefill). The KV-cache helpers built on it are in kernels/kv_cache.py.
+(chunked prefill). The KV-cache helpers built on it are in kernels/tritonattn/kv_cache.py.
 
 [Note] Host overhead. A decode step is a few microseconds of GPU time, so the wrapper caches all it
 can. The full path: the validation of a call's tensors per signature (shapes, strides, dtypes,
 devices: `_signature`; values and pointers are still checked every call), the launch plan per shape
 (`_plan`), the int -> tensor conversion of cache_seqlens, and the compiled kernels, launched through
-their C launchers without Triton's per-call dispatch (`LaunchCache`, kernels/_launch.py, keyed by
+their C launchers without Triton's per-call dispatch (`LaunchCache`, kernels/tritonattn/_launch.py, keyed by
 the signature and the inputs' 16-byte alignment, plus what the arguments show: every constexpr, the
 integers' classes, the launch options). A call that repeats a validated one -- same signature,
 cache_seqlens (and block_table) already on the GPU with the same layout, the same compiled options
@@ -24,12 +24,12 @@ while a CUDA graph is captured and for every call above 64 MiB. Host time of a r
 against the full path and SDPA: docs/perf-notes.md, Host overhead and replays.
 
 [Note] Combine launch. With a split, the combine kernel is launched with programmatic dependent
-launch on Hopper and newer (`decode_use_pdl`, kernels/_configs.py): every decode program signals at
+launch on Hopper and newer (`decode_use_pdl`, kernels/tritonattn/_configs.py): every decode program signals at
 its start that dependents may launch (`gdc_launch_dependents`), so once all of them run the combine
 grid is launched too, and its programs wait in `gdc_wait` until the decode grid has finished and its
 writes are visible. The combine's launch latency overlaps the decode grid (what it saves:
 docs/perf-notes.md, Decode, "Combine launch (PDL)"). Without PDL (sm_89, the interpreter,
-KERNELS_PDL=0 at import) both instructions are compiled out and the launches are ordinary ones.
+TRITONATTN_PDL=0 at import) both instructions are compiled out and the launches are ordinary ones.
 
 [Note] Chunked prefill. A call with many new tokens per request (seqlen_q >= 128, num_splits=0)
 is a chunk of a long prompt: each chunk's queries attend to the request's cache plus the chunk,
@@ -38,7 +38,7 @@ but it streams the whole cache once per row block of at most 64 rows: at M = 204
 is 128 passes over the cache with small tiles. Instead the call runs the prefill kernel family:
 `append_kernel` writes the chunk's k/v into the cache (dense or paged, exactly as the decode
 kernel's fused append does, through `store_new_rows`), then prefill's `fwd_kernel` in its cache
-mode (IS_KVCACHE, see kernels/prefill_kernels.py) attends over each request's min(L_b + M, N_CACHE) keys,
+mode (IS_KVCACHE, see kernels/tritonattn/prefill_kernels.py) attends over each request's min(L_b + M, N_CACHE) keys,
 read from the cache: BLOCK_M x BLOCK_N tiles on tensor cores, tensor-descriptor loads on Hopper
 for dense caches and for pools whose page size is a multiple of BLOCK_N. Two launches, both free of
 host syncs, so a chunk step can be captured in a CUDA graph too. When (`_chunked_prefill_pays`):
@@ -142,7 +142,7 @@ def _plan(batch: int, seqlen_q: int, nheads: int, nheads_k: int, head_dim: int, 
     page_size); append: the call writes seqlen_q new rows (their K/V tiles take shared memory too);
     window_left >= 0: a sliding window's left side, whose band of at most window_left + seqlen_q
     cached keys the splits tile instead of the whole cache ([Note] Variants in decode,
-    kernels/decode_kernels.py). Tiles are shrunk to the target's shared memory first (`decode_fit`);
+    kernels/tritonattn/decode_kernels.py). Tiles are shrunk to the target's shared memory first (`decode_fit`);
     the paged plan below only lowers stages or BLOCK_N, so it fits too."""
     head_dim_pad = head_dim_tile(head_dim)
     reason = decode_unsupported(head_dim_pad, dtype.itemsize, append, target)
@@ -180,7 +180,7 @@ def _plan(batch: int, seqlen_q: int, nheads: int, nheads_k: int, head_dim: int, 
 
 def _early_new(append: bool, paged: bool, page_size: int, block_n: int, num_splits: int) -> bool:
     """Whether the last split loads its first chunk of new rows at its start (EARLY_NEW, see
-    [Note] Fused append in kernels/decode_kernels.py): dense caches, pools of whole key blocks per
+    [Note] Fused append in kernels/tritonattn/decode_kernels.py): dense caches, pools of whole key blocks per
     page (P % BLOCK_N == 0), and pools that gather a key block from several pages (P = 16, 48 at
     BLOCK_N 64) when the cache is split. Unsplit, the gathering kernel keeps the late loads: there
     the early tiles' extra registers per thread cost more than the round trip they save, while split
@@ -190,7 +190,7 @@ def _early_new(append: bool, paged: bool, page_size: int, block_n: int, num_spli
 
 def _one_loop(blocks_per_split: int, gathers: bool) -> bool:
     """Whether each split streams all its blocks through the masked loop (ONE_LOOP, see [Note] One
-    loop for short splits in kernels/decode_kernels.py): splits of up to DECODE_ONE_LOOP_MAX_BLOCKS blocks, or of up to
+    loop for short splits in decode_kernels.py): splits of up to DECODE_ONE_LOOP_MAX_BLOCKS blocks, or of up to
     DECODE_ONE_LOOP_MAX_BLOCKS_GATHER when a key block gathers its rows from several pages."""
     return blocks_per_split <= (DECODE_ONE_LOOP_MAX_BLOCKS_GATHER if gathers else DECODE_ONE_LOOP_MAX_BLOCKS)
 
@@ -451,7 +451,7 @@ def _prefill_programs_fill(batch: int, seqlen_q: int, nheads: int, head_dim: int
 
 def _launch_append(k_cache, v_cache, k, v, cache_seqlens, block_table, options: AttnOptions, key) -> None:
     """Write the new tokens k, v (B, M, H_KV, D) into the cache at cache_seqlens[b] (chunked prefill);
-    key: the call's signature and alignment (see kernels/_launch.py)."""
+    key: the call's signature and alignment (see kernels/tritonattn/_launch.py)."""
     batch, seqlen_new, nheads_k, _ = k.shape
     block = min(64, max(16, triton.next_power_of_2(seqlen_new)))
     if block_table is None:
@@ -478,7 +478,7 @@ def _split_scratch(numel: int, device: torch.device, device_index: int) -> torch
     (thread-local: freed with the thread). Scratch above SPLIT_SCRATCH_CACHE_BYTES is allocated per
     call, not kept. While a CUDA graph is being captured a fresh allocation is made (from the graph's
     pool), so graph replays never share scratch with eager calls; the same inside `uncached_scratch`
-    (the custom ops of kernels/_ops.py: a compiled graph's memory is torch.compile's, and a CUDA-graph
+    (the custom ops of kernels/tritonattn/_ops.py: a compiled graph's memory is torch.compile's, and a CUDA-graph
     tree refuses a tensor its warmup allocated that outlives the call).
     """
     if (device.type != "cuda" or numel * 4 > SPLIT_SCRATCH_CACHE_BYTES
@@ -577,7 +577,7 @@ def _replay_template(launch: LaunchCache, key, grid, args: Sequence, kwargs: dic
 def _replay(r: _Replay, q, k_cache, v_cache, k, v, cache_seqlens, block_table, options: AttnOptions):
     """Run a repeated call through its `_Replay`: (out, lse), or None when this call's pointers are
     not all 16-byte aligned (the kernels were compiled for aligned ones), the current device is not
-    the call's, the fast launch is off (KERNELS_FAST_LAUNCH=0, LaunchCache.enabled) or launch hooks
+    the call's, the fast launch is off (TRITONATTN_FAST_LAUNCH=0, LaunchCache.enabled) or launch hooks
     are installed; the caller then takes the full path."""
     q_ptr, kc_ptr, vc_ptr, lens_ptr = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), cache_seqlens.data_ptr()
     k_ptr, v_ptr = (k.data_ptr(), v.data_ptr()) if k is not None else (kc_ptr, kc_ptr)
@@ -644,7 +644,7 @@ def _flash_attn_with_kvcache_launch(
     sig: `_signature` of the call when the caller has it; replay_key: when given, the decode
     launches are recorded as a `_Replay` under it, for the caller's next call of that key;
     cache_leftpad: None, or int32 (batch,) contiguous on q's device, with a dense cache or a one-page
-    table (cache_batch_idx), see [Note] Left padding in kernels/decode_kernels.py; never replayed;
+    table (cache_batch_idx), see [Note] Left padding in kernels/tritonattn/decode_kernels.py; never replayed;
     variants: the ALiBi slopes' and sinks' kernel arguments, `variant_args`; calls with them are never
     replayed)."""
     batch, seqlen_q, nheads, head_dim = q.shape
@@ -798,7 +798,7 @@ def flash_attn_with_kvcache(
             (batch, nheads_k, seqlen_cache, headdim) buffer passed as .transpose(1, 2).
             Paged (block_table given): pools (num_blocks, page_size, nheads_k, headdim), e.g. also a
             (num_blocks, nheads_k, page_size, headdim) pool passed as .transpose(1, 2). Any
-            page_size >= 1 (see [Note] Paged caches in kernels/decode_kernels.py).
+            page_size >= 1 (see [Note] Paged caches in kernels/tritonattn/decode_kernels.py).
         k, v: optional (batch, seqlen_new, nheads_k, headdim), 1 <= seqlen_new <= seqlen_q: the new
             tokens' keys and values. They are written into k_cache / v_cache in place at (logical) rows
             [cache_seqlens[b], cache_seqlens[b] + seqlen_new) and attended over in the same launch; the
@@ -807,7 +807,7 @@ def flash_attn_with_kvcache(
             neither. In a paged cache each new row goes to its own page slot, so an append may cross pages.
         rotary_cos, rotary_sin: optional (seqlen_ro, rotary_dim / 2), q's dtype, rotary_dim a multiple
             of 16 <= headdim, seqlen_ro covering the cache; only with k and v. q and k are rotated
-            before the append and the attention (kernels/rotary.py): k's token t at position
+            before the append and the attention (kernels/tritonattn/rotary.py): k's token t at position
             cache_seqlens[b] + t, q's the same when causal or with a sliding window, else all at
             cache_seqlens[b], as flash-attn
             (with seqlen_new < seqlen_q that is not the queries' attention alignment, which stays
@@ -854,7 +854,7 @@ def flash_attn_with_kvcache(
             reaching seqlen_cache (paged: max_blocks_per_seq * page_size) is unbounded. With a window's
             left side bounded, only the band's keys are read and the splits tile the band, so a long
             cache under a short window costs what the window costs ([Note] Variants in decode,
-            kernels/decode_kernels.py).
+            kernels/tritonattn/decode_kernels.py).
         causal: mask aligned to the bottom-right corner over the N_b = cache_seqlens[b] + seqlen_q
             keys (cache_seqlens[b] without k/v): token t sees key j iff j <= t + N_b - seqlen_q (and,
             with cache_leftpad, j >= cache_leftpad[b]).
@@ -887,14 +887,14 @@ def flash_attn_with_kvcache(
     (append + attention) can be captured in a CUDA graph and replayed while the lengths advance on
     the device. Not supported: cache_leftpad together with a paged block_table.
 
-    Under torch.compile the call is one graph node (kernels/_ops.py), the append a declared mutation
+    Under torch.compile the call is one graph node (kernels/tritonattn/_ops.py), the append a declared mutation
     of k_cache and v_cache. With mode="reduce-overhead" (CUDA graphs) whatever the step mutates must
     be static: k_cache, v_cache and cache_seqlens (an int32 device tensor advanced in place) must be
     the same tensors every call, marked with torch._dynamo.mark_static_address or held as module
     buffers; otherwise inductor skips CUDA graphs for the step (it logs "mutated inputs"). Lengths that
     change then recompile nothing.
     """
-    if torch.compiler.is_compiling():  # one graph node, see kernels/_ops.py
+    if torch.compiler.is_compiling():  # one graph node, see kernels/tritonattn/_ops.py
         return TRACED["flash_attn_with_kvcache"](
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
             block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
@@ -970,7 +970,7 @@ def _batch_idx_as_table(cache_batch_idx, block_table, q, k_cache) -> torch.Tenso
 
 
 def _rotate(q, k, v, rotary_cos, rotary_sin, cache_seqlens, capacity: int, interleaved: bool, positional: bool):
-    """q and k rotated as flash-attn rotates them (kernels/rotary.py): k's token t at position
+    """q and k rotated as flash-attn rotates them (kernels/tritonattn/rotary.py): k's token t at position
     cache_seqlens[b] + t; q's the same when `positional` (causal or a sliding window, flash-attn's rule),
     else every token at cache_seqlens[b]."""
     if rotary_cos is None or rotary_sin is None:

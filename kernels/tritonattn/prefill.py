@@ -1,10 +1,10 @@
 """Prefill attention: the launchers, autograd and public functions of the FlashAttention-2 kernels
-in kernels/prefill_kernels.py (forward and backward, MHA/GQA/MQA, dense or packed varlen batches),
-and the forward's cache mode behind chunked prefill (kernels/decode.py).
+in kernels/tritonattn/prefill_kernels.py (forward and backward, MHA/GQA/MQA, dense or packed varlen batches),
+and the forward's cache mode behind chunked prefill (kernels/tritonattn/decode.py).
 
 Each launcher validates (the public functions, before anything is allocated), allocates, launches.
-The attention options travel as one `AttnOptions` (kernels/_options.py): every kernel gets
-`**options.constexprs, **options.runtime`; tile configs come from kernels/_configs.py.
+The attention options travel as one `AttnOptions` (kernels/tritonattn/_options.py): every kernel gets
+`**options.constexprs, **options.runtime`; tile configs come from tritonattn/tritonattn/_configs.py.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def _on_device(t: torch.Tensor):
 
 @dataclass(frozen=True)
 class Dropout:
-    """Dropout of the attention probabilities (see [Note] Dropout in kernels/prefill_kernels.py).
+    """Dropout of the attention probabilities (see [Note] Dropout in kernels/tritonattn/prefill_kernels.py).
 
     p: the probability of dropping, in (0, 1); a pair is kept when its 16-bit draw is below
         keep_threshold = round((1 - p) * 2^16), and kept probabilities are scaled by 2^16 / keep_threshold
@@ -234,7 +234,7 @@ def _launch_forward(q, k, v, out, lse, batch, seqlen_q, seqlen_k, options: AttnO
     """Launch fwd_kernel with `config` and the tensor-descriptor decision `use_tma` (`_use_tma`);
     `extra` holds the packed-mode or the cache-mode kernel arguments ({} for dense tensors). The cache
     mode also passes its K/V (batch, row, head) strides (`kv_strides`) and a `launch_key` for the fast
-    launch (the inputs' signature and alignment, see kernels/_launch.py); otherwise the strides follow
+    launch (the inputs' signature and alignment, see kernels/tritonattn/_launch.py); otherwise the strides follow
     from the tensors and the launch goes through Triton's dispatcher.
 
     One program per (query block, batch entry or sequence, head); in packed mode seqlen_q/k are the
@@ -351,7 +351,7 @@ def _flash_attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, optio
     q, k, v = _aligned_operands(planned, q, k, v)
     use_tma = _use_tma(config.use_tma, target, q, k, v, out)
     sm90 = prefill_fwd_sm90_config(options, q.dtype, seqlen_k, target) if use_tma and drop is None else None
-    if sm90 is not None and chosen:  # Hopper's warp-specialized kernel (kernels/prefill_sm90.py)
+    if sm90 is not None and chosen:  # Hopper's warp-specialized kernel (kernels/tritonattn/prefill_sm90.py)
         from .prefill_sm90 import forward as sm90_forward  # Gluon, imported only where it runs
 
         _ensure_tma_allocator()
@@ -385,7 +385,7 @@ def _flash_attn_kvcache_forward(
     cache_leftpad: Optional[torch.Tensor] = None,
     variants: Optional[dict] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Chunked prefill (see [Note] Chunked prefill over a cache in kernels/prefill_kernels.py): q
+    """Chunked prefill (see [Note] Chunked prefill over a cache in kernels/tritonattn/prefill_kernels.py): q
     (B, M, H, D) attends over each request's cached keys, cache_seqlens[b] of them plus the
     `seqlen_new` (<= M; 0 for none) keys just written after them, the queries aligned to the last M key
     positions. The cache is dense (B, S, H_KV, D) or, with
@@ -393,7 +393,7 @@ def _flash_attn_kvcache_forward(
     int32 (B,) on q's device: request b's keys start at cache row cache_leftpad[b] (a dense cache or a
     one-page-per-request table, cache_batch_idx's). variants: the ALiBi slopes' and sinks' kernel
     arguments (`variant_args`), the rest of the variants being the options'. Inputs are validated
-    (kernels.decode does it; its `launch_key` holds the inputs' signature and alignment, see
+    (tritonattn.decode does it; its `launch_key` holds the inputs' signature and alignment, see
     _launch_forward); returns (out (B, M, H, D), lse (B, H, M) float32)."""
     batch, seqlen_q, nheads, head_dim = q.shape
     target, config, planned = _forward_plan(q, options, config, k_cache, v_cache)  # q and out follow the cache
@@ -639,7 +639,7 @@ def _wants_grad(*tensors: Optional[torch.Tensor]) -> bool:
 
 
 # What the public functions call under torch.compile: the registered custom ops' callers, filled in by
-# kernels/_ops.py when the package is imported (kept apart so that this module does not import it).
+# kernels/tritonattn/_ops.py when the package is imported (kept apart so that this module does not import it).
 TRACED: dict = {}
 
 
@@ -745,14 +745,14 @@ def flash_attn_func(
         return_attn_probs: flash-attn's testing aid: also return softmax_lse and S_dmask, None
             without dropout; with dropout (batch, nheads, seqlen_q, seqlen_k) in q's dtype, S_dmask[b,
             h, i, j] = exp(score_ij - max_j' score_ij') (scores scaled), negated where the pair was
-            dropped, 0 where query i does not see key j (`kernels.prefill.dropout_probs`). It costs an
+            dropped, 0 where query i does not see key j (`tritonattn.prefill.dropout_probs`). It costs an
             extra pass over the scores and one element of q's dtype per (query, key) pair per head: a
             test's tool.
         return_softmax_lse (keyword only): also return the log-sum-exp of each row.
         sinks (keyword only): None, or a floating (nheads,) tensor: a per-head logit that joins every
             row's softmax with no value (gpt-oss), so the row's probabilities sum to 1 - p_sink; the
             LSE includes it, and the backward returns its gradient. Formulas of every variant:
-            `kernels.reference.attention_ref`.
+            `tritonattn.reference.attention_ref`.
 
     Returns:
         out: (batch, seqlen_q, nheads, headdim), dtype of q; (out, softmax_lse, S_dmask) with
@@ -763,7 +763,7 @@ def flash_attn_func(
     Precision: fp16/bf16 inputs are multiplied on tensor cores with fp32 accumulation. fp32 inputs
     use tf32 matmuls on GPUs (about 1e-3 relative error) and exact fp32 under the interpreter.
     """
-    if torch.compiler.is_compiling():  # one graph node, see kernels/_ops.py
+    if torch.compiler.is_compiling():  # one graph node, see kernels/tritonattn/_ops.py
         return TRACED["flash_attn_func"](q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                                          alibi_slopes, return_attn_probs, return_softmax_lse, sinks)
     dropout_p = _validate_dropout(dropout_p)
@@ -872,7 +872,7 @@ def flash_attn_varlen_func(
     tile arithmetic, so a sequence gives the same result packed as alone (bit-identical under the
     interpreter; on a GPU the two compiled variants may differ in rounding).
     """
-    if torch.compiler.is_compiling():  # one graph node, see kernels/_ops.py
+    if torch.compiler.is_compiling():  # one graph node, see kernels/tritonattn/_ops.py
         return TRACED["flash_attn_varlen_func"](q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                 dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                                 return_attn_probs, block_table, return_softmax_lse, sinks)

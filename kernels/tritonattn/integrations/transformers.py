@@ -1,12 +1,12 @@
 """Our kernels as a Hugging Face transformers attention backend.
 
-    import kernels.integrations.transformers           # registers "triton_attention"
+    import tritonattn.integrations.transformers           # registers "triton_attention"
     model = AutoModelForCausalLM.from_config(config, attn_implementation="triton_attention")
     # or, on a loaded model: model.set_attn_implementation("triton_attention")
 
 Importing this module registers `attention_forward` with transformers' `AttentionInterface` and
 `padding_mask` with its `AttentionMaskInterface` under NAME; `register(name)` registers them under
-another name too. `import kernels` alone never touches transformers. Tested with transformers 5.23.
+another name too. `import tritonattn` alone never touches transformers. Tested with transformers 5.23.
 
 What a model passes and where it goes (docs/design.md, "transformers"):
   - (batch, heads, seq, head_dim) query/key/value, GQA/MQA: read in place as (batch, seq, heads,
@@ -33,45 +33,22 @@ forward; `output_attentions=True`; transformers' continuous-batching paged cache
 transformers itself refuses for a backend of another name). Pad query rows (rows that are padding) come
 out as zeros.
 
-The name clash: Hugging Face's hub-kernels package is also imported as `kernels`. transformers
-probes for it (`is_kernels_available()`: find_spec("kernels") and a version in [0.18.2, 0.19)); with
-only ours importable the probe fails cleanly (our version is 0.1.0) and transformers runs as without
-hub kernels. With both installed one shadows the other: when ours wins, transformers' own
-`from kernels import ...` of hub-kernel names fails, so this module refuses to load with an error that
-says so (`check_hub_kernels_clash`). Keep them in separate environments.
+Hugging Face's hub-kernels package (`kernels` on PyPI, which transformers >= 5.25 requires) is a different
+package: it can be installed next to this one, and transformers' hub-kernel support finds it, not us.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 from typing import Dict, Optional, Tuple
 
 import torch
+from transformers import AttentionInterface, masking_utils
 
 from ..decode import flash_attn_with_kvcache
 from ..errors import InputError
 from ..prefill import flash_attn_func, flash_attn_varlen_func
 
 NAME = "triton_attention"
-
-
-def check_hub_kernels_clash() -> None:
-    """Raise ImportError when Hugging Face's hub-kernels distribution ("kernels" on PyPI) is installed
-    next to ours: both are imported as `kernels`, and transformers would import ours in its place."""
-    try:
-        hub_version = importlib.metadata.version("kernels")
-    except importlib.metadata.PackageNotFoundError:
-        return
-    raise ImportError(
-        f"Hugging Face's hub-kernels package 'kernels' {hub_version} is installed, and this repository's "
-        "package is imported as 'kernels' too: transformers' hub-kernel support would import ours in its "
-        "place and fail. Use an environment without it (pip uninstall kernels) to run this backend.")
-
-
-check_hub_kernels_clash()
-
-from transformers import AttentionInterface, masking_utils  # noqa: E402  (after the clash check speaks)
-
 PADDING_ATTR = "_triton_attention_padding"
 
 
@@ -264,5 +241,4 @@ def register(name: str = NAME) -> str:
 
 register()
 
-__all__ = ["NAME", "PADDING_ATTR", "Padding", "attention_forward", "check_hub_kernels_clash", "padding_mask",
-           "register"]
+__all__ = ["NAME", "PADDING_ATTR", "Padding", "attention_forward", "padding_mask", "register"]

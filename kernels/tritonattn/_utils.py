@@ -49,7 +49,7 @@ def empty_aligned(shape, dtype: torch.dtype, device, *, zero: bool = False, alig
 def is_interpreter() -> bool:
     """True when Triton kernels run under the CPU interpreter (TRITON_INTERPRET=1).
 
-    The variable must be set before `triton` decorates the kernels, i.e. before `import kernels`.
+    The variable must be set before `triton` decorates the kernels, i.e. before `import tritonattn`.
     """
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 

@@ -117,7 +117,7 @@ def check_attention(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                     sliding_window: Optional[int] = None) -> Tuple[float, float]:
     """(err, bound) of `out` (M, H, D), the causal attention of q (M, H, D) over k, v (N, H_KV, D)
     aligned bottom-right (each query seeing at most `sliding_window` keys left of its own, when given),
-    against the fp32 reference, by the error rule of kernels/testing.py; err is inf when out is not
+    against the fp32 reference, by the error rule of kernels/tritonattn/testing.py; err is inf when out is not
     finite."""
     q, k, v = q[None], k[None], v[None]
     window = (-1, -1) if sliding_window is None else (sliding_window, 0)
@@ -233,7 +233,8 @@ class ServingEngine:
             requests = [requests]
         for i, r in enumerate(requests):
             if not isinstance(r, Request):
-                raise InputTypeError(f"Expected kernels.serving.Request objects, got {type(r).__name__} at index {i}.")
+                raise InputTypeError(f"Expected tritonattn.serving.Request objects, got {type(r).__name__} "
+                                     f"at index {i}.")
             _positive_int(f"prompt_len of request {i}", r.prompt_len)
             _positive_int(f"max_new_tokens of request {i}", r.max_new_tokens, minimum=0)
             _positive_int(f"arrival_step of request {i}", r.arrival_step, minimum=0)
@@ -421,7 +422,7 @@ class ServingEngine:
         if not ok and self.strict:
             raise VerificationError(
                 f"step {self.clock}: request {a.rid} {kind} of tokens [{start}, {end}) over {end} keys: rel err "
-                f"{err:.3e} > bound {bound:.3e} against kernels.reference.attention_ref (causal bottom-right).")
+                f"{err:.3e} > bound {bound:.3e} against tritonattn.reference.attention_ref (causal bottom-right).")
 
     def _retire(self, a: _Active) -> None:
         self.cache.free(a.slot)

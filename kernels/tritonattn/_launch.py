@@ -6,9 +6,9 @@ specialisation, builds a string key, then `CompiledKernel`'s runner asks for the
 stream, builds launch metadata for the (empty) launch hooks, and the C launcher calls `data_ptr()`
 and `cuPointerGetAttribute` for every tensor. `LaunchCache` keeps the compiled kernel per caller key
 after the first launch and then calls its C launcher directly, with raw pointers and the current
-stream (see [Note] Host overhead in kernels/decode.py). `LaunchCache.direct` hands that C launch,
+stream (see [Note] Host overhead in kernels/tritonattn/decode.py). `LaunchCache.direct` hands that C launch,
 bound to its compiled kernel (`DirectLaunch`), to a caller that keeps its own argument templates:
-kernels/decode.py's replays of repeated calls.
+kernels/tritonattn/decode.py's replays of repeated calls.
 """
 
 from __future__ import annotations
@@ -64,11 +64,11 @@ class LaunchCache:
     tensor's dtype and 16-byte alignment, and the device (the callers pass their tensors' shapes,
     strides and dtypes too). A hit is then the very kernel Triton's dispatcher would pick,
     launched with the same arguments; a miss (or key None) goes through the dispatcher, which compiles
-    if needed, and stores the compiled kernel. Off under the interpreter, with KERNELS_FAST_LAUNCH=0,
+    if needed, and stores the compiled kernel. Off under the interpreter, with TRITONATTN_FAST_LAUNCH=0,
     and while Triton launch hooks are installed (profilers see every launch).
     """
 
-    enabled = os.environ.get("KERNELS_FAST_LAUNCH", "1") not in ("0", "") and not is_interpreter()
+    enabled = os.environ.get("TRITONATTN_FAST_LAUNCH", "1") not in ("0", "") and not is_interpreter()
     max_entries = 1024
 
     def __init__(self, fn):

@@ -16,7 +16,7 @@ three partitions:
       iteration j:  [its turn] S_j = Q K_j^T, O += P_{j-1} V_{j-1} (issued)   wait S_j   release K_j
                     softmax(S_j) -> P_j, alpha_j   wait O   release V_{j-1}   O *= alpha_j
 
-Masks, scores, the softmax step and the epilogue are kernels/_jit.py's helpers, shared with every other
+Masks, scores, the softmax step and the epilogue are kernels/tritonattn/_jit.py's helpers, shared with every other
 kernel. The shapes and options this kernel takes, and when it is chosen, are `_configs.prefill_fwd_sm90_config`;
 Gluon kernels do not run under the Triton interpreter, which keeps the portable kernel.
 """

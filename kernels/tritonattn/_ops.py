@@ -5,18 +5,18 @@ host time of a decode step is tens of microseconds). Under torch.compile they ca
 which dynamo records as single graph nodes: each op has a fake implementation (the output shapes, for
 tracing without running a kernel) and the prefill op its registered autograd.
 
-    kernels::prefill_fwd(q, k, v, cu_seqlens_q?, cu_seqlens_k?, max_seqlen_q, max_seqlen_k,
+    tritonattn::prefill_fwd(q, k, v, cu_seqlens_q?, cu_seqlens_k?, max_seqlen_q, max_seqlen_k,
                          alibi_slopes?, sinks?, rng_state?, softmax_scale, causal, window_left,
                          window_right, softcap, dropout_p) -> (out, lse)
-    kernels::prefill_bwd(dout, q, k, v, out, lse, <the same inputs after v>) -> (dq, dk, dv, dsinks)
+    tritonattn::prefill_bwd(dout, q, k, v, out, lse, <the same inputs after v>) -> (dq, dk, dv, dsinks)
 
 flash_attn_func and flash_attn_varlen_func share the prefill ops: with cu_seqlens, q, k, v are packed
 (total, nheads, headdim) and lse is (nheads, total_q), as flash-attn's. A paged K/V has its own
 forward-only op, and flash_attn_with_kvcache one op with every argument of the eager function:
 
-    kernels::varlen_paged_fwd(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+    tritonattn::varlen_paged_fwd(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                               max_seqlen_k, block_table, alibi_slopes?, sinks?, <scalars>) -> (out, lse)
-    kernels::kvcache(q, k_cache!, v_cache!, k?, v?, rotary_cos?, rotary_sin?, cache_seqlens,
+    tritonattn::kvcache(q, k_cache!, v_cache!, k?, v?, rotary_cos?, rotary_sin?, cache_seqlens,
                      cache_batch_idx?, cache_leftpad?, block_table?, alibi_slopes?, sinks?,
                      softmax_scale?, causal, window_left, window_right, softcap, rotary_interleaved,
                      num_splits, return_lse) -> (out, lse)      (k_cache!, v_cache!: the append)
@@ -59,7 +59,7 @@ from .prefill import (
     variant_options,
 )
 
-# The ops' namespace is the package's import name ("kernels"), so that two copies of the package can
+# The ops' namespace is the package's import name ("tritonattn"), so that two copies of the package can
 # share a process under different names (benchmarks.ab --host times two trees side by side).
 NAMESPACE = __name__.split(".")[0]
 
@@ -86,7 +86,7 @@ def prefill_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tens
                     window_right: int, softcap: float, dropout_p: float,
                     out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """The prefill forward from the ops' arguments, inputs checked before the launch (out: written into
-    when given, see `_flash_attn_forward`): the body of `kernels::prefill_fwd` and of the SDPA provider."""
+    when given, see `_flash_attn_forward`): the body of `tritonattn::prefill_fwd` and of the SDPA provider."""
     if cu_seqlens_q is None:
         _validate_qkv(q, k, v)
     else:
@@ -193,7 +193,7 @@ def _rng_state(dropout_p, device) -> Optional[Tensor]:
 def flash_attn_func_traced(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                            return_attn_probs, return_softmax_lse, sinks):
     """flash_attn_func under torch.compile: flash-attn's arguments resolved in Python (what dynamo
-    traces), then one `kernels::prefill_fwd` node; its inputs are checked when it runs, before any launch."""
+    traces), then one `tritonattn::prefill_fwd` node; its inputs are checked when it runs, before any launch."""
     dropout_p = _validate_dropout(dropout_p)
     if return_attn_probs and dropout_p > 0:
         raise NotImplementedError("return_attn_probs with dropout (S_dmask, a testing aid) is eager only.")
@@ -206,8 +206,8 @@ def flash_attn_func_traced(q, k, v, dropout_p, softmax_scale, causal, window_siz
 def flash_attn_varlen_func_traced(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                   softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
                                   block_table, return_softmax_lse, sinks):
-    """flash_attn_varlen_func under torch.compile: one `kernels::prefill_fwd` node over the packed
-    sequences (max_seqlen_q / max_seqlen_k as the graph's ints), or one `kernels::varlen_paged_fwd` node over a
+    """flash_attn_varlen_func under torch.compile: one `tritonattn::prefill_fwd` node over the packed
+    sequences (max_seqlen_q / max_seqlen_k as the graph's ints), or one `tritonattn::varlen_paged_fwd` node over a
     paged K/V (forward only, as eager)."""
     dropout_p = _validate_dropout(dropout_p)
     if return_attn_probs and dropout_p > 0:
@@ -282,7 +282,7 @@ def _(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_ba
 def flash_attn_with_kvcache_traced(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                                    cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
                                    rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, sinks):
-    """flash_attn_with_kvcache under torch.compile: one `kernels::kvcache` node, which appends k / v into
+    """flash_attn_with_kvcache under torch.compile: one `tritonattn::kvcache` node, which appends k / v into
     the caches in place (a declared mutation of k_cache and v_cache) and attends, with every argument of
     the eager function. Lengths given as an int (or None: every cache full) become a device tensor in the
     graph; pass a tensor to advance them on the device without recompiling."""

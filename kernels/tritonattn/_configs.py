@@ -57,7 +57,7 @@ _HOPPER_FWD = {
     256: AttnConfig(128, 64, 8, 2, True),
 }
 
-# Hopper's warp-specialized forward (kernels/prefill_sm90.py): 128 query rows split over two consumer
+# Hopper's warp-specialized forward (kernels/tritonattn/prefill_sm90.py): 128 query rows split over two consumer
 # warpgroups that take turns on the tensor cores, 128-key blocks in a 2-slot K/V ring, 4 warps per consumer
 # (config.num_warps: the default partition's). Against fwd_kernel on an H200, bf16, head dim 128 (one run;
 # docs/perf-notes.md, "Prefill at cuDNN's speed"): 10 to 18% faster from 4096 keys on, causal or not, MHA and
@@ -70,7 +70,7 @@ SM90_WS_MIN_KEYS = {False: 1024, True: 2048}
 
 
 def gluon_sm90_available() -> bool:
-    """Gluon's Hopper API as kernels/prefill_sm90.py is written against it (Triton 3.6)."""
+    """Gluon's Hopper API as kernels/tritonattn/prefill_sm90.py is written against it (Triton 3.6)."""
     return triton.__version__.split(".")[:2] == ["3", "6"]
 
 
@@ -82,7 +82,7 @@ def prefill_fwd_sm90_config(options: AttnOptions, dtype: torch.dtype, seqlen_k: 
         return None
     if options.head_dim != 128 or options.head_dim_pad != 128 or dtype not in (torch.float16, torch.bfloat16):
         return None
-    if seqlen_k < SM90_WS_MIN_KEYS[options.causal] or os.environ.get("KERNELS_SM90", "1") == "0":
+    if seqlen_k < SM90_WS_MIN_KEYS[options.causal] or os.environ.get("TRITONATTN_SM90", "1") == "0":
         return None
     return _SM90_WS_FWD if gluon_sm90_available() else None
 
@@ -106,7 +106,7 @@ _TINY_SMEM_FWD = {
 SMALL_SMEM = 96 * 1024  # a device with less smem per block than this (T4) gets the tiny tables
 
 # The kernels' shared memory for each config is checked by compiling it for every card in
-# kernels._utils.TARGETS (tests/test_config_fitness.py); fp32, rarely used, gets one small config per class.
+# tritonattn._utils.TARGETS (tests/test_config_fitness.py); fp32, rarely used, gets one small config per class.
 
 
 def is_hopper_class(target: Target) -> bool:
@@ -178,7 +178,7 @@ def prefill_bwd_config(
 
 
 # --------------------------------------------------------------------------------------------
-# Decode (kernels/decode_kernels.py): one program streams one split of one (request, KV head)'s cache for
+# Decode (kernels/tritonattn/decode_kernels.py): one program streams one split of one (request, KV head)'s cache for
 # a block of up to `max_rows` query rows (the q heads of the group x seqlen_q). Decode is bound by
 # memory bandwidth, so the configs aim at deep load pipelines rather than big tiles.
 # --------------------------------------------------------------------------------------------
@@ -210,15 +210,15 @@ DECODE_PAGED_STAGES = 3
 # pages (P = 16 at BLOCK_N 128) halves BLOCK_N instead.
 DECODE_DEEP_GRID = 3
 DECODE_DEEP_MIN_BLOCKS = 32
-DECODE_GATHER_MAX_PAGES = 4  # physical_blocks in kernels/_jit.py looks up one entry per page up to this
+DECODE_GATHER_MAX_PAGES = 4  # physical_blocks in kernels/tritonattn/_jit.py looks up one entry per page up to this
 # A split of at most this many BLOCK_N blocks streams them all through one masked loop instead of an
 # unmasked loop plus a masked one for its ragged tail (see [Note] One loop for short splits in
-# kernels/decode_kernels.py); pools that gather a key block from several pages (P % BLOCK_N != 0) only up to the
+# decode_kernels.py); pools that gather a key block from several pages (P % BLOCK_N != 0) only up to the
 # second count. Both counts are where one loop stops being faster on an H200 (docs/perf-notes.md, Decode,
 # "One loop for short splits").
 DECODE_ONE_LOOP_MAX_BLOCKS = 32
 DECODE_ONE_LOOP_MAX_BLOCKS_GATHER = 16
-DECODE_PDL = os.environ.get("KERNELS_PDL", "1") not in ("0", "")  # read once, at import (see decode_use_pdl)
+DECODE_PDL = os.environ.get("TRITONATTN_PDL", "1") not in ("0", "")  # read once, at import (see decode_use_pdl)
 
 # Hopper (227 KB smem): K and V tiles of 2-byte dtypes, num_stages deep. key: head_dim_pad.
 # D=128 is the pick of an H200 sweep (benchmarks/tune_decode.py; docs/perf-notes.md, Decode, "Config"): the
@@ -356,7 +356,7 @@ def decode_paged_tiles(config: DecodeConfig, page_size: int, programs: int, num_
     wave of the capped kernel the 4-stage plan is the faster one. Short caches (fewer than
     DECODE_DEEP_MIN_BLOCKS blocks) keep the cap, where the capped plan stays the faster one. A block
     of 8 pages (P = 16 at BLOCK_N 128) is a per-row gather; halved to 4 pages it takes one lookup per page
-    (see [Note] BLOCK_N vs page size in kernels/decode_kernels.py), faster in deep grids though
+    (see [Note] BLOCK_N vs page size in kernels/tritonattn/decode_kernels.py), faster in deep grids though
     slower at split and one-wave shapes, which keep BLOCK_N. The timings behind each threshold:
     docs/perf-notes.md, Paged decode, "Plans".
     """
@@ -404,5 +404,5 @@ def decode_use_pdl(target: Optional[Target]) -> bool:
     """Whether the split merge is launched with programmatic dependent launch (PDL): the combine
     kernel's programs start while the decode grid runs and wait in `griddepcontrol.wait` for its
     results, hiding the second launch's latency. Hopper and newer only (sm_90+: `griddepcontrol`);
-    off under the interpreter and with KERNELS_PDL=0 in the environment at import (DECODE_PDL)."""
+    off under the interpreter and with TRITONATTN_PDL=0 in the environment at import (DECODE_PDL)."""
     return target is not None and DECODE_PDL and target.capability[0] >= 9
