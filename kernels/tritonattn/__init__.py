@@ -25,6 +25,7 @@ kernels of prefill_kernels.py / decode_kernels.py, which share the jit helpers o
 options of a call travel as one _options.AttnOptions; _configs.py picks tiles per GPU.
 """
 
+from . import _versions  # noqa: F401, I001  (first: checks Triton and numpy before any kernel is decorated)
 from . import _ops, sdpa  # noqa: F401  (the custom ops torch.compile traces; the SDPA provider, not activated)
 from ._utils import default_device, env_summary, has_gpu, is_interpreter
 from .decode import flash_attn_with_kvcache

@@ -10,12 +10,12 @@ the interpreter one small config is used.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import triton
 
 from ._options import AttnOptions
 from ._utils import Target
@@ -69,9 +69,32 @@ _SM90_WS_FWD = AttnConfig(128, 128, 4, 2, True)
 SM90_WS_MIN_KEYS = {False: 1024, True: 2048}
 
 
+# What prefill_sm90.py uses of Gluon, by module: detected rather than read off the version number (Triton 3.5's
+# Gluon lacks gl.num_warps and tma.make_tensor_descriptor; 3.6 to 3.9 have them all).
+_GLUON_SM90_API = {
+    "triton.experimental.gluon.language": ("warp_specialize", "num_warps", "NVMMADistributedLayout",
+                                           "NVMMASharedLayout", "DotOperandLayout", "SliceLayout",
+                                           "allocate_shared_memory", "static_range", "convert_layout"),
+    "triton.experimental.gluon.language.nvidia.hopper": ("warpgroup_mma", "warpgroup_mma_wait",
+                                                         "fence_async_shared"),
+    "triton.experimental.gluon.language.nvidia.hopper.tma": ("make_tensor_descriptor", "async_copy_global_to_shared",
+                                                             "async_copy_shared_to_global", "store_wait"),
+    "triton.experimental.gluon.language.nvidia.hopper.mbarrier": ("MBarrierLayout", "init", "expect", "wait",
+                                                                  "arrive"),
+}
+
+
+@functools.lru_cache(maxsize=None)
 def gluon_sm90_available() -> bool:
-    """Gluon's Hopper API as kernels/tritonattn/prefill_sm90.py is written against it (Triton 3.6)."""
-    return triton.__version__.split(".")[:2] == ["3", "6"]
+    """Whether this Triton's Gluon has the Hopper API prefill_sm90.py is written against (every name in
+    _GLUON_SM90_API). Where it has not, the portable forward runs."""
+    import importlib
+
+    try:
+        modules = {name: importlib.import_module(name) for name in _GLUON_SM90_API}
+    except ImportError:
+        return False
+    return all(hasattr(modules[name], attr) for name, attrs in _GLUON_SM90_API.items() for attr in attrs)
 
 
 def prefill_fwd_sm90_config(options: AttnOptions, dtype: torch.dtype, seqlen_k: int,

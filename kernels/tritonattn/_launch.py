@@ -14,6 +14,7 @@ kernels/tritonattn/decode.py's replays of repeated calls.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import operator
 import os
@@ -216,12 +217,29 @@ def _is_constexpr(annotation) -> bool:
     return annotation is tl.constexpr or (isinstance(annotation, str) and annotation.split(".")[-1] == "constexpr")
 
 
+@functools.lru_cache(maxsize=None)
+def _flat_launch_abi(launcher_cls: type) -> bool:
+    """Whether `launcher_cls` calls its C launch with the kernel's arguments flattened after the scratch
+    buffers, as Triton 3.5 and 3.6's CudaLauncher does: its `__call__(self, gridX, gridY, gridZ, stream,
+    function, *args)` passes `launch(grid..., stream, function, cooperative, pdl, global_scratch,
+    profile_scratch, *args)`. Triton 3.7 and newer name the metadata and hooks in `__call__` and pass the
+    arguments to the C launch as one tuple with annotations: there the runner (`kernel.run`) is called."""
+    try:
+        params = list(inspect.signature(launcher_cls.__call__).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    names = [p.name for p in params]
+    return (names[:6] == ["self", "gridX", "gridY", "gridZ", "stream", "function"] and len(params) == 7
+            and params[6].kind is inspect.Parameter.VAR_POSITIONAL)
+
+
 def _direct_launch(run):
-    """The C launch function behind a CudaLauncher (Triton 3.6) when calling it directly is what
-    CudaLauncher.__call__ would do: no global or profile scratch to allocate. Else None."""
+    """The C launch function behind a CudaLauncher whose launch ABI is the flat one (`_flat_launch_abi`)
+    when calling it directly is what CudaLauncher.__call__ would do: no global or profile scratch to
+    allocate. Else None."""
     launch = getattr(run, "launch", None)
     needed = ("launch_cooperative_grid", "launch_pdl", "global_scratch_size", "profile_scratch_size")
-    if launch is None or not all(hasattr(run, name) for name in needed):
+    if launch is None or not all(hasattr(run, name) for name in needed) or not _flat_launch_abi(type(run)):
         return None
     if run.global_scratch_size or run.profile_scratch_size:
         return None
