@@ -36,7 +36,7 @@ if ROOT is None and "google.colab" in sys.modules:
         clone = subprocess.run(["git", "clone", "-q", "--depth", "1", REPO_URL, str(ROOT)],
                                capture_output=True, text=True)
         if clone.returncode:
-            raise RuntimeError(f"Cloning {{REPO_URL}} failed ({{clone.stderr.strip()[-300:]}}); run "
+            raise RuntimeError(f"Cloning {{REPO_URL}} failed ({{' '.join(clone.stderr.split())[:300]}}); run "
                                f"`!git clone {{REPO_URL}} {{ROOT}}` in a cell, then this cell again.")
 if ROOT is None:
     raise RuntimeError(f"This notebook runs from its repository: `git clone {{REPO_URL}}` and open it there, "
