@@ -26,6 +26,7 @@ import datetime
 import itertools
 import math
 import numbers
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -535,12 +536,12 @@ def plot_lines(
     where: Optional[Mapping[str, Any]] = None,
     x_label: Optional[str] = None,
     logx: bool = True,
-    figures_dir: Union[str, Path] = "figures",
+    figures_dir: Optional[Union[str, Path]] = None,
 ) -> List[Path]:
     """Latency (top) and peak-memory (bottom) lines per implementation, one column per causal value.
 
-    One figure per (GPU, mode) in df, saved as figures/<gpu-slug>/<name>_<mode>.png (relative
-    figures_dir is taken from the repo root) and titled with the GPU, torch and triton versions the
+    One figure per (GPU, mode) in df, saved as <figures_dir>/<gpu-slug>/<name>_<mode>.png (default:
+    `figures_root()`) and titled with the GPU, torch and triton versions the
     numbers came from. Returns the saved paths; a df without the needed columns is skipped with a note.
     """
     import matplotlib
@@ -591,7 +592,7 @@ def plot_lines(
         fig.suptitle(f"{title} [{mode}] on {gpu}\n({report.versions_text(sub)}"
                      f"{'' if has_mem else '; peak memory not measured in these results'})", fontsize=11)
         fig.tight_layout()
-        saved.append(report.save_figure(fig, figures_dir, gpu, f"{name}_{mode}"))
+        saved.append(report.save_figure(fig, figures_dir or figures_root(), gpu, f"{name}_{mode}"))
     return saved
 
 
@@ -1022,10 +1023,10 @@ def kvcache_round_trip_table(*, batch: int, prompt: int, steps: Sequence[int], n
 
 
 def plot_decode(df, *, name: str = "decode", title: str, where: Optional[Mapping[str, Any]] = None,
-                figures_dir: Union[str, Path] = "figures") -> List[Path]:
+                figures_dir: Optional[Union[str, Path]] = None) -> List[Path]:
     """Per GPU, one column per batch: latency per eager call, peak memory beyond the inputs, and K+V
     GB/s with CUDA-graph replay against the device-copy bandwidth line of the same run. Saved as
-    figures/<gpu-slug>/<name>.png, titled with the GPU, versions and dates."""
+    <figures_dir>/<gpu-slug>/<name>.png (default: `figures_root()`), titled with the GPU, versions and dates."""
     import matplotlib.pyplot as plt
 
     df = _select(df, where)
@@ -1066,7 +1067,7 @@ def plot_decode(df, *, name: str = "decode", title: str, where: Optional[Mapping
             axes[2, col].legend(fontsize=8)
         fig.suptitle(f"{title} on {gpu}\n({report.versions_text(sub)})", fontsize=11)
         fig.tight_layout()
-        saved.append(report.save_figure(fig, figures_dir, gpu, name))
+        saved.append(report.save_figure(fig, figures_dir or figures_root(), gpu, name))
     return saved
 
 
@@ -1221,9 +1222,18 @@ def load_stats(name: str = "serving_steps", results_dir: Union[str, Path] = "res
     return df[df["run"] == latest].reset_index(drop=True)
 
 
-def figure_path(gpu: str, name: str, figures_dir: Union[str, Path] = "figures") -> Path:
-    """figures/<gpu-slug>/<name>.png (a relative figures_dir is taken from the repo root)."""
-    root = Path(figures_dir)
+def figures_root() -> Path:
+    """Where the notebooks save figures: the committed figures/ on a GPU (the run that measured them), a
+    temporary folder on a CPU, which redraws committed results and must leave the checkout untouched."""
+    if torch.cuda.is_available():
+        return results.REPO_ROOT / "figures"
+    return Path(tempfile.gettempdir()) / "tritonattn-figures"
+
+
+def figure_path(gpu: str, name: str, figures_dir: Optional[Union[str, Path]] = None) -> Path:
+    """<figures_dir>/<gpu-slug>/<name>.png (default: `figures_root()`; a relative figures_dir is taken from
+    the repo root)."""
+    root = Path(figures_dir or figures_root())
     root = root if root.is_absolute() else results.REPO_ROOT / root
     return root / results.gpu_slug(str(gpu)) / f"{name}.png"
 

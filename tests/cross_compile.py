@@ -153,7 +153,8 @@ def shared_bytes(specs: Sequence[dict], jobs: int = 0) -> List[Dict]:
     """{"shared": bytes} or {"error": text} per spec, compiled in `jobs` worker processes (default: CPUs)."""
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(specs)))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    paths = [str(REPO_ROOT / "kernels"), str(REPO_ROOT), env.get("PYTHONPATH")]  # tritonattn, then the tests' own
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
     chunks = [list(range(i, len(specs), jobs)) for i in range(jobs)]
 
     def run(indices):

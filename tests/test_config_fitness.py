@@ -170,13 +170,16 @@ def _kvcache_calls(dtype: torch.dtype, target: Target):
         yield f"kvcache variants seqlen_q={seqlen_q} page_size={page_size} num_splits={num_splits}", variants
 
 
-def _record(target: Target, dtype: torch.dtype) -> List[Tuple[str, object]]:
-    """(call label, launch record) of every launch the calls make when planned for `target`."""
+def _record(target: Target, dtype: torch.dtype) -> List[Tuple[str, tuple, dict]]:
+    """(call label, plan text, compile spec) of every launch the calls make when planned for `target`. The
+    launch records hold the calls' tensors (caches of up to a GB): each is reduced to its text and spec
+    before the next call, so one call's tensors at a time are alive."""
     records = []
     for label, call in itertools.chain(_prefill_calls(dtype, target), _kvcache_calls(dtype, target)):
         with recording(target) as launched:
             call()
-        records.extend((label, r) for r in launched)
+        records.extend((label, _plan_text(r), cross_compile.spec_of(r, target.arch)) for r in launched)
+        del launched
     return records
 
 
@@ -195,12 +198,11 @@ def test_every_config_fits_the_card(card):
     records = fp16 + _record(target, torch.float32)
     if target.capability >= (8, 0):  # bf16 plans are the fp16 plans, byte for byte
         bf16 = _record(target, torch.bfloat16)
-        assert [(label, _plan_text(r)) for label, r in bf16] == [(label, _plan_text(r)) for label, r in fp16]
+        assert [(label, text) for label, text, _ in bf16] == [(label, text) for label, text, _ in fp16]
 
     specs: Dict[str, dict] = {}
     labels: Dict[str, str] = {}
-    for label, record in records:
-        spec = cross_compile.spec_of(record, target.arch)
+    for label, _, spec in records:
         key = cross_compile.tile_key(spec)
         specs.setdefault(key, spec)
         labels.setdefault(key, label)

@@ -8,7 +8,7 @@ import torch
 
 import tritonattn.prefill as prefill
 from helpers import DEVICE, make_qkv
-from tritonattn import flash_attn_func
+from tritonattn import InputError, flash_attn_func, flash_attn_with_kvcache
 
 B, M, N, H, H_KV, D = 2, 17, 23, 4, 2, 64
 
@@ -114,11 +114,25 @@ def test_bf16_under_interpreter_raises_not_implemented(monkeypatch):
 # Shapes
 # --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("head_dim", [0, 257, 264, 512])
-def test_unsupported_head_dim_raises_not_implemented(head_dim):
-    """head dims outside [1, 256] raise NotImplementedError (every head dim inside works: test_head_dims.py)."""
+def test_head_dim_outside_the_range_raises_input_error(head_dim):
+    """head dims outside [1, 256] raise InputError (every head dim inside works: test_head_dims.py), in prefill
+    and in decode, before any launch."""
     q, k, v = randn(B, M, H, head_dim), randn(B, N, H_KV, head_dim), randn(B, N, H_KV, head_dim)
-    with pytest.raises(NotImplementedError, match=f"head_dim between 1 and 256, got {head_dim}"):
+    with pytest.raises(InputError, match=f"head_dim between 1 and 256, got {head_dim}"):
         flash_attn_func(q, k, v)
+    with pytest.raises(InputError, match=f"head_dim between 1 and 256, got {head_dim}"):
+        flash_attn_with_kvcache(q[:, :1], k, v, cache_seqlens=N)
+
+
+@pytest.mark.parametrize("lengths", ["tensor", "int"])
+def test_empty_batch_decodes_to_empty_outputs(lengths):
+    """A batch of zero requests (a serving loop with nothing running) gives empty outputs, tensor lengths
+    included, with or without an append."""
+    q, k_cache, v_cache = randn(0, 1, H, 32), randn(0, N, H_KV, 32), randn(0, N, H_KV, 32)
+    lens = torch.zeros(0, dtype=torch.int32, device=q.device) if lengths == "tensor" else 3
+    for kv in ((None, None), (randn(0, 1, H_KV, 32), randn(0, 1, H_KV, 32))):
+        out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, *kv, cache_seqlens=lens, return_softmax_lse=True)
+        assert out.shape == (0, 1, H, 32) and lse.shape == (0, H, 1)
 
 
 @pytest.mark.parametrize("nheads,nheads_k", [(6, 4), (4, 3), (2, 4), (5, 2)], ids=lambda x: str(x))

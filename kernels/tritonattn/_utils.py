@@ -233,9 +233,8 @@ def _validate_devices(**tensors: Optional[torch.Tensor]) -> torch.device:
 
 def _validate_head_dim(head_dim: int) -> None:
     if not (MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM):
-        raise NotImplementedError(
-            f"Expected head_dim between {MIN_HEAD_DIM} and {MAX_HEAD_DIM}, got {head_dim}."
-        )
+        raise InputError(f"Expected head_dim between {MIN_HEAD_DIM} and {MAX_HEAD_DIM}, got {head_dim}; the kernels "
+                         f"take any head dim in that range.")
 
 
 def _validate_heads(nheads: int, nheads_k: int) -> None:

@@ -219,6 +219,8 @@ def _check_host_lengths(lengths, seqlen_new: int, seqlen_cache: int, capacity: O
     if isinstance(lengths, int):
         lo, hi = lengths, lengths
     else:
+        if len(lengths) == 0:  # an empty batch: no length to check
+            return
         lo, hi = int(lengths.min()), int(lengths.max())
     if lo >= 0 and hi + seqlen_new <= seqlen_cache:
         return
