@@ -456,19 +456,23 @@ def test_fast_launch_reuses_kernel_only_for_the_same_key(monkeypatch):
 
     launches = []
 
-    class FakeCompiled:  # what JITFunction.run returns on a GPU; run: a CudaLauncher without scratch
+    class Launcher:  # Triton 3.5 / 3.6's CudaLauncher (the flat launch ABI), with no scratch to allocate
+        launch_cooperative_grid, launch_pdl, global_scratch_size, profile_scratch_size = 0, 1, 0, 0
+
+        def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+            raise AssertionError("a hit calls the C launch itself")
+
+        @staticmethod
+        def launch(gx, gy, gz, stream, function, cooperative, pdl, scratch, profile_scratch, packed_metadata,
+                   launch_metadata, enter, exit_, *args):
+            assert (function, packed_metadata) == (FakeCompiled.function, FakeCompiled.packed_metadata)
+            assert (cooperative, pdl, scratch, profile_scratch, launch_metadata, enter, exit_) == (
+                0, 1, None, None, None, None, None)
+            launches.append(("fast", (gx, gy, gz), stream, args))
+
+    class FakeCompiled:  # what JITFunction.run returns on a GPU
         function, packed_metadata = object(), object()
-
-        class run:  # noqa: N801
-            launch_cooperative_grid, launch_pdl, global_scratch_size, profile_scratch_size = 0, 1, 0, 0
-
-            @staticmethod
-            def launch(gx, gy, gz, stream, function, cooperative, pdl, scratch, profile_scratch, packed_metadata,
-                       launch_metadata, enter, exit_, *args):
-                assert (function, packed_metadata) == (FakeCompiled.function, FakeCompiled.packed_metadata)
-                assert (cooperative, pdl, scratch, profile_scratch, launch_metadata, enter, exit_) == (
-                    0, 1, None, None, None, None, None)
-                launches.append(("fast", (gx, gy, gz), stream, args))
+        run = Launcher()
 
     def kernel(X, n, Y=None, m=7, BLOCK: tl.constexpr = 16):  # the Python function a JITFunction wraps
         pass

@@ -69,16 +69,18 @@ _SM90_WS_FWD = AttnConfig(128, 128, 4, 2, True)
 SM90_WS_MIN_KEYS = {False: 1024, True: 2048}
 
 
-# What prefill_sm90.py uses of Gluon, by module: detected rather than read off the version number (Triton 3.5's
-# Gluon lacks gl.num_warps and tma.make_tensor_descriptor; 3.6 to 3.9 have them all).
+# What prefill_sm90.py uses of Gluon, by module; "a|b": either name (the TMA copies were renamed in Triton 3.8,
+# and 3.9 keeps the old names only as stubs that raise, so the new name is looked for first). Detected rather
+# than read off the version number: Triton 3.5's Gluon lacks gl.num_warps and tma.make_tensor_descriptor.
 _GLUON_SM90_API = {
     "triton.experimental.gluon.language": ("warp_specialize", "num_warps", "NVMMADistributedLayout",
                                            "NVMMASharedLayout", "DotOperandLayout", "SliceLayout",
                                            "allocate_shared_memory", "static_range", "convert_layout"),
     "triton.experimental.gluon.language.nvidia.hopper": ("warpgroup_mma", "warpgroup_mma_wait",
                                                          "fence_async_shared"),
-    "triton.experimental.gluon.language.nvidia.hopper.tma": ("make_tensor_descriptor", "async_copy_global_to_shared",
-                                                             "async_copy_shared_to_global", "store_wait"),
+    "triton.experimental.gluon.language.nvidia.hopper.tma": ("make_tensor_descriptor", "store_wait",
+                                                             "async_load|async_copy_global_to_shared",
+                                                             "async_store|async_copy_shared_to_global"),
     "triton.experimental.gluon.language.nvidia.hopper.mbarrier": ("MBarrierLayout", "init", "expect", "wait",
                                                                   "arrive"),
 }
@@ -86,15 +88,17 @@ _GLUON_SM90_API = {
 
 @functools.lru_cache(maxsize=None)
 def gluon_sm90_available() -> bool:
-    """Whether this Triton's Gluon has the Hopper API prefill_sm90.py is written against (every name in
-    _GLUON_SM90_API). Where it has not, the portable forward runs."""
+    """Whether this Triton's Gluon has the Hopper API prefill_sm90.py is written against (every name, or one of
+    each "a|b" pair, in _GLUON_SM90_API). Where it has not, the portable forward runs. CI cross-compiles the
+    kernel for sm_90 under each Triton of the supported range where this holds."""
     import importlib
 
     try:
         modules = {name: importlib.import_module(name) for name in _GLUON_SM90_API}
     except ImportError:
         return False
-    return all(hasattr(modules[name], attr) for name, attrs in _GLUON_SM90_API.items() for attr in attrs)
+    return all(any(hasattr(modules[name], alt) for alt in attr.split("|"))
+               for name, attrs in _GLUON_SM90_API.items() for attr in attrs)
 
 
 def prefill_fwd_sm90_config(options: AttnOptions, dtype: torch.dtype, seqlen_k: int,

@@ -42,6 +42,11 @@ from ._jit import LOG2E, finalize, key_range, query_block, score_units, softmax_
 from ._launch import LaunchCache
 from ._options import AttnOptions
 
+# The TMA copies under this Triton's names: async_load / async_store from Triton 3.8 (3.9 removed the old
+# names), async_copy_global_to_shared / async_copy_shared_to_global before; same arguments, same operations.
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+
 # Registers: three warpgroups (two consumers, the loader's) x 128 threads x MAXNREG = 64512 of the SM's
 # 65536. After setmaxnreg each consumer thread holds CONSUMER_REGS (its [64, 128] fp32 output and scores,
 # and the bf16 probabilities), the loader's 24; one program per SM (160 KB of shared memory at D = 128).
@@ -71,10 +76,10 @@ def _ws_loader(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empt
         start_n = n_lo + j * BLOCK_N
         mbarrier.wait(k_empty.index(slot), phase ^ 1)  # a fresh barrier counts as released (phase 1)
         mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [start_n, 0], k_ready.index(slot), k_smem.index(slot))
+        tma_load(k_desc, [start_n, 0], k_ready.index(slot), k_smem.index(slot))
         mbarrier.wait(v_empty.index(slot), phase ^ 1)
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [start_n, 0], v_ready.index(slot), v_smem.index(slot))
+        tma_load(v_desc, [start_n, 0], v_ready.index(slot), v_smem.index(slot))
 
 
 @gluon.jit
@@ -170,7 +175,7 @@ def _ws_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_rea
     gl.store(Lse + pid_bh.to(gl.int64) * M + offs_m_o, lse, mask=offs_m_o < M)
     q_tile.store(out.to(dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [row0, 0], q_tile)
+    tma_store(o_desc, [row0, 0], q_tile)
     tma.store_wait(0)
 
 
@@ -234,8 +239,8 @@ def fwd_kernel_sm90_ws(
     mbarrier.init(turn.index(1), count=1)
     fence_async_shared()
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [start_m, 0], q_bar, q_smem.index(0))
-    tma.async_copy_global_to_shared(q_desc, [start_m + ROWS, 0], q_bar, q_smem.index(1))
+    tma_load(q_desc, [start_m, 0], q_bar, q_smem.index(0))
+    tma_load(q_desc, [start_m + ROWS, 0], q_bar, q_smem.index(1))
 
     gl.warp_specialize([
         (_ws_consumer, (0, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, o_desc, Lse,
