@@ -75,6 +75,19 @@ def spec_key(spec: dict) -> str:
     return json.dumps(spec, sort_keys=True)
 
 
+TILE_CONSTEXPRS = ("HEAD_DIM_PAD", "USE_TMA", "NUM_STAGES")  # besides BLOCK_*: what sizes a block's shared memory
+
+
+def class_key(spec: dict) -> str:
+    """The spec's launch class: kernel, launch options, pointer dtypes and tile constexprs (BLOCK_*,
+    TILE_CONSTEXPRS), without the semantic flags (causal, variants, paging). One compile per class is the
+    coarse check CI runs under every Triton of the supported range: each tile of each table compiles."""
+    tiles = {k: v for k, v in spec["constexprs"].items() if k.startswith("BLOCK") or k in TILE_CONSTEXPRS}
+    pointers = sorted({v for v in spec["signature"].values() if v.startswith("*")})
+    return json.dumps({"name": spec["name"], "options": spec["options"], "arch": spec["arch"], "tiles": tiles,
+                       "pointers": pointers}, sort_keys=True)
+
+
 def tile_key(spec: dict) -> str:
     """The spec without the launcher's integer and alignment specialisations (an integer argument equal to
     1 compiled in as a constant, divisibility hints): those change address arithmetic and vector widths,

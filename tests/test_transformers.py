@@ -111,6 +111,12 @@ def logits(model, ids, mask, attn: str) -> torch.Tensor:
         return model(input_ids=ids, attention_mask=mask).logits
 
 
+def _child_env() -> dict:
+    """This process's environment with the library's source root first on PYTHONPATH."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO / "kernels"),
+                                                                     os.environ.get("PYTHONPATH")])))
+
+
 def test_registration_is_explicit():
     """`import tritonattn` registers nothing with transformers; importing the integration registers NAME."""
     code = textwrap.dedent("""
@@ -125,7 +131,7 @@ def test_registration_is_explicit():
         print("ok")
     """)
     run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                         env=dict(os.environ, PYTHONPATH=str(REPO / "kernels")))
+                         env=_child_env())
     assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-2000:]
 
 
@@ -150,7 +156,7 @@ def test_hub_kernels_is_not_shadowed():
         print(json.dumps({"hub": hub, "origin": origin, "ours": tritonattn.__file__}))
     """)
     run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                         env=dict(os.environ, PYTHONPATH=str(REPO / "kernels")))
+                         env=_child_env())
     assert run.returncode == 0, run.stderr[-2000:]
     found = json.loads(run.stdout.strip().splitlines()[-1])
     assert Path(found["ours"]).resolve().parent == REPO / "kernels" / "tritonattn"
