@@ -16,7 +16,7 @@ from typing import List, Optional, Sequence
 from tritonattn._utils import env_summary, has_gpu
 
 from .grids import DEFAULT_DTYPES, DTYPES, FLEX_DTYPES, QUICK_DTYPES, SUITES, suite_shapes
-from .report import headline_markdown, headline_table, plot_all
+from .report import headline_markdown, headline_table, plot_all, readme_markdown
 from .suite import NO_GPU_MESSAGE, describe, run
 
 
@@ -76,6 +76,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.plot_only:
             plot_all(args.out, args.figures, gpu=args.gpu)
         if args.headline:
+            print(readme_markdown(args.out, args.gpu))
             print(headline_markdown(headline_table(args.out, args.gpu)))
         return 0
     if not has_gpu():

@@ -149,6 +149,50 @@ def headline_table(results_dir: PathLike = "results", gpu: Optional[str] = None,
     return pd.DataFrame(out, columns=columns)
 
 
+# README's decode table: (batch, cache length) at bf16, D = 128, 32 q / 8 KV heads.
+README_DECODE_SHAPES = ((1, 1024), (1, 16384), (8, 4096), (32, 16384), (128, 65536))
+
+
+def readme_markdown(results_dir: PathLike = "results", gpu: Optional[str] = None) -> str:
+    """README's two tables, from the CSVs: prefill (bf16, D = 128; per seqlen the range over MHA / GQA and
+    causal or not of ours' TFLOP/s and ours / each peer, forward then forward + backward) and decode (bf16,
+    D = 128, 32:8 heads; ours and SDPA's K+V GB/s at README_DECODE_SHAPES). One block per GPU."""
+    parts = []
+    frames = {suite: load_suite(suite, results_dir, gpu, log=lambda _: None)
+              for suite in ("prefill_fwd", "prefill_fwd_bwd")}
+    blocks = {suite: prefill_ranges(df, suite) for suite, df in frames.items() if df is not None}
+    blocks = {suite: t for suite, t in blocks.items() if t is not None}
+    for name in sorted({g for t in blocks.values() for g in t.index.get_level_values("gpu")}):
+        rows, header = [], None
+        for suite, title in (("prefill_fwd", "forward"), ("prefill_fwd_bwd", "forward + backward")):
+            if suite not in blocks or (name, "bf16", 128) not in blocks[suite].index.droplevel("seqlen"):
+                continue
+            table = blocks[suite].xs((name, "bf16", 128), level=("gpu", "dtype", "head_dim"))
+            seqlens = list(table.index)
+            header = header or ("| seqlen (batch) | " + " | ".join(f"{s} ({16384 // s})" for s in seqlens) + " |\n"
+                                + "|---|" + "---:|" * len(seqlens))
+            for column in table.columns:
+                label = f"{title}, {column}" if column == "ours TFLOP/s" else column
+                rows.append(f"| {label} | " + " | ".join(table[column]) + " |")
+        if rows:
+            parts.append(f"**Prefill**, {name}, bf16, D = 128\n\n{header}\n" + "\n".join(rows) + "\n")
+    decode = headline_table(results_dir, gpu, log=lambda _: None)
+    decode = decode[(decode["suite"] == "decode") & (decode["dtype"] == "bf16")
+                    & decode["versus"].astype(str).str.startswith("SDPA")]
+    for name, grp in decode.groupby("gpu"):
+        by_shape = {r.shape: r for r in grp.itertuples()}
+        cells = [by_shape.get(f"B={b} L={n} 32:8 D=128") for b, n in README_DECODE_SHAPES]
+        if not any(cells):
+            continue
+        shown = [(shape, c) for shape, c in zip(README_DECODE_SHAPES, cells) if c is not None]
+        head = "| D = 128, batch x cache length | " + " | ".join(f"{b} x {n}" for (b, n), _ in shown) + " |"
+        parts.append(f"**Decode**, {name}, bf16, 32 q / 8 KV heads\n\n{head}\n|---|" + "---:|" * len(shown) + "\n"
+                     + "| ours GB/s | " + " | ".join(_fmt(c.ours_value) for _, c in shown) + " |\n"
+                     + "| SDPA GB/s | " + " | ".join(_fmt(c.versus_value) for _, c in shown) + " |\n"
+                     + "| ours / SDPA | " + " | ".join(f"{c.ratio:.2f}" for _, c in shown) + " |\n")
+    return "\n".join(parts)
+
+
 def _fmt(value: float) -> str:
     return f"{value:.0f}" if abs(value) >= 10 else f"{value:.3g}"
 
