@@ -144,3 +144,12 @@ def test_the_checks_see_a_circle():
     assert "tritonattn.decode" in graph["tritonattn.kv_cache"]  # `from .decode import ...`
     assert "benchmarks.measure" in graph["benchmarks.suite"]  # `from . import measure, results`
     assert "tritonattn" in graph["benchmarks.suite"]
+
+
+def test_nothing_imports_the_old_package_name():
+    """No module of the tree imports `kernels` (PyPI's hub-kernels package since the rename): the library is
+    `tritonattn`, and kernels/ only its source root."""
+    graph = import_graph()
+    stale = {name: sorted(m for m in imported if m.split(".")[0] == "kernels") for name, imported in graph.items()}
+    assert not {name: mods for name, mods in stale.items() if mods}, stale
+    assert "tritonattn" in graph and not any(name.split(".")[0] == "kernels" for name in graph)
