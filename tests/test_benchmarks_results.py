@@ -1,4 +1,7 @@
-"""CPU tests of benchmarks/results.py: result rows stamped with their environment, and their CSVs."""
+"""CPU tests of benchmarks/results.py (result rows stamped with their environment, and their CSVs) and of how
+benchmarks.ab finds a tree's library."""
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -56,3 +59,17 @@ def test_results_root_is_taken_from_the_repo_root(tmp_path):
     assert results.results_root("results") == results.REPO_ROOT / "results"
     assert results.results_root(tmp_path) == tmp_path
     assert (results.REPO_ROOT / "benchmarks" / "results.py").is_file()
+
+
+def test_ab_finds_the_package_in_either_layout(tmp_path):
+    """benchmarks.ab imports a tree's library from kernels/tritonattn/ or, in trees older than the source-root
+    layout, from kernels/ itself, so an A/B can span the move."""
+    from benchmarks.ab import _import_tree, package_dir
+
+    root = Path(__file__).resolve().parents[1]
+    assert package_dir(str(root)) == root / "kernels" / "tritonattn"
+    old = tmp_path / "old"
+    (old / "kernels").mkdir(parents=True)
+    (old / "kernels" / "__init__.py").write_text("WHICH = 'flat'\n")
+    assert package_dir(str(old)) == old / "kernels"
+    assert _import_tree(str(old), "tritonattn_ab_test_old").WHICH == "flat"
