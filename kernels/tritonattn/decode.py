@@ -1026,7 +1026,7 @@ def _kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax
             options = attn_options(q.shape[-1], softmax_scale, causal, window, softcap)
             replay_key = _replay_key(sig, cache_seqlens, options, num_splits, return_softmax_lse)
             replay = _REPLAYS.get(replay_key) if replay_key is not None else None
-        except (TypeError, ValueError, IndexError):  # the full path names what is wrong
+        except (TypeError, ValueError, IndexError, ArithmeticError):  # the full path names what is wrong
             replay_key = replay = None
         if replay is not None:
             result = _replay(replay, q, k_cache, v_cache, k, v, cache_seqlens, block_table, options)
