@@ -51,6 +51,9 @@ BADGE_LINE = ("[![Open In Colab]({svg})]({colab}) Run it on Colab: the badge ope
               "and installs what the runtime lacks.\n")
 README_BADGE = re.compile(r"\[!\[Open In Colab\]\([^)]*\)\]\([^)]*\)")
 PLACEHOLDER = re.compile(r"OWNER/REPO|<owner>|<repo>|example\.com", re.I)
+# GitHub repositories the prose cites (credits, peers), never the project's own URL.
+ALLOWED_OWNERS = {"Dao-AILab", "hkproj", "triton-lang", "pytorch", "huggingface", "flashinfer-ai",
+                  "zhuzilin", "googlecolab"}
 
 
 def repository_url() -> str:
@@ -136,10 +139,6 @@ def stale_copies() -> List[str]:
                 found.append(f"{path.name}: github.com/{other}")
     return found
 
-
-# GitHub repositories the prose cites (credits, peers), never the project's own URL.
-ALLOWED_OWNERS = {"Dao-AILab", "hkproj", "triton-lang", "pytorch", "huggingface", "flashinfer-ai",
-                  "zhuzilin", "googlecolab"}
 
 
 def run(write: bool) -> List[str]:
