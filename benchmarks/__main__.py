@@ -13,7 +13,7 @@ import argparse
 import sys
 from typing import List, Optional, Sequence
 
-from tritonattn._utils import env_summary, has_gpu
+from tritonattn.config.hardware import env_summary, has_gpu
 
 from .grids import DEFAULT_DTYPES, DTYPES, FLEX_DTYPES, QUICK_DTYPES, SUITES, suite_shapes
 from .report import headline_markdown, headline_table, plot_all, readme_markdown

@@ -182,7 +182,7 @@ def package_dir(tree: str) -> Path:
     return nested if (nested / "__init__.py").exists() else Path(tree) / "kernels"
 
 
-def _import_tree(tree: str, name: str):
+def import_tree(tree: str, name: str):
     """tree's package imported as `name` (its modules import each other relatively)."""
     import importlib.util
 
@@ -203,7 +203,7 @@ def _host_ab(trees: Dict[str, str], rounds: int, batches: int = 20, calls: int =
     from .inputs import generator
 
     dev, dtype = torch.device("cuda"), torch.bfloat16
-    packages = {which: _import_tree(tree, f"tritonattn_ab_{which}") for which, tree in trees.items()}
+    packages = {which: import_tree(tree, f"tritonattn_ab_{which}") for which, tree in trees.items()}
     fns = {(which, case_name(c)): _host_call(c, dtype, dev, generator(dev, 0), packages[which])
            for c in HOST_CASES for which in trees}
     runs: Dict[str, List[Dict]] = {which: [] for which in trees}
@@ -222,7 +222,7 @@ def _host_ab(trees: Dict[str, str], rounds: int, batches: int = 20, calls: int =
 
 
 def _worker(tree: str, quick: bool) -> int:
-    tritonattn = _import_tree(tree, "tritonattn")  # this tree's package; benchmarks is the harness's checkout
+    tritonattn = import_tree(tree, "tritonattn")  # this tree's package; benchmarks is the harness's checkout
     if Path(tritonattn.__file__).resolve().parent != package_dir(tree).resolve():
         raise RuntimeError(f"imported {tritonattn.__file__}, not the package of {tree}")
     print("AB-RESULT " + json.dumps(_measure(_cases(quick))), flush=True)

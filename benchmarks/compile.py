@@ -8,7 +8,7 @@ compiles: rotary at each request's position, the new K/V scattered into the cach
 whole cache under a length mask.
 
 Training also runs SDPA's flash backend (forced) as PyTorch ships it and, where torch has the provider
-hook, with our kernels behind it (kernels/tritonattn/sdpa.py, activated for those rows only).
+hook, with our kernels behind it (kernels/tritonattn/compile/sdpa.py, activated for those rows only).
 
 Rows (us per step, the caller's wall time: host included, CUDA-synchronised) go to
 results/<gpu>/bench_compile.csv; every compiled output is first compared with the eager one:
@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from tritonattn import flash_attn_func, flash_attn_with_kvcache, sdpa
+import tritonattn.compile.sdpa as sdpa
+from tritonattn import flash_attn_func, flash_attn_with_kvcache
 from tritonattn.testing import rel_err
 
 from .measure import table_bench_args, wall_us
@@ -77,7 +78,7 @@ class AttentionLayer(nn.Module):
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         if self.attn == "kernels":
             o = flash_attn_func(q, k, v, causal=True)
-        elif self.attn == "sdpa-flash":  # SDPA's flash backend: PyTorch's, or a provider's (kernels/tritonattn/sdpa.py)
+        elif self.attn == "sdpa-flash":  # SDPA's flash backend: PyTorch's, or a provider's (tritonattn.compile.sdpa)
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                 o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                    is_causal=True, enable_gqa=True).transpose(1, 2)
@@ -108,7 +109,7 @@ class AttentionLayer(nn.Module):
 
 @contextlib.contextmanager
 def provider(active: bool):
-    """Our kernels behind SDPA's flash backend inside (kernels/tritonattn/sdpa.py), when `active`."""
+    """Our kernels behind SDPA's flash backend inside (tritonattn.compile.sdpa), when `active`."""
     if active:
         torch.nn.attention.activate_flash_attention_impl(sdpa.IMPL_NAME)
     try:

@@ -9,7 +9,7 @@ Each step is timed by CUDA events with the host hidden and the L2 flushed; the b
 medians is kept. The targets these rows are judged by: a window >= 0.9x the TB/s of plain decode over a
 cache of the window's length; softcap, ALiBi and sinks >= 0.95x plain decode over the same cache; paged
 within 5% of dense. Before timing, each case's output is compared with the float64 reference
-(kernels/tritonattn/reference.py) on request 0. Rows go to results/<gpu>/bench_decode_variants.csv:
+(kernels/tritonattn/testing/reference.py) on request 0. Rows go to results/<gpu>/bench_decode_variants.csv:
 
     python -m benchmarks.decode_variants          # (~30 s on an H200)
 """

@@ -24,7 +24,7 @@ import sys
 import torch
 
 from tritonattn import attention_ref, flash_attn_func, flash_attn_with_kvcache
-from tritonattn._utils import empty_aligned
+from tritonattn.launch.operands import empty_aligned
 from tritonattn.testing import rel_err
 
 from .measure import table_bench_args, time_fn

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tritonattn._utils import has_gpu
+from tritonattn.config.hardware import has_gpu
 
 from .results import Row
 
@@ -152,7 +152,7 @@ def gbps(nbytes: float, ms: float) -> float:
 # --------------------------------------------------------------------------------------------
 # Timing (CUDA only)
 # --------------------------------------------------------------------------------------------
-def _require_gpu(what: str) -> None:
+def require_gpu(what: str) -> None:
     """Raise a RuntimeError naming `what` when no CUDA device is usable."""
     if not has_gpu():
         raise RuntimeError(
@@ -224,7 +224,7 @@ def time_fn(
     shorter than its host time is timed as its host time (the GPU idles between the events until
     the launches arrive). Use it to compare kernels, not to report what an eager caller waits.
     """
-    _require_gpu("time_fn")
+    require_gpu("time_fn")
     if rep < 1 or warmup < 0:
         raise ValueError(f"Expected rep >= 1 and warmup >= 0, got rep={rep}, warmup={warmup}.")
     arg_sets = [tuple(a) for a in rotate] if rotate is not None else [()]
@@ -275,7 +275,7 @@ def host_overhead_us(fn: Callable[[], Any], *, calls: int = 300, warmup: int = 2
     Meaningful for calls whose GPU time is shorter than their host time (small decode steps);
     otherwise the launch queue fills and the samples include waiting for it.
     """
-    _require_gpu("host_overhead_us")
+    require_gpu("host_overhead_us")
     if calls < 1 or warmup < 0:
         raise ValueError(f"Expected calls >= 1 and warmup >= 0, got calls={calls}, warmup={warmup}.")
     for _ in range(warmup):
@@ -295,7 +295,7 @@ def host_overhead_us(fn: Callable[[], Any], *, calls: int = 300, warmup: int = 2
 GRAPH_MIN_CALLS = 16  # decode steps per captured graph in the suite and notebooks: one replay's launch is shared
 
 
-_GRAPH_TIMED = False  # whether this process has timed a CUDA graph yet (see time_cuda_graph)
+GRAPH_TIMED = False  # whether this process has timed a CUDA graph yet (see time_cuda_graph)
 
 
 def time_cuda_graph(fn: Callable[[], Any], *, rep: int = 100, repeat: int = 1) -> float:
@@ -311,17 +311,17 @@ def time_cuda_graph(fn: Callable[[], Any], *, rep: int = 100, repeat: int = 1) -
     it read about 0.35 us (5%) fast for a 6.8-us decode step, whichever kernel came first, and never
     again in that process (docs/perf-notes.md, "Measurement method").
     """
-    global _GRAPH_TIMED
-    _require_gpu("time_cuda_graph")
+    global GRAPH_TIMED
+    require_gpu("time_cuda_graph")
     if rep < 1 or repeat < 1:
         raise ValueError(f"Expected rep >= 1 and repeat >= 1, got rep={rep}, repeat={repeat}.")
-    if not _GRAPH_TIMED:
-        _graph_median_ms(fn, rep, repeat)
-        _GRAPH_TIMED = True
-    return _graph_median_ms(fn, rep, repeat) / repeat
+    if not GRAPH_TIMED:
+        graph_median_ms(fn, rep, repeat)
+        GRAPH_TIMED = True
+    return graph_median_ms(fn, rep, repeat) / repeat
 
 
-def _graph_median_ms(fn: Callable[[], Any], rep: int, repeat: int) -> float:
+def graph_median_ms(fn: Callable[[], Any], rep: int, repeat: int) -> float:
     """Median ms of `rep` replays of one graph holding `repeat` calls of fn (see time_cuda_graph)."""
     graph = capture_graph(fn, repeat)
     median = replay_median_ms(graph, rep)
@@ -364,7 +364,7 @@ def replay_median_ms(graph: "torch.cuda.CUDAGraph", rep: int) -> float:
 
 def peak_memory_delta(fn: Callable[[], Any]) -> int:
     """Bytes allocated at the peak of fn() beyond what was allocated before it (CUDA caching allocator)."""
-    _require_gpu("peak_memory_delta")
+    require_gpu("peak_memory_delta")
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -437,7 +437,7 @@ def _read_gbps(gib: float) -> float:
 def ceilings(*, matmul_n: int = 8192, copy_gib: float = 2.0) -> Dict[str, float]:
     """Measured roofs of this GPU: bf16 matmul TFLOP/s (n^3, random data), device copy GB/s (read+write),
     read-only streaming GB/s (read_gbps), and bandwidth_gbps = the larger of the two bandwidths."""
-    _require_gpu("ceilings")
+    require_gpu("ceilings")
     result = {"matmul_tflops": _matmul_tflops(matmul_n), "copy_gbps": _copy_gbps(copy_gib),
               "read_gbps": _read_gbps(copy_gib)}
     result["bandwidth_gbps"] = max(result["copy_gbps"], result["read_gbps"])

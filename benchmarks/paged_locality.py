@@ -29,12 +29,11 @@ from types import SimpleNamespace
 import torch
 
 from tritonattn import flash_attn_with_kvcache
-from tritonattn.reference import attention_ref
-from tritonattn.testing import rel_err
+from tritonattn.testing import attention_ref, rel_err
 
 from .inputs import random_block_table
 from .measure import GRAPH_MIN_CALLS, capture_graph, decode_kv_bytes, l2_cache_bytes, replay_median_ms
-from .suite import _decode_keys
+from .suite import decode_keys
 
 H, HK, D = 32, 8, 128
 DTYPE = torch.bfloat16
@@ -74,7 +73,7 @@ def check(step, q, kc, vc, table, n: int) -> float:
     state = SimpleNamespace(cache_len=n - 1, k_cache=kc, v_cache=vc)
     if table is not None:
         state.block_table = table
-    keys, vals = _decode_keys(state, 0)
+    keys, vals = decode_keys(state, 0)
     ref, _ = attention_ref(q, keys, vals, causal=False)
     return rel_err(out, ref)
 

@@ -14,7 +14,7 @@ import subprocess
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Union
 
-from tritonattn._utils import env_summary, gpu_name
+from tritonattn.config.hardware import env_summary, gpu_name
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 Row = Dict[str, Any]  # one benchmark measurement: its fields plus the environment stamped by make_row

@@ -22,7 +22,7 @@ the L2 (decode); chunked calls are timed behind a GPU sleep that covers their ho
 the increment over what was allocated before the call. The ceilings
 (bf16 matmul TFLOP/s, device copy and read-only streaming GB/s) are measured in the same invocation
 and stored on every row (and in bench_ceilings.csv), with each row's fraction of them. Each of our
-kernels is checked against tritonattn.reference once per shape before timing (flash-attn's rule:
+kernels is checked against tritonattn.testing once per shape before timing (flash-attn's rule:
 error <= 2x PyTorch's same-dtype error + a floor, 3x for gradients): a wrong result is written as a
 row with status "wrong" and no timing. Peers are only required to run; a peer missing from this torch
 is skipped with a message, one that fails on a shape is written with status "error".
@@ -52,19 +52,13 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 import torch
 import torch.nn.functional as F
 
+from benchmarks.competitors import attention_eager, decode_eager_cat, decode_eager_slice, sdpa_supports_enable_gqa
 from tritonattn import flash_attn_func, flash_attn_with_kvcache
-from tritonattn._configs import prefill_bwd_config, prefill_fwd_config, prefill_fwd_sm90_config
-from tritonattn._options import attn_options, head_dim_tile
-from tritonattn._utils import device_target, gpu_name, has_gpu
-from tritonattn.decode import _chunked_prefill_pays, _plan
-from tritonattn.reference import (
-    attention_eager,
-    attention_ref,
-    decode_eager_cat,
-    decode_eager_slice,
-    sdpa_supports_enable_gqa,
-)
-from tritonattn.testing import check_close
+from tritonattn.config.hardware import device_target, gpu_name, has_gpu
+from tritonattn.config.options import attn_options, head_dim_tile
+from tritonattn.config.tables import prefill_bwd_config, prefill_fwd_config, prefill_fwd_sm90_config
+from tritonattn.launch.decode import chunked_prefill_pays, plan_decode
+from tritonattn.testing import attention_ref, check_close
 
 from . import inputs, measure, results
 from .grids import (
@@ -262,7 +256,7 @@ def _row(ctx: Context, **fields: Any) -> Row:
 # ============================================================================================
 def _judge(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]]) -> Tuple[bool, float, float]:
     """(ok, err, bound) over (ours, fp32 ref, same-dtype ref, is a gradient) tuples by the error rule of
-    kernels/tritonattn/testing.py; err/bound of the worst one (err NaN when it is not finite)."""
+    kernels/tritonattn/testing/tolerance.py; err/bound of the worst one (err NaN when it is not finite)."""
     worst = (-1.0, 0.0, 0.0)
     ok = True
     for ours, ref, same, grad in pairs:
@@ -466,7 +460,7 @@ def _cfg(c) -> str:
 
 def prefill_config(dtype: torch.dtype, head_dim: int, causal: bool, device: torch.device, mode: str,
                    seqlen_k: int = 0) -> str:
-    """The config table's choice for our prefill kernels (kernels/tritonattn/_configs.py), as text; with seqlen_k, a
+    """The config table's choice for our prefill kernels (tritonattn.config.tables), as text; with seqlen_k, a
     dense flash_attn_func call that Hopper's warp-specialized forward takes is named as that kernel."""
     try:
         pad = head_dim_tile(head_dim)
@@ -485,8 +479,8 @@ def prefill_config(dtype: torch.dtype, head_dim: int, causal: bool, device: torc
 
 def _plan_of(batch: int, seqlen_q: int, nheads: int, nheads_k: int, head_dim: int, seqlen_cache: int,
              dtype: torch.dtype, device: torch.device, page_size: int = 0, num_splits: int = 0):
-    return _plan(batch, seqlen_q, nheads, nheads_k, head_dim, seqlen_cache, dtype, device_target(torch.device(device)),
-                 num_splits, page_size)
+    return plan_decode(batch, seqlen_q, nheads, nheads_k, head_dim, seqlen_cache, dtype,
+                       device_target(torch.device(device)), num_splits, page_size)
 
 
 def decode_splits_used(batch: int, seqlen_q: int, nheads: int, nheads_k: int, head_dim: int, seqlen_cache: int,
@@ -512,8 +506,8 @@ def decode_config(batch: int, seqlen_q: int, nheads: int, nheads_k: int, head_di
 def kvcache_config(batch: int, seqlen_q: int, nheads: int, nheads_k: int, head_dim: int, seqlen_cache: int,
                    dtype: torch.dtype, device: torch.device, causal: bool) -> str:
     """What flash_attn_with_kvcache runs for this shape (num_splits=0): the decode plan, or, for a chunk
-    that decode._chunked_prefill_pays for, an append launch then the prefill forward."""
-    if _chunked_prefill_pays(batch, seqlen_q, nheads, head_dim, dtype, causal, device_target(torch.device(device))):
+    that decode.chunked_prefill_pays for, an append launch then the prefill forward."""
+    if chunked_prefill_pays(batch, seqlen_q, nheads, head_dim, dtype, causal, device_target(torch.device(device))):
         return "append + prefill " + prefill_config(dtype, head_dim, causal, device, "fwd")
     return "decode " + decode_config(batch, seqlen_q, nheads, nheads_k, head_dim, seqlen_cache, dtype, device)
 
@@ -730,7 +724,7 @@ def _eager_cat_step(st):
     return decode_eager_cat(st.q, st.k_valid, st.v_valid, st.k, st.v)[0]
 
 
-def _decode_keys(st, b: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def decode_keys(st, b: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """Request b's keys and values after a step of ours (cached rows + the appended token), (1, n, h_kv, d)."""
     n = st.cache_len + 1
     if hasattr(st, "block_table"):
@@ -744,7 +738,7 @@ def _decode_keys(st, b: int) -> Tuple[torch.Tensor, torch.Tensor]:
 def _check_decode_step(peer: DecodePeer, st: SimpleNamespace, b: int) -> Tuple[bool, float, float]:
     """Run one step of ours and check request b's output against attention_ref over its keys after the step."""
     out = peer.step(st)
-    kk, vv = _decode_keys(st, b)
+    kk, vv = decode_keys(st, b)
     return check_attention_output(out[b:b + 1], st.q[b:b + 1], kk, vv, causal=False)
 
 

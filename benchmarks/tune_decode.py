@@ -19,11 +19,13 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from tritonattn import _configs, decode, flash_attn_with_kvcache
-from tritonattn._launch import LaunchCache
-from tritonattn._utils import device_target
-from tritonattn.reference import attention_ref
-from tritonattn.testing import rel_err
+import tritonattn.config.tables as tables
+import tritonattn.launch.decode as decode
+import tritonattn.launch.replay as replay
+from tritonattn import flash_attn_with_kvcache
+from tritonattn.config.hardware import device_target
+from tritonattn.launch.fast import LaunchCache
+from tritonattn.testing import attention_ref, rel_err
 
 from .measure import decode_kv_bytes, host_overhead_us, time_cuda_graph
 from .results import make_row, write_csv
@@ -31,19 +33,19 @@ from .results import make_row, write_csv
 H, HK, D = 32, 8, 128
 
 
-def _set_config(cfg: _configs.DecodeConfig) -> None:
-    _configs._HOPPER_DECODE[D] = cfg
-    decode._plan.cache_clear()
-    decode._REPLAYS.clear()  # replays hold the launches of the old plans
+def _set_config(cfg: tables.DecodeConfig) -> None:
+    tables.HOPPER_DECODE[D] = cfg
+    decode.plan_decode.cache_clear()
+    replay.REPLAYS.clear()  # replays hold the launches of the old plans
 
 
 def chunked_crossover() -> list:
-    """Decode kernel vs prefill path (see tritonattn.decode [Note] Chunked prefill) as seqlen_q grows:
+    """Decode kernel vs prefill path (see tritonattn.launch.decode [Note] Chunked prefill) as seqlen_q grows:
     where CHUNKED_PREFILL_MIN_SEQLEN_Q should sit. Append + causal over 4096 cached tokens."""
     rows = []
-    threshold, wave = decode.CHUNKED_PREFILL_MIN_SEQLEN_Q, decode.CHUNKED_PREFILL_MIN_WAVE
-    decode.CHUNKED_PREFILL_MIN_WAVE = 0.0  # the seqlen threshold alone picks the path below
-    decode._prefill_programs_fill.cache_clear()
+    threshold, wave = tables.CHUNKED_PREFILL_MIN_SEQLEN_Q, tables.CHUNKED_PREFILL_MIN_WAVE
+    tables.CHUNKED_PREFILL_MIN_WAVE = 0.0  # the seqlen threshold alone picks the path below
+    decode.prefill_programs_fill.cache_clear()
     for B in (1, 8):
         kc = torch.randn(B, 8192, HK, D, device="cuda", dtype=torch.bfloat16)
         vc = torch.randn_like(kc)
@@ -53,15 +55,15 @@ def chunked_crossover() -> list:
             vn = torch.randn_like(kn)
             times = {}
             for path, thr in (("decode_kernel", 1 << 30), ("prefill_path", 1)):
-                decode.CHUNKED_PREFILL_MIN_SEQLEN_Q = thr
+                tables.CHUNKED_PREFILL_MIN_SEQLEN_Q = thr
                 times[path] = time_cuda_graph(
                     lambda: flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=4096, causal=True))
                 rows.append(make_row(kernel="chunked_" + path, batch=B, seqlen_cache=4096, seqlen_q=M,
                                      ms=times[path]))
             print(f"chunked B={B} M={M}: decode kernel {times['decode_kernel'] * 1e3:.1f} us, "
                   f"prefill path {times['prefill_path'] * 1e3:.1f} us", flush=True)
-    decode.CHUNKED_PREFILL_MIN_SEQLEN_Q, decode.CHUNKED_PREFILL_MIN_WAVE = threshold, wave
-    decode._prefill_programs_fill.cache_clear()
+    tables.CHUNKED_PREFILL_MIN_SEQLEN_Q, tables.CHUNKED_PREFILL_MIN_WAVE = threshold, wave
+    decode.prefill_programs_fill.cache_clear()
     return rows
 
 
@@ -73,13 +75,13 @@ def main() -> int:
     args = ap.parse_args()
     torch.manual_seed(0)
     dev = "cuda"
-    default_cfg = _configs._HOPPER_DECODE[D]
+    default_cfg = tables.HOPPER_DECODE[D]
     rows = []
     shapes = [(1, 16384), (1, 32768), (1, 65536), (8, 16384), (1, 4096), (32, 4096)]
-    configs = [_configs.DecodeConfig(bn, w, s) for bn, w, s in itertools.product((32, 64, 128), (4, 8), (2, 3, 4, 6))
+    configs = [tables.DecodeConfig(bn, w, s) for bn, w, s in itertools.product((32, 64, 128), (4, 8), (2, 3, 4, 6))
                if not (bn == 128 and s >= 6)]
     if args.quick:
-        configs = [default_cfg, _configs.DecodeConfig(64, 4, 6), _configs.DecodeConfig(128, 8, 3)]
+        configs = [default_cfg, tables.DecodeConfig(64, 4, 6), tables.DecodeConfig(128, 8, 3)]
     for B, L in [] if args.no_sweep else shapes:
         q = torch.randn(B, 1, H, D, device=dev, dtype=torch.bfloat16)
         kc = torch.randn(B, L, HK, D, device=dev, dtype=torch.bfloat16)
@@ -109,7 +111,7 @@ def main() -> int:
                 except Exception as e:  # out of resources etc.
                     print(f"  FAIL {cfg} splits={ns}: {type(e).__name__}: {str(e)[:100]}", flush=True)
                     continue
-                plan = decode._plan(B, 1, H, HK, D, L, torch.bfloat16, device_target(q.device), ns)
+                plan = decode.plan_decode(B, 1, H, HK, D, L, torch.bfloat16, device_target(q.device), ns)
                 tbps = nbytes / ms / 1e9
                 rows.append(make_row(kernel="ours", batch=B, seqlen_cache=L, block_n=cfg.block_n,
                                      num_warps=cfg.num_warps, num_stages=cfg.num_stages, num_splits=ns,
@@ -139,9 +141,9 @@ def main() -> int:
         rows.append(make_row(kernel=name, batch=1, seqlen_cache=4096, host_us=us))
         print(f"host overhead {name}: {us:.1f} us", flush=True)
     LaunchCache.enabled = False  # every launch through Triton's dispatcher: no replays, nothing cached
-    decode._REPLAYS.clear()
-    decode._launch_decode.kernels.clear()
-    decode._launch_combine.kernels.clear()
+    replay.REPLAYS.clear()
+    decode.decode_launcher.kernels.clear()
+    decode.combine_launcher.kernels.clear()
     us = host_overhead_us(lambda: flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens),
                           calls=2000)["host_us"]
     rows.append(make_row(kernel="ours_append_tensor_lens_no_fast_launch", batch=1, seqlen_cache=4096, host_us=us))

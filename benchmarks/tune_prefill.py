@@ -2,7 +2,7 @@
 
 Usage (GPU only): python -m benchmarks.tune_prefill [--out DIR] [--quick]
 Writes tune_fwd.csv and tune_bwd.csv to --out (default results/<gpu>/). The winners are copied by
-hand into kernels/tritonattn/_configs.py: the tables there are the contract, this script is how they were found.
+hand into kernels/tritonattn/config/tables.py: the tables there are the contract, this script is how they were found.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import time
 import torch
 import triton
 
-from tritonattn._configs import AttnConfig
-from tritonattn._options import attn_options
-from tritonattn.prefill import _flash_attn_backward, _flash_attn_forward
-from tritonattn.reference import attention_ref
-from tritonattn.testing import rel_err
+from tritonattn.config.options import attn_options
+from tritonattn.config.tables import AttnConfig
+from tritonattn.launch.backward import launch_backward
+from tritonattn.launch.prefill import launch_prefill
+from tritonattn.testing import attention_ref, rel_err
 
 
 def flops(b, h, m, n, d, causal, mode):
@@ -70,9 +70,9 @@ def main():
             for cfg in fwd_cands:
                 t0 = time.time()
                 try:
-                    o, _ = _flash_attn_forward(q[:1, :1024], k[:1, :1024], v[:1, :1024], options, cfg)
+                    o, _ = launch_prefill(q[:1, :1024], k[:1, :1024], v[:1, :1024], options, cfg)
                     err = rel_err(o, ref)
-                    ms = bench(lambda: _flash_attn_forward(q, k, v, options, cfg))
+                    ms = bench(lambda: launch_prefill(q, k, v, options, cfg))
                 except Exception as e:  # out of resources etc.
                     print("fail", cfg, repr(e)[:200])
                     continue
@@ -111,7 +111,7 @@ def main():
         k = torch.randn(B, S, H // 4, D, device="cuda", dtype=dtype)
         v = torch.randn(B, S, H // 4, D, device="cuda", dtype=dtype)
         options = attn_options(D, None, causal)
-        o, lse = _flash_attn_forward(q, k, v, options)
+        o, lse = launch_prefill(q, k, v, options)
         do = torch.randn_like(o)
         best_kv = kv_cands[0]
         best_ms = float("inf")
@@ -119,7 +119,7 @@ def main():
             for cfg in cands:
                 pair = (cfg, q_cands[0]) if which == "dkdv" else (best_kv, cfg)
                 try:
-                    ms = bench(lambda: _flash_attn_backward(do, q, k, v, o, lse, options, pair))
+                    ms = bench(lambda: launch_backward(do, q, k, v, o, lse, options, pair))
                 except Exception as e:
                     print("fail", which, cfg, repr(e)[:200])
                     continue

@@ -8,7 +8,7 @@ forward + backward. TFLOP/s count the (query, key) pairs the mask admits: 4 * D 
 3.5x that forward + backward (the backward is 2.5x the forward). Each call is timed by CUDA events
 with the host hidden and the L2 flushed; the best of `--rounds` medians is kept. Before timing, each
 case's output on the last 512 queries of batch 0, heads 0-3, is compared with the float64 reference
-(kernels/tritonattn/reference.py): ours and Flex's relative errors side by side. Rows go to
+(kernels/tritonattn/testing/reference.py): ours and Flex's relative errors side by side. Rows go to
 results/<gpu>/bench_variants.csv:
 
     python -m benchmarks.variants            # (~3 minutes on an H200, half of it Flex's compiles)

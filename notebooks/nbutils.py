@@ -7,7 +7,7 @@ sys.path. It holds no kernel and no reference code (those are in kernels/) and n
 - `sizes`, `decode_sizes`, `serving_sizes`: the shapes of each notebook, small under the Triton
   interpreter (CPU), full on a GPU.
 - `Case`, `grid`, `make_inputs`, `decode_inputs`: attention problems and their seeded inputs.
-- Check tables (pandas DataFrames, judged by the error rule of kernels/tritonattn/testing.py; `assert_table_ok`
+- Check tables (pandas DataFrames, judged by the error rule of tritonattn.testing; `assert_table_ok`
   fails loudly with the offending rows): `forward_error_table`, `grad_error_table`,
   `padded_keys_table`, `gqa_group_sum_table`, the decode tables (`decode_equivalence_table`,
   `decode_ragged_table`, `decode_split_table`, `decode_causal_table`, `decode_append_table`,
@@ -35,14 +35,22 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 import torch
 
 from benchmarks import measure, report, results, suite
+from benchmarks.competitors import attention_sdpa
 from benchmarks.grids import LABELS
+from benchmarks.serving import ServingEngine, check_attention
 from tritonattn import KVCache, PagedKVCache, flash_attn_func, flash_attn_with_kvcache
-from tritonattn._configs import prefill_fwd_config
-from tritonattn._options import head_dim_tile
-from tritonattn._utils import device_target
-from tritonattn.reference import attention_padded_keys_ref, attention_ref, attention_sdpa
-from tritonattn.serving import ServingEngine, check_attention
-from tritonattn.testing import agreement_tolerance, check_lse, error_bound, rel_err
+from tritonattn.config.hardware import device_target
+from tritonattn.config.options import head_dim_tile
+from tritonattn.config.tables import prefill_fwd_config
+from tritonattn.testing import (
+    agreement_tolerance,
+    attention_padded_keys_ref,
+    attention_ref,
+    check_lse,
+    error_bound,
+    per_request_references,
+    rel_err,
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -229,7 +237,7 @@ def _finite(t: torch.Tensor) -> bool:
 def padded_keys_table(cases: Sequence[Case], device, block_n: int, *, seed: int = 0):
     """Our kernel vs an emulated kernel WITHOUT the key-length mask, both against the fp32 reference.
 
-    The emulation (tritonattn.reference.attention_padded_keys_ref) pads K/V with zero keys up to a
+    The emulation (tritonattn.testing.attention_padded_keys_ref) pads K/V with zero keys up to a
     multiple of block_n and lets them into the softmax. Columns: the case, block_n, padded_keys,
     err_kernel, err_unmasked (both vs the fp32 reference), eager_err (PyTorch same-dtype), bound
     (the rule's bound for the kernel), ok (kernel within bound, finite).
@@ -676,18 +684,7 @@ def decode_inputs(batch: int, seqlen_cache: int, seqlen_q: int, nheads: int, nhe
 
 def _decode_reference(q, k_cache, v_cache, k, v, lengths: Sequence[int], causal: bool):
     """(out fp32, lse, out in q's dtype) of each request over cache rows [0, L_b) plus the new k/v."""
-    outs32, lses, outs_same = [], [], []
-    for b, length in enumerate(lengths):
-        kk, vv = k_cache[b : b + 1, :length], v_cache[b : b + 1, :length]
-        if k is not None:
-            kk, vv = torch.cat([kk, k[b : b + 1]], 1), torch.cat([vv, v[b : b + 1]], 1)
-        out32, lse = attention_ref(q[b : b + 1].float(), kk.float(), vv.float(), causal=causal)
-        same = out32 if q.dtype == torch.float32 else attention_ref(q[b : b + 1], kk, vv, causal=causal,
-                                                                   upcast=False)[0]
-        outs32.append(out32)
-        lses.append(lse)
-        outs_same.append(same)
-    return torch.cat(outs32), torch.cat(lses), torch.cat(outs_same)
+    return per_request_references(q, k_cache, v_cache, k, v, lengths, causal=causal)
 
 
 # --------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@
 - `VARIANTS`, `variant_kwargs`: the variants (sliding window, softcap, ALiBi, sinks, all together) as
   flash_attn_func / flash_attn_with_kvcache keywords, with fresh slopes and sinks.
 - `plot_masks`: what each variant does to the scores, drawn.
-- Check tables (judged by the rule of kernels/tritonattn/testing.py): `prefill_check_table` (forward and every
+- Check tables (judged by the rule of kernels/tritonattn/testing/tolerance.py): `prefill_check_table` (forward and every
   gradient, dsinks included), `decode_check_table` (ragged batches, dense and paged, split and not).
 - Speed and memory (GPU only; benchmarks/ measures): `prefill_speed_table` (ours against plain causal and
   FlexAttention, TFLOP/s and peak memory), `decode_speed_table` (K/V TB/s against plain decode),
@@ -25,10 +25,9 @@ import torch
 from benchmarks import decode_variants as bench_decode
 from benchmarks import report, results
 from benchmarks import variants as bench_prefill
+from benchmarks.serving import make_workload
 from tritonattn import flash_attn_func, flash_attn_with_kvcache
-from tritonattn.reference import attention_ref, causal_mask
-from tritonattn.serving import make_workload
-from tritonattn.testing import check_close, check_dsinks, check_lse
+from tritonattn.testing import attention_ref, causal_mask, check_close, check_dsinks, check_lse
 
 VARIANTS = ["causal", "window", "softcap", "alibi", "sinks", "all"]
 
@@ -155,7 +154,7 @@ def _same_dtype(kw: dict, dtype: torch.dtype) -> dict:
 
 def prefill_check_table(S: SimpleNamespace, device, *, seed: int = 0):
     """flash_attn_func with each variant, forward and backward, against the fp32 reference (kernels/
-    reference.py), judged like the tests: err <= 2x PyTorch's own same-dtype error + a floor (outputs),
+    tritonattn.testing.reference), judged like the tests: err <= 2x PyTorch's own same-dtype error + a floor (outputs),
     a wider factor for gradients. One row per variant: err and bound of out, dq, dk, dv (and dsinks)."""
     import pandas as pd
 
@@ -312,7 +311,7 @@ def window_serving_run(S: SimpleNamespace, device) -> Dict[str, object]:
     of S.serving["window"] keys (pages before each request's window go back to the pool). Both engines
     check their outputs against the reference as they run (S.serving["verify"]). Returns the two
     engines' stats frames and checks frames, by "full" and "window"."""
-    from tritonattn.serving import ServingEngine
+    from benchmarks.serving import ServingEngine
 
     cfg = dict(S.serving)
     window, verify = cfg.pop("window"), cfg.pop("verify")

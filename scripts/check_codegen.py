@@ -33,14 +33,14 @@ and every `stride_*` integer with the 16-divisibility hint, other integers plain
 "fp32"; arguments that only the varlen or paged paths use are passed as Triton makes them when they
 are None / False, see DENSE_VALUES, and are simply absent from older trees):
 - prefill `fwd_kernel`, `bwd_dkdv_kernel`, `bwd_dq_kernel`: bf16, fp16 x head dim 64, 128 x causal
-  or not x USE_TMA (sm_90: True and False, with `_HOPPER_FWD` / `_HOPPER_BWD` of kernels/tritonattn/_configs.py;
-  sm_89: False, with `_SMALL_SMEM_FWD` / `_SMALL_SMEM_BWD`, what an Ada GPU is given).
+  or not x USE_TMA (sm_90: True and False, with `HOPPER_FWD` / `HOPPER_BWD` of kernels/tritonattn/config/tables.py;
+  sm_89: False, with `SMALL_SMEM_FWD` / `SMALL_SMEM_BWD`, what an Ada GPU is given).
   `bwd_preprocess_kernel`: bf16, fp16 x 64, 128 (BLOCK_M=64, Triton's default 4 warps, 3 stages).
 - decode `decode_kernel`: bf16, head dim 128, append x split x causal, STORE_LSE=False (the API's
   default), BLOCK_H=BLOCK_NEW=16 (GQA group 4, one new token) with `_HOPPER_DECODE` (sm_90) or
-  `_SMALL_SMEM_DECODE` (sm_89). `combine_kernel`: bf16, head dim 128, SPLITS_PAD 2 (1 warp) and
+  `SMALL_SMEM_DECODE` (sm_89). `combine_kernel`: bf16, head dim 128, SPLITS_PAD 2 (1 warp) and
   64 (4 warps), the launcher's warp rule.
-The tile tables are read from each side's own kernels/tritonattn/_configs.py, so a config change shows up as
+The tile tables are read from each side's own kernels/tritonattn/config/tables.py, so a config change shows up as
 a difference (in the "config" column).
 """
 
@@ -95,9 +95,15 @@ METADATA_KEYS = ("num_warps", "num_stages", "num_ctas", "shared", "global_scratc
 # ============================================================================================
 # Specialisations (worker side: the tile tables come from the materialised package)
 # ============================================================================================
+def _table(configs, name: str) -> dict:
+    """A tile table of the tree's config module (public names; trees before the layered layout kept them
+    underscored in tritonattn.config.tables)."""
+    return getattr(configs, name) if hasattr(configs, name) else getattr(configs, "_" + name)
+
+
 def _prefill_specs(configs, arch: int):
-    fwd_table = configs._HOPPER_FWD if arch >= 90 else configs._SMALL_SMEM_FWD
-    bwd_table = configs._HOPPER_BWD if arch >= 90 else configs._SMALL_SMEM_BWD
+    fwd_table = _table(configs, "HOPPER_FWD" if arch >= 90 else "SMALL_SMEM_FWD")
+    bwd_table = _table(configs, "HOPPER_BWD" if arch >= 90 else "SMALL_SMEM_BWD")
     for dt in ("bf16", "fp16"):
         for d in (64, 128):
             dims = {"HEAD_DIM": d, "HEAD_DIM_PAD": d}
@@ -124,7 +130,7 @@ def _prefill_specs(configs, arch: int):
 
 def _decode_specs(configs, arch: int):
     dt, d = "bf16", 128
-    cfg = (configs._HOPPER_DECODE if arch >= 90 else configs._SMALL_SMEM_DECODE)[d]
+    cfg = _table(configs, "HOPPER_DECODE" if arch >= 90 else "SMALL_SMEM_DECODE")[d]
     block_h = min(max(16, 4), max(16, cfg.max_rows))  # the launcher's rule for 4 query rows
     block_new = min(cfg.block_n, 16)  # ... and for one new token
     for append in (False, True):
@@ -281,8 +287,11 @@ def worker(pkg_root: Path, out: Path, shard: int, shards: int, archs, kernel_fil
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    configs = importlib.import_module("tritonattn._configs")
-    if Path(configs.__file__).resolve().parents[1] != pkg_root.resolve():
+    try:  # the layered layout's tables, else an older tree's flat module
+        configs = importlib.import_module("tritonattn.config.tables")
+    except ModuleNotFoundError:
+        configs = importlib.import_module("tritonattn.config.tables")
+    if pkg_root.resolve() not in Path(configs.__file__).resolve().parents:
         raise RuntimeError(f"imported {configs.__file__}, not the package under {pkg_root}")
     out.mkdir(parents=True, exist_ok=True)
     for name, module, kernel, arch, label, types, consts, (num_warps, num_stages) in \
@@ -315,13 +324,22 @@ def worker(pkg_root: Path, out: Path, shard: int, shards: int, archs, kernel_fil
     return 0
 
 
+# Where each kernel family lives in the layered layout (tritonattn.jit.*); older trees kept them in
+# tritonattn.<module> (prefill_kernels, decode_kernels).
+JIT_MODULES = {"prefill_kernels": ("tritonattn.jit.prefill_fwd", "tritonattn.jit.prefill_bwd"),
+               "decode_kernels": ("tritonattn.jit.decode",)}
+
+
 def _find_kernel(importlib, module: str, kernel: str):
-    """kernels.<module>.<kernel>; in trees that kept the jit code beside its launcher (tritonattn.prefill,
-    tritonattn.decode), the same kernel under its older, underscored name."""
-    try:
-        return getattr(importlib.import_module(f"kernels.{module}"), kernel)
-    except ModuleNotFoundError:
-        return getattr(importlib.import_module(f"kernels.{module.replace('_kernels', '')}"), f"_{kernel}")
+    """`kernel` of the family `module`, from the layered layout's jit modules or an older tree's flat one."""
+    for name in JIT_MODULES.get(module, ()):
+        try:
+            found = getattr(importlib.import_module(name), kernel, None)
+        except ModuleNotFoundError:
+            break
+        if found is not None:
+            return found
+    return getattr(importlib.import_module(f"tritonattn.{module}"), kernel)
 
 
 SCALE_PARAMETERS = ("softmax_scale", "qk_scale", "sm_scale")  # the runtime scale, by tree: all fp32 scalars

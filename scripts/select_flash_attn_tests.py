@@ -29,7 +29,7 @@ A parameter group such as "seqlen_q,seqlen_k" counts as one parameter whose valu
 Functions of flash-attn's internals (skips.OUT_OF_SCOPE) are not sampled.
 
 With --hopper-forward it writes, instead of a sample, every case whose forward Hopper's warp-specialized
-kernel takes (kernels/tritonattn/prefill_sm90.py: the dispatcher's own rule, planned for an H100) and that no skip
+kernel takes (kernels/tritonattn/jit/sm90.py: the dispatcher's own rule, planned for an H100) and that no skip
 entry applies to, to tests/upstream/selected_hopper_forward.txt; the sample above holds few of them.
 """
 
@@ -207,11 +207,11 @@ def sample(name: str, cases: List[Case], budget: int, seed: int) -> List[Case]:
 
 def takes_hopper_forward(name: str, params: Mapping) -> bool:
     """Whether the dispatcher gives this case's forward to Hopper's warp-specialized kernel on an H100:
-    a dense call without dropout, judged by tritonattn._configs.prefill_fwd_sm90_config itself (head dim,
+    a dense call without dropout, judged by tritonattn.config.tables.prefill_fwd_sm90_config itself (head dim,
     dtype, key count against the causal or full threshold). A window, softcap or ALiBi does not matter."""
-    from tritonattn._configs import prefill_fwd_sm90_config
-    from tritonattn._options import attn_options
-    from tritonattn._utils import TARGETS
+    from tritonattn.config.hardware import TARGETS
+    from tritonattn.config.options import attn_options
+    from tritonattn.config.tables import prefill_fwd_sm90_config
 
     if name not in DENSE_FORWARD or params.get("dropout_p", 0.0) > 0:
         return False
@@ -233,7 +233,7 @@ def write_selection(out: Path, vendor: Path, about: Sequence[str], lines: Sequen
 def write_hopper_forward(cases: Mapping[str, List[Case]], groups: Mapping[str, List[List[str]]], vendor: Path,
                          out: Path) -> int:
     """Every case (not a sample) that takes the Hopper forward and runs today, in upstream's order."""
-    from tritonattn._configs import gluon_sm90_available
+    from tritonattn.config.tables import gluon_sm90_available
 
     if not gluon_sm90_available():
         print("the Hopper forward needs Triton 3.6 (its Gluon API); run this where that Triton is installed",

@@ -7,9 +7,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "kernels"))  # the library's source root
 from tritonattn import attention_ref, flash_attn_func, rel_err  # noqa: E402
-from tritonattn._configs import AttnConfig  # noqa: E402
-from tritonattn._options import attn_options  # noqa: E402
-from tritonattn.prefill import _flash_attn_forward  # noqa: E402
+from tritonattn.config.options import attn_options  # noqa: E402
+from tritonattn.config.tables import AttnConfig  # noqa: E402
+from tritonattn.launch.prefill import launch_prefill  # noqa: E402
 
 torch.manual_seed(0)
 bad = 0
@@ -32,8 +32,8 @@ for (B, M, N, H, HK, D, causal, dt) in [
     # both load paths of the forward
     qd, kd, vd = q.detach(), k.detach(), v.detach()
     options = attn_options(D, None, causal)
-    o_ptr, _ = _flash_attn_forward(qd, kd, vd, options, AttnConfig(128, 64, 4, 2, False))
-    o_tma, _ = _flash_attn_forward(qd, kd, vd, options, AttnConfig(128, 64, 4, 2, True))
+    o_ptr, _ = launch_prefill(qd, kd, vd, options, AttnConfig(128, 64, 4, 2, False))
+    o_tma, _ = launch_prefill(qd, kd, vd, options, AttnConfig(128, 64, 4, 2, True))
     errs += [rel_err(o_ptr, ro), rel_err(o_tma, ro)]
     ok = all(e < 2e-2 for e in errs) and all(torch.isfinite(x).all() for x in (o, *g))
     bad += not ok

@@ -2,7 +2,7 @@
 without a GPU (`ASTSource` + `GPUTarget`), and the bytes a block needs are known once the TritonGPU
 module has its shared memory allocated, before LLVM and ptxas run.
 
-`specs_of(records, target)` turns `tritonattn._launch.recording`'s launch records into plain JSON specs
+`specs_of(records, target)` turns `tritonattn.launch.fast.recording`'s launch records into plain JSON specs
 (the kernel's module and name, the signature Triton's launcher would build, constexprs, alignment
 hints, launch options); `shared_bytes(specs)` compiles each spec in worker processes started without
 TRITON_INTERPRET (the interpreter's kernels cannot be compiled) and returns the bytes per spec.
@@ -34,14 +34,14 @@ def spec_of(record, arch: int) -> dict:
     16-divisible integers and 16-byte aligned pointers with the divisibility hint."""
     import torch
 
-    from tritonattn._launch import _is_constexpr
+    from tritonattn.launch.fast import is_constexpr
 
     fn = getattr(record.fn, "fn", record.fn)  # the Python function behind the JIT (or interpreted) kernel
     params = list(inspect.signature(fn).parameters.values())
     signature, constexprs, divisible = {}, {}, []
     for i, (param, value) in enumerate(zip(params, record.args)):
         name = param.name
-        if _is_constexpr(param.annotation) or value is None:
+        if is_constexpr(param.annotation) or value is None:
             signature[name], constexprs[name] = "constexpr", value
         elif isinstance(value, torch.Tensor):
             signature[name] = POINTER_TYPES[str(value.dtype)]
@@ -60,7 +60,7 @@ def spec_of(record, arch: int) -> dict:
             signature[name] = "fp32"
         else:
             raise TypeError(f"{fn.__name__}: cannot specialise argument {name}={value!r}")
-    constexpr_names = [p.name for p in params if _is_constexpr(p.annotation)]
+    constexpr_names = [p.name for p in params if is_constexpr(p.annotation)]
     options = {"num_warps": record.num_warps, "num_stages": record.num_stages}
     if record.launch_pdl:
         options["launch_pdl"] = True

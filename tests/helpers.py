@@ -4,7 +4,7 @@ Imported by the test modules as `from helpers import ...` (tests/conftest.py put
 sys.path). conftest.py has already set TRITON_INTERPRET=1 on machines without a GPU by the time
 this module is imported, so DEVICE / ON_GPU / INTERPRET below describe the run correctly.
 
-The error rule is kernels/tritonattn/testing.py's (flash-attn's): a kernel in fp16/bf16 is judged by its error
+The error rule is kernels/tritonattn/testing/tolerance.py's (flash-attn's): a kernel in fp16/bf16 is judged by its error
 against an fp32 reference *relative to* the error PyTorch's own eager code makes in the same dtype,
 so the bound follows the precision of the inputs instead of being a magic constant. The assertions
 below apply that one rule and say why a result failed it.
@@ -18,10 +18,10 @@ from typing import Optional, Tuple
 import pytest
 import torch
 
+from benchmarks.competitors import attention_sdpa
 from tritonattn import attention_ref
-from tritonattn._utils import is_interpreter
-from tritonattn.reference import attention_sdpa
-from tritonattn.testing import (
+from tritonattn.config.hardware import is_interpreter
+from tritonattn.testing import (  # noqa: F401  (references: re-exported for the tests)
     ATOL_FLOOR,
     FWD_FACTOR,
     GRAD_FACTOR,
@@ -29,6 +29,8 @@ from tritonattn.testing import (
     check_close,
     check_lse,
     lse_tolerance,
+    per_request_references,
+    references,
     rel_err,
 )
 
@@ -112,41 +114,6 @@ def make_qkv(
 # --------------------------------------------------------------------------------------------
 # References
 # --------------------------------------------------------------------------------------------
-def references(q, k, v, *, causal: bool, softmax_scale: Optional[float] = None,
-               key_leftpad: Optional[torch.Tensor] = None):
-    """(out_fp32, lse_fp32, out_same_dtype): the fp32 ground truth (output kept in fp32, not
-    rounded back) and PyTorch's eager result computed in the inputs' own dtype. key_leftpad (batch,):
-    keys before it are masked (attention_ref's)."""
-    out_fp32, lse = attention_ref(q.float(), k.float(), v.float(), causal=causal, softmax_scale=softmax_scale,
-                                  key_leftpad=key_leftpad)
-    if q.dtype == torch.float32:
-        out_same = out_fp32
-    else:
-        out_same, _ = attention_ref(q, k, v, causal=causal, softmax_scale=softmax_scale, key_leftpad=key_leftpad,
-                                    upcast=False)
-    return out_fp32, lse, out_same
-
-
-def per_request_references(q, k_cache, v_cache, k, v, lengths, *, causal: bool,
-                           softmax_scale: Optional[float] = None, leftpad: Optional[list] = None):
-    """`references` per request of a KV-cache call, concatenated over the batch: request b's queries
-    over cache[b, :lengths[b]] plus, when given, its new keys/values k[b], v[b] (dense caches, or
-    paged pools gathered to dense first); with `leftpad` (cache_leftpad as a list), the keys before
-    cache row leftpad[b] are masked."""
-    outs32, lses, outs_same = [], [], []
-    for b, length in enumerate(lengths):
-        kk, vv = k_cache[b : b + 1, :length], v_cache[b : b + 1, :length]
-        if k is not None:
-            kk, vv = torch.cat([kk, k[b : b + 1]], 1), torch.cat([vv, v[b : b + 1]], 1)
-        start = None if leftpad is None else torch.tensor([leftpad[b]], device=q.device)
-        out32, lse, out_same = references(q[b : b + 1], kk, vv, causal=causal, softmax_scale=softmax_scale,
-                                          key_leftpad=start)
-        outs32.append(out32)
-        lses.append(lse)
-        outs_same.append(out_same)
-    return torch.cat(outs32), torch.cat(lses), torch.cat(outs_same)
-
-
 def padded_references(q, k_cache, v_cache, k, v, lengths, *, softmax_scale: Optional[float] = None):
     """`per_request_references` (not causal, one new token or none) in one batched call: the new rows
     k[:, 0], v[:, 0] written at each request's length into copies of the dense caches, and the keys
@@ -181,18 +148,19 @@ def sdpa_references(q, k, v, *, causal: bool, softmax_scale: Optional[float] = N
 # Error rules: tritonattn.testing's, with messages that say which bound failed and why
 # --------------------------------------------------------------------------------------------
 def record_chunked_prefill(monkeypatch) -> list:
-    """Make tritonattn.decode record each call of its chunked-prefill path (`_flash_attn_kvcache_forward`,
+    """Make tritonattn.launch.decode record each call of its chunked-prefill path (`_flash_attn_kvcache_forward`,
     which still runs): returns the list the calls' q shapes are appended to."""
-    from tritonattn import decode
+    import tritonattn.launch.decode as decode
+    import tritonattn.launch.prefill as prefill_launch
 
     calls = []
-    forward = decode._flash_attn_kvcache_forward
+    forward = prefill_launch.launch_cache_prefill
 
     def recording_forward(*args, **kwargs):
         calls.append(args[0].shape)
         return forward(*args, **kwargs)
 
-    monkeypatch.setattr(decode, "_flash_attn_kvcache_forward", recording_forward)
+    monkeypatch.setattr(decode, "launch_cache_prefill", recording_forward)
     return calls
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from benchmarks import measure
-from tritonattn.reference import causal_mask
+from tritonattn.testing import causal_mask
 
 
 def _brute_pairs(seqlen_q: int, seqlen_k: int) -> int:
@@ -112,9 +112,9 @@ def test_first_graph_timing_of_a_process_is_dropped(monkeypatch):
         calls.append((rep, repeat))
         return 10.0 * len(calls)  # ms per replay: the first measurement 10, the second 20, ...
 
-    monkeypatch.setattr(measure, "_require_gpu", lambda what: None)
-    monkeypatch.setattr(measure, "_graph_median_ms", fake_median)
-    monkeypatch.setattr(measure, "_GRAPH_TIMED", False)
+    monkeypatch.setattr(measure, "require_gpu", lambda what: None)
+    monkeypatch.setattr(measure, "graph_median_ms", fake_median)
+    monkeypatch.setattr(measure, "GRAPH_TIMED", False)
     assert measure.time_cuda_graph(lambda: None, rep=7, repeat=2) == 10.0  # 20 ms per replay / 2 calls
     assert calls == [(7, 2), (7, 2)]
     assert measure.time_cuda_graph(lambda: None, rep=5, repeat=1) == 30.0

@@ -64,7 +64,7 @@ def test_results_root_is_taken_from_the_repo_root(tmp_path):
 def test_ab_finds_the_package_in_either_layout(tmp_path):
     """benchmarks.ab imports a tree's library from kernels/tritonattn/ or, in trees older than the source-root
     layout, from kernels/ itself, so an A/B can span the move."""
-    from benchmarks.ab import _import_tree, package_dir
+    from benchmarks.ab import import_tree, package_dir
 
     root = Path(__file__).resolve().parents[1]
     assert package_dir(str(root)) == root / "kernels" / "tritonattn"
@@ -72,4 +72,4 @@ def test_ab_finds_the_package_in_either_layout(tmp_path):
     (old / "kernels").mkdir(parents=True)
     (old / "kernels" / "__init__.py").write_text("WHICH = 'flat'\n")
     assert package_dir(str(old)) == old / "kernels"
-    assert _import_tree(str(old), "tritonattn_ab_test_old").WHICH == "flat"
+    assert import_tree(str(old), "tritonattn_ab_test_old").WHICH == "flat"

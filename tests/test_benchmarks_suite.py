@@ -161,10 +161,10 @@ def test_prefill_config_names_the_kernel_that_runs(monkeypatch):
     """On Hopper with Gluon, a forward the dispatcher gives the warp-specialized kernel is labelled as that
     kernel, from its key-count threshold on; shorter calls, head dims 64 and 256 and the backward keep the
     block-level tables."""
-    import tritonattn._configs as configs
-    from tritonattn._utils import TARGETS, planning_for
+    import tritonattn.config.tables as tables
+    from tritonattn.config.hardware import TARGETS, planning_for
 
-    monkeypatch.setattr(configs, "gluon_sm90_available", lambda: True)
+    monkeypatch.setattr(tables, "gluon_sm90_available", lambda: True)
     cuda = torch.device("cuda")
     with planning_for(TARGETS["H100"]):
         long = suite.prefill_config(torch.bfloat16, 128, False, cuda, "fwd_bwd", 4096)

@@ -1,7 +1,7 @@
-"""cache_leftpad in flash_attn_with_kvcache (kernels/tritonattn/decode_kernels.py [Note] Left padding): request b's
+"""cache_leftpad in flash_attn_with_kvcache (kernels/tritonattn/jit/decode.py [Note] Left padding): request b's
 keys are cache rows [cache_leftpad[b], cache_seqlens[b]), the rows before are padding.
 
-Checked against tritonattn.reference.attention_ref with key_leftpad (fp32 ground truth, the error relative to
+Checked against tritonattn.testing.attention_ref with key_leftpad (fp32 ground truth, the error relative to
 PyTorch's own fp16 error): dense caches with and without an append, seqlen_q 1 and 4, causal or not, GQA,
 unsplit and split, cache_batch_idx, the chunked-prefill path (prefill's fwd_kernel in its cache mode); a
 request padded up to its length gives zeros and LSE +inf; zero padding equals no padding bit for bit; the
@@ -14,6 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import tritonattn.api.kvcache as kvcache
+import tritonattn.config.tables as tables
+import tritonattn.launch.decode as decode
 from helpers import (
     DEVICE,
     INTERPRET,
@@ -23,10 +26,9 @@ from helpers import (
     per_request_references,
     record_chunked_prefill,
 )
-from tritonattn import decode, flash_attn_with_kvcache, rel_err
+from tritonattn import flash_attn_with_kvcache, rel_err
 from tritonattn.errors import InputError, InputTypeError
-from tritonattn.reference import rotary_ref
-from tritonattn.testing import agreement_tolerance
+from tritonattn.testing import agreement_tolerance, rotary_ref
 
 DTYPE = torch.float16
 HEAD_DIM = 128 if ON_GPU else 32
@@ -93,7 +95,7 @@ def test_dense_matches_reference(append, seqlen_q, causal, num_splits):
 @pytest.mark.parametrize("seqlen_q", [1, 4])
 @pytest.mark.parametrize("append", [False, True])
 def test_cache_batch_idx_matches_reference(append, seqlen_q, num_splits):
-    """cache_batch_idx (one page per request inside decode.py) with leftpad: the request's row of the cache."""
+    """cache_batch_idx (one page per request, api/validate_cache.py) with leftpad: the request's row of the cache."""
     q, k_cache, v_cache, k, v = inputs(seqlen_q, append, cache_batch=6)
     check_call(q, k_cache, v_cache, k, v, LENGTHS, LEFTPAD, True, num_splits, cache_batch_idx=[4, 0, 5, 2])
 
@@ -129,8 +131,8 @@ def prefill_calls(monkeypatch):
     as tests/test_chunked_prefill.py does) to the chunked-prefill path even when its grid would not fill
     the GPU; yields the list of q shapes that path was called with."""
     if INTERPRET:
-        monkeypatch.setattr(decode, "CHUNKED_PREFILL_MIN_SEQLEN_Q", 8)
-    monkeypatch.setattr(decode, "_prefill_programs_fill", lambda *args: True)
+        monkeypatch.setattr(tables, "CHUNKED_PREFILL_MIN_SEQLEN_Q", 8)
+    monkeypatch.setattr(decode, "prefill_programs_fill", lambda *args: True)
     return record_chunked_prefill(monkeypatch)
 
 
@@ -140,7 +142,7 @@ def prefill_calls(monkeypatch):
 def test_chunked_prefill_path(prefill_calls, append, causal, batch_idx):
     """The chunked-prefill path (num_splits=0, a long chunk) with leftpad matches the reference and the
     decode kernel (num_splits=1), and both leave the same caches."""
-    seqlen_q = max(decode.CHUNKED_PREFILL_MIN_SEQLEN_Q, 12)
+    seqlen_q = max(tables.CHUNKED_PREFILL_MIN_SEQLEN_Q, 12)
     capacity = seqlen_q + CAPACITY  # room for the chunk after the longest cache
     lengths = [9, 50, CAPACITY, 40]
     q, k_cache, v_cache, k, v = inputs(seqlen_q, append, cache_batch=5 if batch_idx else None, capacity=capacity)
@@ -181,7 +183,7 @@ def test_device_values_are_clamped():
     lengths = int32(LENGTHS)
     bad, clamped = int32([-5, 3, 95, 1000]), int32([0, 3, LENGTHS[2], LENGTHS[3]])
     for num_splits in (1, 3):
-        got = decode._kvcache_call(q, k_cache, v_cache, None, None, lengths, None, None, False, num_splits, False,
+        got = kvcache.kvcache_call(q, k_cache, v_cache, None, None, lengths, None, None, False, num_splits, False,
                                    validated=False, cache_leftpad=bad)
         want = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, cache_leftpad=clamped,
                                        num_splits=num_splits)

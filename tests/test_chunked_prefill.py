@@ -1,5 +1,5 @@
 """Chunked prefill: flash_attn_with_kvcache with many new tokens per request runs the prefill kernel
-family over the cache (tritonattn.decode [Note] Chunked prefill), dense or paged.
+family over the cache (tritonattn.launch.decode [Note] Chunked prefill), dense or paged.
 
 Checked: the prefill path against the decode kernel (num_splits=1 forces it) and the reference,
 ragged lengths incl. 0, causal or not, with or without an append, MHA/GQA/MQA, page sizes that take
@@ -15,6 +15,7 @@ import math
 import pytest
 import torch
 
+import tritonattn.config.tables as tables
 from helpers import (
     DEVICE,
     INTERPRET,
@@ -25,8 +26,8 @@ from helpers import (
     record_chunked_prefill,
     references,
 )
-from tritonattn import decode, flash_attn_func, flash_attn_with_kvcache
-from tritonattn._utils import device_target
+from tritonattn import flash_attn_func, flash_attn_with_kvcache
+from tritonattn.config.hardware import device_target
 from tritonattn.testing import agreement_tolerance
 
 DTYPES = [torch.float16] + ([torch.bfloat16] if ON_GPU else [torch.float32])
@@ -41,8 +42,8 @@ PAGE_SIZES = [16, 48, 64, 256] if ON_GPU else [16, 48]
 def small_threshold(monkeypatch):
     """Under the interpreter, dispatch to the prefill path from 8 new tokens so small shapes take it."""
     if INTERPRET:
-        monkeypatch.setattr(decode, "CHUNKED_PREFILL_MIN_SEQLEN_Q", 8)
-    assert CHUNK >= decode.CHUNKED_PREFILL_MIN_SEQLEN_Q
+        monkeypatch.setattr(tables, "CHUNKED_PREFILL_MIN_SEQLEN_Q", 8)
+    assert CHUNK >= tables.CHUNKED_PREFILL_MIN_SEQLEN_Q
 
 
 def randn(*shape, dtype):
@@ -176,13 +177,13 @@ def test_dispatch_needs_enough_tokens_and_a_full_grid(monkeypatch):
     calls = record_chunked_prefill(monkeypatch)
     dtype, head_dim = torch.float16, HEAD_DIM
     target = device_target(torch.device(DEVICE))
-    sm_count = decode.planning_sm_count(target)
-    block_m = decode.prefill_fwd_config(head_dim, dtype, True, target).block_m
-    threshold = decode.CHUNKED_PREFILL_MIN_SEQLEN_Q
+    sm_count = tables.planning_sm_count(target)
+    block_m = tables.prefill_fwd_config(head_dim, dtype, True, target).block_m
+    threshold = tables.CHUNKED_PREFILL_MIN_SEQLEN_Q
     # one query block per head: the grid is batch x nheads programs
     small_heads = 1
-    full_heads = math.ceil(decode.CHUNKED_PREFILL_MIN_WAVE * sm_count)
-    assert small_heads < decode.CHUNKED_PREFILL_MIN_WAVE * sm_count <= full_heads
+    full_heads = math.ceil(tables.CHUNKED_PREFILL_MIN_WAVE * sm_count)
+    assert small_heads < tables.CHUNKED_PREFILL_MIN_WAVE * sm_count <= full_heads
     seqlen_q = min(block_m, max(threshold, 16))
     for nheads, seqlen, num_splits, expect_prefill in [
         (full_heads, seqlen_q, 0, True),

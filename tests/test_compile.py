@@ -1,4 +1,4 @@
-"""torch.compile over the public functions (kernels/tritonattn/_ops.py): dynamo traces each with fullgraph=True into
+"""torch.compile over the public functions (tritonattn.compile.ops): dynamo traces each with fullgraph=True into
 the registered custom ops, which pass torch.library.opcheck (schema, fake tensors, autograd
 registration, AOT dispatch); compiled results and gradients equal the eager ones; lengths that change
 do not recompile; dropout draws fresh bits per compiled call."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-import tritonattn._ops as ops
+import tritonattn.compile.ops as ops
 from helpers import DEVICE
 from tritonattn import flash_attn_func
 
@@ -67,17 +67,20 @@ def test_compiled_dropout_draws_fresh_bits():
 def test_prefill_ops_pass_opcheck():
     q, k, v = randn(1, 33, 4, 32), randn(1, 33, 2, 32), randn(1, 33, 2, 32)
     sinks, slopes = torch.randn(4, device=DEVICE), torch.rand(4, device=DEVICE)
-    tail = (slopes, sinks, None, 32**-0.5, True, 10, 0, 5.0, 0.0)
+    scalars = (None, 32**-0.5, True, 10, 0, 5.0, 0.0)  # rng_state, scale, causal, window sides, softcap, dropout
     dense = (None, None, 33, 33)
+    tail = (slopes, sinks, None, *scalars)  # no seqused_k: dense
     torch.library.opcheck(ops.prefill_fwd, (q, k, v, *dense, *tail))
     out, lse = ops.prefill_fwd(q, k, v, *dense, *tail)
     torch.library.opcheck(ops.prefill_bwd, (torch.randn_like(out), q, k, v, out, lse, *dense, *tail))
     cu = torch.tensor([0, 12, 33], dtype=torch.int32, device=DEVICE)
     packed = (cu, cu, 21, 21)
     qp, kp, vp = q[0], k[0], v[0]
-    torch.library.opcheck(ops.prefill_fwd, (qp, kp, vp, *packed, *tail))
-    out, lse = ops.prefill_fwd(qp, kp, vp, *packed, *tail)
-    torch.library.opcheck(ops.prefill_bwd, (torch.randn_like(out), qp, kp, vp, out, lse, *packed, *tail))
+    for seqused_k in (None, torch.tensor([7, 21], dtype=torch.int32, device=DEVICE)):
+        tail = (slopes, sinks, seqused_k, *scalars)
+        torch.library.opcheck(ops.prefill_fwd, (qp, kp, vp, *packed, *tail))
+        out, lse = ops.prefill_fwd(qp, kp, vp, *packed, *tail)
+        torch.library.opcheck(ops.prefill_bwd, (torch.randn_like(out), qp, kp, vp, out, lse, *packed, *tail))
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
@@ -149,8 +152,9 @@ def test_varlen_paged_op_passes_opcheck():
     q = randn(30, 4, 32)
     cu_q = torch.tensor([0, 10, 30], dtype=torch.int32, device=DEVICE)
     cu_k = torch.tensor([0, 40, 90], dtype=torch.int32, device=DEVICE)
+    seqused_k = torch.tensor([33, 50], dtype=torch.int32, device=DEVICE)
     torch.library.opcheck(ops.varlen_paged_fwd, (q, k_cache, v_cache, cu_q, cu_k, 20, 50, table, None, None,
-                                                 32**-0.5, True, -1, -1, 0.0))
+                                                 seqused_k, 32**-0.5, True, -1, -1, 0.0))
 
 
 def _kvcache_case(**extra):

@@ -1,17 +1,15 @@
-"""Every launch the config selection can choose fits the shared memory of the card it is chosen for. For each
-card users bring (tritonattn._utils.TARGETS: T4, A100, A10, L4, H100/H200) the public functions are called under
-`tritonattn._launch.recording`, which plans each call for that card and records its launches instead of running
-them, across what changes the choice: head dim, dtype, causal, packed (varlen) or not, dropout or not, the
-attention variants (all on at once, paged varlen too) or not, forward and backward, and for the KV-cache path
-the query rows per program (seqlen_q x group size), dense or paged with several page sizes, append or not,
-split or not, grids deep enough to change a paged plan, and the variants (all on, dense and paged, split or
-not). One launch of each tile class (`cross_compile.tile_key`: all but the integer and alignment
-specialisations) is cross-compiled for the card's architecture (tests/cross_compile.py: Triton without a GPU)
-and its shared memory compared with the card's limit. bf16 plans must equal fp16 ones (same bytes per element;
-compiled once, as fp16); where no tile fits (a T4's fp32 backward above head dim 128, its fp32 decode with an
-append at 256) the call must say so before launching, and a card without bf16 (T4) must refuse bf16 before any
-launch.
-"""
+"""Every launch the config selection can choose fits the shared memory of the card it is chosen for. For each card users
+bring (tritonattn.config.hardware.TARGETS: T4, A100, A10, L4, H100/H200) the public functions are called under
+`tritonattn.launch.fast.recording`, which plans each call for that card and records its launches instead of running
+them, across what changes the choice: head dim, dtype, causal, packed (varlen) or not, dropout or not, the attention
+variants (all on at once, paged varlen too) or not, forward and backward, and for the KV-cache path the query rows
+per program (seqlen_q x group size), dense or paged with several page sizes, append or not, split or not, grids deep
+enough to change a paged plan, and the variants (all on, dense and paged, split or not). One launch of each tile
+class (`cross_compile.tile_key`: all but the integer and alignment specialisations) is cross-compiled for the card's
+architecture (tests/cross_compile.py: Triton without a GPU) and its shared memory compared with the card's limit.
+bf16 plans must equal fp16 ones (same bytes per element; compiled once, as fp16); where no tile fits (a T4's fp32
+backward above head dim 128, its fp32 decode with an append at 256) the call must say so before launching, and a card
+without bf16 (T4) must refuse bf16 before any launch. """
 
 from __future__ import annotations
 
@@ -25,10 +23,10 @@ import torch
 import cross_compile
 from helpers import DEVICE
 from tritonattn import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
-from tritonattn._configs import decode_unsupported, gluon_sm90_available, prefill_bwd_unsupported
-from tritonattn._launch import recording
-from tritonattn._utils import TARGETS, Target
-from tritonattn.decode import _chunked_prefill_pays
+from tritonattn.config.hardware import TARGETS, Target
+from tritonattn.config.tables import decode_unsupported, gluon_sm90_available, prefill_bwd_unsupported
+from tritonattn.launch.decode import chunked_prefill_pays
+from tritonattn.launch.fast import recording
 
 # TRITONATTN_FITNESS=full compiles every head-dim tile for every card; by default (CI) the two largest, whose
 # tiles need the most shared memory: a smaller head dim gets the same or smaller tiles from every table.
@@ -139,7 +137,7 @@ def _kvcache_calls(dtype: torch.dtype, target: Target):
 
             def call(run=run, head_dim=head_dim, append=append, seqlen_q=seqlen_q, nheads=nheads, batch=batch,
                      num_splits=num_splits):
-                prefill_path = num_splits == 0 and _chunked_prefill_pays(batch, seqlen_q, nheads, head_dim, dtype, True,
+                prefill_path = num_splits == 0 and chunked_prefill_pays(batch, seqlen_q, nheads, head_dim, dtype, True,
                                                                          target)
                 if prefill_path or decode_unsupported(head_dim, dtype.itemsize, append, target) is None:
                     run()
@@ -212,7 +210,7 @@ def test_every_config_fits_the_card(card):
     kernels = {spec["name"] for spec in specs.values()}
     expected = {"fwd_kernel", "bwd_preprocess_kernel", "bwd_dkdv_kernel", "bwd_dq_kernel", "decode_kernel",
                 "combine_kernel", "append_kernel", "dropout_probs_kernel"}
-    if target.capability[0] == 9 and gluon_sm90_available():  # Hopper's Gluon forward (prefill_sm90.py)
+    if target.capability[0] == 9 and gluon_sm90_available():  # Hopper's Gluon forward (kernels/tritonattn/jit/sm90.py)
         expected.add("fwd_kernel_sm90_ws")
     assert kernels == expected, f"the calls launched {sorted(kernels)}"
     results = cross_compile.shared_bytes(list(specs.values()))

@@ -1,7 +1,7 @@
 """Decode attention (tritonattn/decode.py, tritonattn/decode_kernels.py): flash_attn_with_kvcache, and KVCache
 (tritonattn/kv_cache.py).
 
-Ground truth is tritonattn.reference.attention_ref in fp32, per request over the keys it should see
+Ground truth is tritonattn.testing.attention_ref in fp32, per request over the keys it should see
 (cache rows [0, L_b) plus the new tokens); fp16/bf16 outputs are judged against PyTorch's own
 same-dtype error (helpers.assert_close_to_ref). Small shapes under the interpreter, bigger ones
 and bf16 on a GPU.
@@ -26,9 +26,9 @@ from helpers import (
     references,
 )
 from tritonattn import KVCache, attention_ref, flash_attn_func, flash_attn_with_kvcache, rel_err
-from tritonattn._launch import DirectLaunch
-from tritonattn._options import attn_options
-from tritonattn.decode import _flash_attn_with_kvcache_launch
+from tritonattn.config.options import attn_options
+from tritonattn.launch.decode import launch_kvcache
+from tritonattn.launch.fast import DirectLaunch
 from tritonattn.testing import agreement_tolerance
 
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if ON_GPU else [])
@@ -180,7 +180,7 @@ def test_partial_append(seqlen_q, seqlen_new, causal, path, monkeypatch):
     tokens' k/v go to rows [L_b, L_b + seqlen_new) and nothing else changes; the queries are aligned to
     the last seqlen_q of the L_b + seqlen_new keys (causal bottom-right), on the decode kernel (split
     and not) and on the chunked-prefill path."""
-    from tritonattn import decode
+    import tritonattn.launch.decode as decode
 
     lengths = [0, 3, 40, 100] if INTERPRET else [0, 3, 400, 2040]
     seqlen_cache = 110 if INTERPRET else 2048
@@ -191,7 +191,7 @@ def test_partial_append(seqlen_q, seqlen_new, causal, path, monkeypatch):
     ref32, ref_lse, ref_same = per_request_references(q, k_cache, v_cache, k, v, lengths, causal=causal)
     k_exp, v_exp = expected_caches(k_cache, v_cache, k, v, lengths)
     if path == "prefill":
-        monkeypatch.setattr(decode, "_chunked_prefill_pays", lambda *args: True)
+        monkeypatch.setattr(decode, "chunked_prefill_pays", lambda *args: True)
     for num_splits in ((1, 3) if path == "decode" else (0,)):
         k_run, v_run = k_cache.clone(), v_cache.clone()
         out, lse = flash_attn_with_kvcache(q, k_run, v_run, k, v, cache_seqlens=torch.tensor(lengths, dtype=torch.int32,
@@ -207,7 +207,7 @@ def test_partial_append(seqlen_q, seqlen_new, causal, path, monkeypatch):
 @pytest.mark.parametrize("seqlen_q", [16, 64, 128] if ON_GPU else [16, 40])
 def test_wide_heads_many_query_rows(seqlen_q, paged):
     """Head dim 256 with many query rows per program (seqlen_q x a group of 4) and an append: the plan's
-    tiles shrink to the GPU's shared memory (tritonattn._configs.decode_fit) and the result still matches,
+    tiles shrink to the GPU's shared memory (tritonattn.config.tables.decode_fit) and the result still matches,
     on the decode kernel (split and not) and, through num_splits=0 at 128 new tokens, its dispatch."""
     lengths = [0, 37, 90] if INTERPRET else [0, 37, 900]
     capacity = 160 if INTERPRET else 1152
@@ -366,7 +366,7 @@ def test_device_lengths_never_leave_the_buffers():
     v = randn(batch, seqlen_q, nheads_k, head_dim, dtype=dtype)
     seqlens = torch.tensor([-3, seqlen_cache - 1, seqlen_cache, seqlen_cache + 1000], dtype=torch.int32, device=DEVICE)
     for num_splits in (1, 3):
-        out, lse = _flash_attn_with_kvcache_launch(q, k_cache, v_cache, k, v, seqlens,
+        out, lse = launch_kvcache(q, k_cache, v_cache, k, v, seqlens,
                                                    attn_options(head_dim, head_dim**-0.5, True), num_splits, True)
         assert torch.isfinite(out).all() and not torch.isnan(lse).any()
         assert torch.isnan(k_buf[:, seqlen_cache:]).all() and torch.isnan(v_buf[:, seqlen_cache:]).all()
@@ -451,8 +451,8 @@ def test_fast_launch_reuses_kernel_only_for_the_same_key(monkeypatch):
     raw pointers, the current stream, no launch hooks."""
     import triton.language as tl
 
-    import tritonattn._launch as launch
-    from tritonattn._launch import LaunchCache
+    import tritonattn.launch.fast as fast
+    from tritonattn.launch.fast import LaunchCache
 
     launches = []
 
@@ -487,7 +487,7 @@ def test_fast_launch_reuses_kernel_only_for_the_same_key(monkeypatch):
             return run
 
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 1000 + index, raising=False)
-    monkeypatch.setattr(launch, "launch_hooks_active", lambda: False)
+    monkeypatch.setattr(fast, "launch_hooks_active", lambda: False)
     x = torch.arange(4)
     cache = LaunchCache(FakeJit())
     cache.enabled = True
@@ -513,7 +513,7 @@ def test_fast_launch_reuses_kernel_only_for_the_same_key(monkeypatch):
     assert len({others[0], *(cache("a", (2, 1, 1), (x, n), num_warps=4, kwargs={"BLOCK": 32})
                              for n in (1, 16, 2**31))}) == 4
     assert [entry[0] for entry in launches[-3:]] == ["dispatch"] * 3
-    monkeypatch.setattr(launch, "launch_hooks_active", lambda: True)  # a profiler sees every launch
+    monkeypatch.setattr(fast, "launch_hooks_active", lambda: True)  # a profiler sees every launch
     cache("a", (4, 2, 1), (x, 2), num_warps=4)
     assert launches[-1][0] == "dispatch"
     cache.enabled = False
@@ -526,7 +526,7 @@ def test_launch_hooks_detected():
     """A Triton launch hook switches the fast path off (HookChain in Triton >= 3.5, a callable before)."""
     import triton
 
-    from tritonattn._launch import launch_hooks_active
+    from tritonattn.launch.fast import launch_hooks_active
 
     knobs = getattr(triton, "knobs", None)
     if knobs is None or not hasattr(knobs.runtime.launch_enter_hook, "add"):
@@ -662,11 +662,12 @@ def _no_full_path(*args, **kwargs):
 
 @pytest.mark.gpu
 def test_replayed_calls_match_the_full_path(monkeypatch):
-    """A repeat of a validated call with device lengths replays its recorded launches (tritonattn.decode
+    """A repeat of a validated call with device lengths replays its recorded launches (tritonattn.launch.decode
     [Note] Host overhead): fresh values and lengths, a recording made with aliased tensors, a misaligned
     q (takes the full path), split scratch shared by calls of different sizes, and another stream all
     give the reference's answer and append."""
-    import tritonattn.decode as decode
+    import tritonattn.launch.decode as decode
+    import tritonattn.launch.replay as replay
 
     dtype, nheads, nheads_k, head_dim = torch.bfloat16, 32, 8, 128
 
@@ -686,28 +687,28 @@ def test_replayed_calls_match_the_full_path(monkeypatch):
         rows = torch.arange(batch, device=DEVICE), lens.long()
         assert torch.equal(k_cache[rows], k[:, 0]) and torch.equal(v_cache[rows], v[:, 0])
 
-    decode._REPLAYS.clear()
+    replay.REPLAYS.clear()
     check(1, 4096, [3000])  # the full path, recorded
-    assert len(decode._REPLAYS) == 1
+    assert len(replay.REPLAYS) == 1
     with monkeypatch.context() as m:
-        m.setattr(decode, "_flash_attn_with_kvcache_launch", _no_full_path)
+        m.setattr(decode, "launch_kvcache", _no_full_path)
         for lengths in ([17], [4095], [0]):
             check(1, 4096, lengths)  # replayed with new pointers, values and lengths
-    decode._REPLAYS.clear()  # recorded with k is v and k_cache is v_cache: the replay must not alias them
+    replay.REPLAYS.clear()  # recorded with k is v and k_cache is v_cache: the replay must not alias them
     q, k_cache, _, k, _ = make_decode_inputs(1, 4096, 1, nheads, nheads_k, head_dim, dtype)
     flash_attn_with_kvcache(q, k_cache, k_cache, k, k, cache_seqlens=torch.tensor([9], dtype=torch.int32,
                                                                                    device=DEVICE),
                             return_softmax_lse=True)
     with monkeypatch.context() as m:
-        m.setattr(decode, "_flash_attn_with_kvcache_launch", _no_full_path)
+        m.setattr(decode, "launch_kvcache", _no_full_path)
         check(1, 4096, [1234])
     check(1, 4096, [2000], misalign=True)  # compiled for aligned pointers: not replayed
     check(2, 8192, [8000, 5], num_splits=32)  # a larger split scratch...
     check(1, 4096, [100])  # ... that the smaller call then shares
     check(1, 4096, [4000], stream=torch.cuda.Stream())  # another stream: its own scratch
-    assert len(decode._REPLAYS) == 2  # the misaligned call was not recorded
+    assert len(replay.REPLAYS) == 2  # the misaligned call was not recorded
     # a recording keeps no tensor alive: nothing reachable from the replays is one
-    seen, todo = set(), list(decode._REPLAYS.values())
+    seen, todo = set(), list(replay.REPLAYS.values())
     while todo:
         obj = todo.pop()
         if id(obj) in seen:
@@ -729,7 +730,8 @@ def test_replayed_calls_match_the_full_path(monkeypatch):
 def test_replay_variants(monkeypatch, paged, append, return_lse, causal, seqlen_q):
     """Replays of dense and paged calls (a new block table each call), with and without an append, the
     LSE, the causal mask and several new tokens, equal the reference; the second call is a replay."""
-    import tritonattn.decode as decode
+    import tritonattn.launch.decode as decode
+    import tritonattn.launch.replay as replay
 
     dtype, batch, nheads, nheads_k, head_dim, seqlen_cache, page = torch.bfloat16, 2, 32, 8, 128, 2048, 64
 
@@ -756,10 +758,10 @@ def test_replay_variants(monkeypatch, paged, append, return_lse, causal, seqlen_
                 assert torch.equal(k_after[b, n : n + seqlen_q], k[b])
                 assert torch.equal(v_after[b, n : n + seqlen_q], v[b])
 
-    decode._REPLAYS.clear()
+    replay.REPLAYS.clear()
     call([1000, 7])  # the full path, recorded
-    assert len(decode._REPLAYS) == 1
-    monkeypatch.setattr(decode, "_flash_attn_with_kvcache_launch", _no_full_path)
+    assert len(replay.REPLAYS) == 1
+    monkeypatch.setattr(decode, "launch_kvcache", _no_full_path)
     call([seqlen_cache - seqlen_q, 5])
 
 
@@ -767,18 +769,20 @@ def test_replay_templates_take_pointers_by_parameter():
     """A recorded launch's pointer slots follow the kernel's parameter names, not the tensors the
     recording passed (aliased there: k is v), and its option slots take the replayed call's runtime
     options; the replay key holds the options' compiled part only and plain Python arguments only."""
-    import tritonattn.decode as decode
-    from tritonattn._launch import LaunchCache
+    import tritonattn.jit.decode as decode_jit
+    import tritonattn.launch.decode as decode
+    import tritonattn.launch.replay as replay
+    from tritonattn.launch.fast import LaunchCache
 
-    for names, sources in ((decode._launch_decode.names, decode._DECODE_SOURCES),
-                           (decode._launch_combine.names, decode._COMBINE_SOURCES)):
+    for names, sources in ((decode.decode_launcher.names, replay.DECODE_SOURCES),
+                           (decode.combine_launcher.names, replay.COMBINE_SOURCES)):
         assert set(sources) <= set(names)
-    launch = LaunchCache(decode.decode_kernel)
+    launch = LaunchCache(decode_jit.decode_kernel)
     launch.enabled = True
     names = launch.names
     options = attn_options(32, 0.125, causal=True)
     x, y = torch.zeros(4), torch.zeros(4)
-    values = {name: x if name in decode._DECODE_SOURCES else 1 for name in names}
+    values = {name: x if name in replay.DECODE_SOURCES else 1 for name in names}
     values["K_new"] = values["V_new"] = y  # k is v in the recording
     values["Block_table"] = None  # dense: not a pointer
     values.update(options.runtime)
@@ -788,24 +792,24 @@ def test_replay_templates_take_pointers_by_parameter():
     assert full == [values[n] for n in names]
     pointers = tuple(i for i, arg in enumerate(full) if isinstance(arg, torch.Tensor))
     key = launch.key_of(("sig", 0), full, 4, 2, False, None)
-    assert decode._replay_template(launch, key, (1, 1, 1), args, kwargs, decode._DECODE_SOURCES, options) is None
+    assert replay.replay_template(launch, key, (1, 1, 1), args, kwargs, replay.DECODE_SOURCES, options) is None
     launch.kernels[key] = (None, pointers, DirectLaunch(None, (), pointers))
-    direct, grid, template, slots, option_slots = decode._replay_template(launch, key, (1, 1, 1), args, kwargs,
-                                                                          decode._DECODE_SOURCES, options)
+    direct, grid, template, slots, option_slots = replay.replay_template(launch, key, (1, 1, 1), args, kwargs,
+                                                                          replay.DECODE_SOURCES, options)
     assert direct is launch.kernels[key][2] and grid == (1, 1, 1)
-    assert dict(slots) == {names.index(n): decode._DECODE_SOURCES[n] for n in decode._DECODE_SOURCES
+    assert dict(slots) == {names.index(n): replay.DECODE_SOURCES[n] for n in replay.DECODE_SOURCES
                            if n != "Block_table"}
     assert option_slots == tuple(sorted((names.index(n), n) for n in options.runtime))  # every runtime option
     assert not any(isinstance(arg, torch.Tensor) for arg in template)
-    assert decode._replay_template(launch, key, (1, 1, 1), args, kwargs, {}, options) is None
+    assert replay.replay_template(launch, key, (1, 1, 1), args, kwargs, {}, options) is None
 
     sig, lens = ("sig",), torch.zeros(2, dtype=torch.int32)
-    key = decode._replay_key(sig, lens, attn_options(32), 0, False)
-    assert key is not None and decode._replay_key(sig, lens, options, 3, True) is not None
-    assert decode._replay_key(sig, lens, attn_options(32, 0.5), 0, False) == key  # runtime: filled into the replay
-    assert decode._replay_key(sig, lens, attn_options(32, causal=True), 0, False) != key  # compiled: another launch
+    key = replay.replay_key_of(sig, lens, attn_options(32), 0, False)
+    assert key is not None and replay.replay_key_of(sig, lens, options, 3, True) is not None
+    assert replay.replay_key_of(sig, lens, attn_options(32, 0.5), 0, False) == key  # runtime: filled into the replay
+    assert replay.replay_key_of(sig, lens, attn_options(32, causal=True), 0, False) != key  # compiled: another launch
     for bad in ((5, options, 0, False), (lens, options, 2.0, False), (lens, options, 0, 1)):
-        assert decode._replay_key(sig, *bad) is None
+        assert replay.replay_key_of(sig, *bad) is None
 
 
 @pytest.mark.gpu
@@ -845,33 +849,34 @@ def test_split_scratch_is_per_stream_and_thread(monkeypatch):
     import threading
     from types import SimpleNamespace
 
-    import tritonattn.decode as decode
+    import tritonattn.config.tables as tables
+    import tritonattn.launch.replay as replay
 
-    monkeypatch.setattr(decode, "_SCRATCH_LOCAL", decode._ScratchLocal())  # this test's buffers go with it
+    monkeypatch.setattr(replay, "SCRATCH_LOCAL", replay.ScratchLocal())  # this test's buffers go with it
     real_empty, stream, capturing = torch.empty, [7], [False]
     monkeypatch.setattr(torch, "empty", lambda n, dtype, device: real_empty(n, dtype=dtype))
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: stream[0], raising=False)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     cuda = SimpleNamespace(type="cuda")
-    first = decode._split_scratch(100, cuda, 0)
-    assert decode._split_scratch(50, cuda, 0) is first  # same thread and stream: reused
-    bigger = decode._split_scratch(200, cuda, 0)
-    assert bigger is not first and decode._split_scratch(100, cuda, 0) is bigger
-    assert decode._split_scratch(100, cuda, 1) is not bigger  # another device
+    first = replay.split_scratch(100, cuda, 0)
+    assert replay.split_scratch(50, cuda, 0) is first  # same thread and stream: reused
+    bigger = replay.split_scratch(200, cuda, 0)
+    assert bigger is not first and replay.split_scratch(100, cuda, 0) is bigger
+    assert replay.split_scratch(100, cuda, 1) is not bigger  # another device
     stream[0] = 8
-    assert decode._split_scratch(100, cuda, 0) is not bigger  # another stream
+    assert replay.split_scratch(100, cuda, 0) is not bigger  # another stream
     stream[0] = 7
     other = []
-    thread = threading.Thread(target=lambda: other.append(decode._split_scratch(100, cuda, 0)))
+    thread = threading.Thread(target=lambda: other.append(replay.split_scratch(100, cuda, 0)))
     thread.start()
     thread.join()
     assert other[0] is not bigger  # another thread
     capturing[0] = True
-    assert decode._split_scratch(100, cuda, 0) is not bigger  # a graph capture: its own allocation
+    assert replay.split_scratch(100, cuda, 0) is not bigger  # a graph capture: its own allocation
     capturing[0] = False
-    huge = decode.SPLIT_SCRATCH_CACHE_BYTES // 4 + 1
+    huge = tables.SPLIT_SCRATCH_CACHE_BYTES // 4 + 1
     monkeypatch.setattr(torch, "empty", lambda n, dtype, device: SimpleNamespace(numel=lambda: n))
-    assert decode._split_scratch(huge, cuda, 0) is not decode._split_scratch(huge, cuda, 0)  # not kept
+    assert replay.split_scratch(huge, cuda, 0) is not replay.split_scratch(huge, cuda, 0)  # not kept
 
 
 @pytest.mark.gpu
@@ -893,7 +898,7 @@ def test_large_cache_int64_offsets():
 
 
 def test_validation_cache_never_hides_an_error():
-    """The per-signature validation cache (tritonattn.decode [Note] Host overhead; on a GPU, off under the
+    """The per-signature validation cache (tritonattn.launch.decode [Note] Host overhead; on a GPU, off under the
     interpreter) skips checks only for a signature already validated: a changed dtype, shape or stride
     after a good call still raises, and a repeated good signature with new values gives the right answer."""
     dtype, batch, nheads, nheads_k, head_dim, seqlen_cache = torch.float16, 2, 8, 2, 64, 256

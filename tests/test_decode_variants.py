@@ -1,6 +1,6 @@
 """The attention variants in flash_attn_with_kvcache: sliding window, softcap, ALiBi and sinks in decode
 (dense and paged caches, split and unsplit, with and without an append, one or several query tokens)
-and in its chunked-prefill path, against the float32 reference per request (kernels/tritonattn/reference.py),
+and in its chunked-prefill path, against the float32 reference per request (kernels/tritonattn/testing/reference.py),
 each request aligned bottom-right against its own length. Ragged batches hold lengths 0, 1, the
 window's +- 1 and a full cache; a window's keys before the band are never read (poisoned with NaN,
 the output is unchanged); the splits tile the band, not the cache.
@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import tritonattn.decode as decode
+import tritonattn.config.hardware as hardware
+import tritonattn.launch.decode as decode
 from helpers import (
     DEVICE,
     INTERPRET,
@@ -23,7 +24,7 @@ from helpers import (
     paged_copy,
 )
 from tritonattn import attention_ref, flash_attn_with_kvcache
-from tritonattn._configs import INTERPRETER_DECODE_CONFIG
+from tritonattn.config.tables import INTERPRETER_DECODE_CONFIG
 
 DTYPE = torch.float16
 BATCH, NHEADS, NHEADS_K, HEAD_DIM = 6, 4, 2, 32
@@ -103,7 +104,7 @@ def reference(q, k_cache, v_cache, k, v, lengths, kw):
 def run(q, k_cache, v_cache, k, v, lengths, kw, page_size, num_splits, one_loop, monkeypatch):
     """flash_attn_with_kvcache over the dense caches, or paged copies of them; (out, lse, k_cache, v_cache)
     with the caches as dense tensors again. one_loop forces the kernel's loop layout either way."""
-    monkeypatch.setattr(decode, "_one_loop", lambda *args: one_loop)
+    monkeypatch.setattr(decode, "one_loop", lambda *args: one_loop)
     lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
     if page_size:
         k_pool, v_pool, table = paged_copy(k_cache, v_cache, page_size)
@@ -203,8 +204,8 @@ def test_window_never_reads_before_its_band(path, page_size, monkeypatch):
     pages before the band, their table entries -1 as a cache that freed them would hold) leaves the
     output bit-identical, whatever the loop layout and splits, in decode and in a chunk's prefill."""
     seqlen_q, num_splits, one_loop, chunked = path
-    monkeypatch.setattr(decode, "_one_loop", lambda *args: one_loop)
-    monkeypatch.setattr(decode, "_chunked_prefill_pays", lambda *args: chunked)
+    monkeypatch.setattr(decode, "one_loop", lambda *args: one_loop)
+    monkeypatch.setattr(decode, "chunked_prefill_pays", lambda *args: chunked)
     capacity, window = 256, 40
     lengths = [0, 30, 41, 100, 190, capacity - seqlen_q]
     q = randn(BATCH, seqlen_q, NHEADS, HEAD_DIM)
@@ -244,10 +245,10 @@ def test_window_never_reads_before_its_band(path, page_size, monkeypatch):
 def test_window_plans_over_its_band():
     """The splits tile a window's band (at most left + seqlen_q keys past its first key block), not the
     cache: a 4096-key window over a 65536-key cache plans the splits of a 4096-key cache."""
-    target = None if INTERPRET or not ON_GPU else decode.device_target(torch.device("cuda"))
-    whole = decode._plan(1, 1, 32, 8, 128, 65536, torch.bfloat16, target, 0)
-    windowed = decode._plan(1, 1, 32, 8, 128, 65536, torch.bfloat16, target, 0, 0, False, 4096)
-    short = decode._plan(1, 1, 32, 8, 128, 4096 + 1 + windowed.block_n, torch.bfloat16, target, 0)
+    target = None if INTERPRET or not ON_GPU else hardware.device_target(torch.device("cuda"))
+    whole = decode.plan_decode(1, 1, 32, 8, 128, 65536, torch.bfloat16, target, 0)
+    windowed = decode.plan_decode(1, 1, 32, 8, 128, 65536, torch.bfloat16, target, 0, 0, False, 4096)
+    short = decode.plan_decode(1, 1, 32, 8, 128, 4096 + 1 + windowed.block_n, torch.bfloat16, target, 0)
     assert windowed.num_splits * windowed.split_n >= 4096 + 1 + windowed.block_n - 1
     assert windowed.num_splits * windowed.split_n < whole.num_splits * whole.split_n
     assert (windowed.num_splits, windowed.split_n) == (short.num_splits, short.split_n)
@@ -260,7 +261,7 @@ def test_window_plans_over_its_band():
 def test_chunked_prefill_takes_the_variants(variant, page_size, monkeypatch):
     """A prompt chunk (the prefill kernels' cache mode, after the append launch) with each variant equals
     the reference over each request's cache plus the chunk."""
-    monkeypatch.setattr(decode, "_chunked_prefill_pays", lambda *args: True)
+    monkeypatch.setattr(decode, "chunked_prefill_pays", lambda *args: True)
     seqlen_q = 24
     lengths = [0, 1, WINDOW, 90, CAPACITY - seqlen_q, 7]
     q = randn(BATCH, seqlen_q, NHEADS, HEAD_DIM)

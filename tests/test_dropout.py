@@ -12,7 +12,7 @@ import torch
 from helpers import DEVICE, ON_GPU, assert_close_to_ref, assert_lse_close, needs_graph_capture
 from tritonattn import flash_attn_func, flash_attn_varlen_func
 from tritonattn.flash_attn_interface import _flash_attn_backward, _flash_attn_forward
-from tritonattn.reference import attention_ref, causal_mask
+from tritonattn.testing import attention_ref, causal_mask
 
 DTYPES = [torch.float16, torch.bfloat16] if ON_GPU else [torch.float16, torch.float32]
 P = 0.17  # flash-attn's tests' value

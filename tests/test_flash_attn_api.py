@@ -206,9 +206,9 @@ def rotary_tables(seqlen_ro, rotary_dim, dtype=DTYPE):
 def test_kvcache_rotary(interleaved, causal, window, paged):
     """rotary_cos / rotary_sin rotate q and the new k as flash-attn does (k's token t at
     cache_seqlens[b] + t; q's too when causal or with a sliding window, else all at cache_seqlens[b];
-    the dims past rotary_dim untouched): the call equals rotating with tritonattn.reference.rotary_ref
+    the dims past rotary_dim untouched): the call equals rotating with tritonattn.testing.rotary_ref
     first."""
-    from tritonattn.reference import rotary_ref
+    from tritonattn.testing import rotary_ref
 
     batch, seqlen_q, capacity, rotary_dim = 3, 3, 32, D // 2
     lengths = torch.tensor([0, 5, 29], dtype=torch.int32, device=DEVICE)

@@ -8,7 +8,7 @@ NaN after an append: a kernel that writes one is caught. The buffers are 16-byte
 Hopper the tensor-descriptor (TMA) paths, which clip the padded box at the real head dim, run as well.
 Head dims: odd ones (1, 13, 36, 72, 200 on the interpreter; 13, 100, 250 on a GPU) and, on a GPU,
 the common 64, 96, 128, 192 and 256. `test_aligned_copies` runs the copies Hopper makes of unaligned
-rows (kernels/tritonattn/prefill.py `_aligned_operands`) on any device by planning them with the pointer path.
+rows (kernels/tritonattn/launch/prefill.py `_aligned_operands`) on any device by planning them with the pointer path.
 """
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+import tritonattn.launch.decode as decode
+import tritonattn.launch.prefill as prefill_launch
 from helpers import DEVICE, INTERPRET, ON_GPU, assert_close_to_ref, assert_lse_close, per_request_references
-from tritonattn import attention_ref, decode, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+from tritonattn import attention_ref, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 
 HEAD_DIMS = [13, 100, 250, 64, 96, 128, 192, 256] if ON_GPU else [1, 13, 36, 72, 200]
 DTYPES = [torch.float16, torch.bfloat16] if ON_GPU else [torch.float16]
@@ -126,7 +128,7 @@ def test_kvcache(head_dim, paged, path, dtype, monkeypatch):
     capacity, page_size = (64, 16) if INTERPRET else (1024, 64)
     seqlen_q, seqlen_new = (5, 3) if path != "prefill" else ((12, 9) if INTERPRET else (96, 80))
     if path == "prefill":
-        monkeypatch.setattr(decode, "_chunked_prefill_pays", lambda *args: True)
+        monkeypatch.setattr(decode, "chunked_prefill_pays", lambda *args: True)
     batch = len(lengths)
     q = poisoned(batch, seqlen_q, NHEADS, head_dim, dtype=dtype, seed=7)
     k_cache = poisoned(batch, capacity, NHEADS_K, head_dim, dtype=dtype, seed=8)
@@ -160,10 +162,9 @@ def test_aligned_copies(head_dim, monkeypatch):
     """With tensor descriptors planned (patched here so that the copies happen on any device while the
     kernels keep their pointer loads), contiguous inputs of an odd head dim are copied into aligned
     buffers: out is a view of one, and out and the gradients still match the reference."""
-    from tritonattn import prefill
 
-    monkeypatch.setattr(prefill, "_tma_planned", lambda *args: True)
-    monkeypatch.setattr(prefill, "_use_tma", lambda *args: False)
+    monkeypatch.setattr(prefill_launch, "tma_planned", lambda *args: True)
+    monkeypatch.setattr(prefill_launch, "tma_usable", lambda *args: False)
     dtype = torch.float16
     q = torch.randn(2, 19, NHEADS, head_dim, device=DEVICE, dtype=dtype)
     k, v = (torch.randn(2, 23, NHEADS_K, head_dim, device=DEVICE, dtype=dtype) for _ in range(2))

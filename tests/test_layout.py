@@ -1,8 +1,14 @@
-"""The layers of the tree (docs/design.md): no import circles anywhere, and the library (kernels/tritonattn/)
-imports nothing but itself, the standard library and its runtime dependencies.
+"""The layers of the tree (docs/design.md), read statically from the sources (every `import` statement, also
+inside functions, so a circle that only closes at run time counts too):
 
-The import graph is read statically (every `import` statement, also inside functions) from the
-sources, so a circle that only closes at run time counts too.
+- no import circles anywhere; the library (kernels/tritonattn/) imports nothing but itself, the standard
+  library and its runtime dependencies (no harness: no pandas, no benchmarks, notebooks or tests);
+- inside the library each layer imports only the layers below it (`LAYERS`);
+- no name with a leading underscore is used across modules -- imported, read as `module._name`, or
+  patched with setattr -- by the library, the tests, the benchmarks, the scripts or the notebooks: what
+  another module needs has a public name (flash-attn's own `_flash_attn_*` primitives excepted);
+- no library module is over `MAX_LINES` lines, and hardware facts (capabilities, device properties) are
+  read only in config/.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ PACKAGES = ("kernels", "benchmarks")
 SOURCE_ROOTS = ("kernels",)
 # What the library may import besides itself: the standard library and these; kernels/tritonattn/integrations/<lib>
 # imports the library it adapts (an optional extra, never imported by `import tritonattn`).
-LIBRARY_MAY_IMPORT = {"torch", "triton", "numpy", "pandas"}
+LIBRARY_MAY_IMPORT = {"torch", "triton", "numpy"}
 INTEGRATIONS = {"tritonattn.integrations.transformers": {"transformers"}}
 
 
@@ -121,9 +127,8 @@ def test_no_import_circles():
 
 
 def test_library_imports_only_itself():
-    """tritonattn imports only tritonattn, the standard library, torch, triton, numpy (pandas for the serving
-    engine's optional tables, an integration its library): never the benchmark harness, the notebooks'
-    helpers, scripts or tests."""
+    """tritonattn imports only tritonattn, the standard library, torch, triton, numpy (an integration its
+    library): never the benchmark harness, the notebooks' helpers, scripts or tests, nor pandas."""
     graph = import_graph()
     stdlib = set(sys.stdlib_module_names) | {"__future__"}
     bad = {}
@@ -141,7 +146,7 @@ def test_the_checks_see_a_circle():
     """The circle detector finds a planted circle and the first-party resolver maps relative imports."""
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     graph = import_graph()
-    assert "tritonattn.decode" in graph["tritonattn.kv_cache"]  # `from .decode import ...`
+    assert "tritonattn.api.kvcache" in graph["tritonattn.cache.paged"]  # `from ..api.kvcache import ...`
     assert "benchmarks.measure" in graph["benchmarks.suite"]  # `from . import measure, results`
     assert "tritonattn" in graph["benchmarks.suite"]
 
@@ -153,3 +158,169 @@ def test_nothing_imports_the_old_package_name():
     stale = {name: sorted(m for m in imported if m.split(".")[0] == "kernels") for name, imported in graph.items()}
     assert not {name: mods for name, mods in stale.items() if mods}, stale
     assert "tritonattn" in graph and not any(name.split(".")[0] == "kernels" for name in graph)
+
+
+# ------------------------------------------------------------------------------------------------
+# Layers
+# ------------------------------------------------------------------------------------------------
+# What each layer of the library may import besides itself (and the standard library, torch, triton,
+# numpy): the layers below it. The package's __init__ and flash_attn_interface (flash-attn's module
+# path) gather public names from any layer.
+LAYERS = {
+    "config": {"errors"},
+    "jit": {"errors", "config"},
+    "launch": {"errors", "config", "jit"},
+    "api": {"errors", "config", "launch"},
+    "cache": {"errors", "config", "launch", "api"},
+    "compile": {"errors", "config", "launch", "api"},
+    "integrations": {"errors", "config", "api"},
+    "testing": {"errors", "config"},
+    "errors": set(),
+    "_versions": set(),
+}
+MAX_LINES = 600
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def layer_violations(graph: Dict[str, Set[str]]) -> Dict[str, List[str]]:
+    bad = {}
+    for name, imported in graph.items():
+        if name.split(".")[0] != "tritonattn" or _layer(name) not in LAYERS:
+            continue
+        layer = _layer(name)
+        wrong = sorted(m for m in imported if m.split(".")[0] == "tritonattn" and m != "tritonattn"
+                       and _layer(m) != layer and _layer(m) not in LAYERS[layer])
+        wrong += sorted(m for m in imported if m == "tritonattn")  # the package's __init__ imports every layer
+        if wrong:
+            bad[name] = wrong
+    return bad
+
+
+def test_layers_import_only_the_layers_below():
+    """config <- jit <- launch <- api <- (cache, compile, integrations); testing on config alone."""
+    graph = import_graph()
+    assert {_layer(m) for m in graph if m.startswith("tritonattn.")} <= set(LAYERS) | {"flash_attn_interface"}
+    assert not layer_violations(graph), layer_violations(graph)
+    planted = {"tritonattn.config.x": {"tritonattn.launch.fast"}, "tritonattn.api.y": {"tritonattn.jit.common"}}
+    assert layer_violations(planted) == {"tritonattn.config.x": ["tritonattn.launch.fast"],
+                                         "tritonattn.api.y": ["tritonattn.jit.common"]}
+
+
+# ------------------------------------------------------------------------------------------------
+# Private names
+# ------------------------------------------------------------------------------------------------
+# flash-attn's primitives keep flash-attn's underscored names: they are its interface, and ours.
+FLASH_ATTN_NAMES = {"_flash_attn_forward", "_flash_attn_backward", "_flash_attn_varlen_forward",
+                    "_flash_attn_varlen_backward"}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__") and name not in FLASH_ATTN_NAMES
+
+
+def _notebook_sources() -> Dict[str, str]:
+    """Each notebook's code cells as one module's source (shell and magic lines dropped)."""
+    import json
+
+    found = {}
+    for path in sorted((REPO / "notebooks").glob("*.ipynb")):
+        cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+        code = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+        found[path.stem] = "\n".join(line for line in code.splitlines() if not line.lstrip().startswith(("%", "!")))
+    return found
+
+
+def private_uses(name: str, source: str, known: Set[str], package: str) -> List[str]:
+    """The private names of other first-party modules that `source` (module `name`) uses."""
+    tree = ast.parse(source)
+    modules: Dict[str, str] = {}  # local name -> first-party module it is bound to
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] in {k.split(".")[0] for k in known}:
+                    modules[alias.asname or alias.name.split(".")[0]] = alias.name if alias.asname else (
+                        alias.name.split(".")[0])
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target not in known and target.split(".")[0] not in {k.split(".")[0] for k in known}:
+                continue
+            for alias in node.names:
+                full = f"{target}.{alias.name}"
+                if full in known:
+                    modules[alias.asname or alias.name] = full
+                elif _private(alias.name) and target != name:
+                    found.append(f"from {target} import {alias.name}")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules:
+            if _private(node.attr) and modules[node.value.id] != name:
+                found.append(f"{modules[node.value.id]}.{node.attr}")
+        if isinstance(node, ast.Call) and len(node.args) >= 2 and isinstance(node.args[0], ast.Name):
+            func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            target, attr = node.args[0].id, node.args[1]
+            if func in ("setattr", "getattr", "delattr") and target in modules and isinstance(attr, ast.Constant) \
+                    and isinstance(attr.value, str) and _private(attr.value):
+                found.append(f"{func}({modules[target]}, {attr.value!r})")
+    return found
+
+
+def test_no_private_name_crosses_a_module():
+    """No module of the tree (library, tests, benchmarks, scripts, notebooks) uses another's private names."""
+    sources = _sources()
+    known = set(sources)
+    bad = {}
+    for name, path in sources.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        uses = private_uses(name, path.read_text(encoding="utf-8"), known, package)
+        if uses:
+            bad[name] = uses
+    for name, source in _notebook_sources().items():
+        uses = private_uses(name, source, known, "")
+        if uses:
+            bad[name] = uses
+    assert not bad, bad
+
+
+def test_the_private_name_check_sees_each_use():
+    """A planted import, attribute read and monkeypatch of a private name are each found."""
+    known = {"tritonattn", "tritonattn.launch.decode"}
+    source = ("import tritonattn.launch.decode as decode\nfrom tritonattn.launch.decode import _plan\n"
+              "decode._replays.clear()\nmonkeypatch.setattr(decode, '_one_loop', None)\n"
+              "from tritonattn.flash_attn_interface import _flash_attn_forward\n")
+    assert sorted(private_uses("tests.x", source, known, "")) == [
+        "from tritonattn.launch.decode import _plan", "setattr(tritonattn.launch.decode, '_one_loop')",
+        "tritonattn.launch.decode._replays"]
+
+
+def test_library_modules_are_small():
+    """No module of the library is over MAX_LINES lines: each folder is one job, each file a part of it."""
+    big = {str(p.relative_to(REPO)): n for p in (REPO / "kernels" / "tritonattn").rglob("*.py")
+           if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    assert not big, big
+
+
+HARDWARE_READS = {"capability", "get_device_capability", "get_device_properties", "multi_processor_count",
+                  "shared_memory_per_block_optin"}
+
+
+def hardware_reads(source: str) -> List[str]:
+    return sorted({node.attr for node in ast.walk(ast.parse(source))
+                   if isinstance(node, ast.Attribute) and node.attr in HARDWARE_READS})
+
+
+def test_hardware_facts_live_in_config():
+    """Only config/ reads a GPU's capability or properties; every other layer asks config (has_tma, the tables)."""
+    root = REPO / "kernels" / "tritonattn"
+    bad = {str(p.relative_to(root)): hardware_reads(p.read_text(encoding="utf-8")) for p in root.rglob("*.py")
+           if "config" not in p.relative_to(root).parts}
+    assert not {k: v for k, v in bad.items() if v}, bad
+    assert hardware_reads("ok = target.capability[0] >= 9") == ["capability"]

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.serving import Request, ServingEngine
 from helpers import DEVICE
-from tritonattn.serving import Request, ServingEngine
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "notebooks"))
 import nbutils  # noqa: E402

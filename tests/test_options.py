@@ -1,4 +1,4 @@
-"""The options object (kernels/tritonattn/_options.py) and the cache keys derived from it: every field reaches the
+"""The options object (kernels/tritonattn/config/options.py) and the cache keys derived from it: every field reaches the
 kernels through its compiled or its runtime part, launch and replay keys follow the compiled part, and
 no launch recorded for one value of a field is reused for another.
 
@@ -13,19 +13,19 @@ import dataclasses
 import pytest
 import torch
 
+import tritonattn.launch.decode as decode
+import tritonattn.launch.replay as replay
 from helpers import DEVICE, ON_GPU
-from tritonattn import decode as decode_module
 from tritonattn import flash_attn_with_kvcache
-from tritonattn._options import AttnOptions, attn_options
-from tritonattn._utils import device_target
-from tritonattn.reference import attention_ref
-from tritonattn.testing import check_close
+from tritonattn.config.hardware import device_target
+from tritonattn.config.options import AttnOptions, attn_options
+from tritonattn.testing import attention_ref, check_close
 
 BASE = dict(head_dim=64, softmax_scale=0.125, causal=False, window_left=-1, window_right=-1, softcap=0.0,
-            alibi=False, sinks=False)
+            alibi=False, sinks=False, seqused_k=False)
 OTHER_VALUE = dict(head_dim=128, softmax_scale=0.3, causal=True, window_left=5, window_right=3, softcap=2.0,
-                   alibi=True, sinks=True)
-# the fields flash_attn_with_kvcache takes (the variants are prefill-only: test_variants.py covers them)
+                   alibi=True, sinks=True, seqused_k=True)
+# fields whose stale launches the decode checks below look for (tests/test_option_reach.py runs every field everywhere)
 KVCACHE_FIELDS = ("causal", "head_dim", "softmax_scale")
 
 
@@ -53,7 +53,7 @@ def test_each_field_reaches_the_kernels(field):
     assert compiled_changed or runtime_changed, f"{field} reaches no kernel parameter"
     assert set(base.constexprs).isdisjoint(base.runtime)
     # launch keys: LaunchCache adds every constexpr the launch passes to the caller's key
-    launch = decode_module._launch_decode
+    launch = decode.decode_launcher
     rows = []
     for opts in (base, other):  # the launch's arguments: the options', and 1 for everything else
         args = {**opts.constexprs, **opts.runtime}
@@ -62,19 +62,21 @@ def test_each_field_reaches_the_kernels(field):
     assert (key_a != key_b) == compiled_changed
     # replay keys: the signature, the lengths' layout and options.compiled; runtime values are filled in
     lens = torch.zeros(2, dtype=torch.int32)
-    replay_a = decode_module._replay_key(("sig",), lens, base, 0, False)
-    replay_b = decode_module._replay_key(("sig",), lens, other, 0, False)
+    replay_a = replay.replay_key_of(("sig",), lens, base, 0, False)
+    replay_b = replay.replay_key_of(("sig",), lens, other, 0, False)
     assert (replay_a != replay_b) == compiled_changed
 
 
 def test_runtime_options_name_kernel_parameters():
     """Every runtime option is a parameter of each attention kernel, every compiled one a constexpr."""
-    from tritonattn import decode_kernels, prefill_kernels
-    from tritonattn._launch import LaunchCache
+    import tritonattn.jit.decode as decode_jit
+    import tritonattn.jit.prefill_bwd as prefill_bwd
+    import tritonattn.jit.prefill_fwd as prefill_fwd
+    from tritonattn.launch.fast import LaunchCache
 
     opts = _build(**BASE)
-    for kernel in (prefill_kernels.fwd_kernel, prefill_kernels.bwd_dkdv_kernel, prefill_kernels.bwd_dq_kernel,
-                   decode_kernels.decode_kernel):
+    for kernel in (prefill_fwd.fwd_kernel, prefill_bwd.bwd_dkdv_kernel, prefill_bwd.bwd_dq_kernel,
+                   decode_jit.decode_kernel):
         launch = LaunchCache(kernel)
         constexpr_names = {launch.names[i] for i in launch.constexprs}
         assert set(opts.runtime) <= set(launch.names) - constexpr_names, kernel
@@ -104,7 +106,7 @@ def _kvcache_call(opts: AttnOptions, path: str, seed: int):
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
     (batch, m, nheads), nheads_k, cache = PATHS[path], 2, 300 + PATHS[path][1]
     d, dtype = opts.head_dim, torch.float16
-    assert decode_module._chunked_prefill_pays(batch, m, nheads, d, dtype, opts.causal,
+    assert decode.chunked_prefill_pays(batch, m, nheads, d, dtype, opts.causal,
                                                   device_target(torch.device(DEVICE))) == (path == "chunked")
 
     def randn(*shape):
@@ -150,7 +152,7 @@ def test_integer_classes_keep_launches_apart():
     """Launch keys tell integers apart as Triton's dispatcher does (1, a multiple of 16, past 32 bits), so a
     kernel compiled for NUM_SPLITS = 16 is never reused for 12; and decode with 16 effective splits, then
     with fewer, both equal the unsplit result."""
-    launch = decode_module._launch_combine
+    launch = decode.combine_launcher
     position = launch.names.index("NUM_SPLITS")
 
     def key(n):
@@ -161,7 +163,7 @@ def test_integer_classes_keep_launches_apart():
     assert key(16) != key(12) and key(12) == key(10) and key(1) != key(10) and key(2**31) != key(10)
     d, nheads, nheads_k = 32, 4, 2
     gen = torch.Generator(device=DEVICE).manual_seed(0)
-    block_n = decode_module._plan(1, 1, nheads, nheads_k, d, 4096, torch.float16, device_target(torch.device(DEVICE)),
+    block_n = decode.plan_decode(1, 1, nheads, nheads_k, d, 4096, torch.float16, device_target(torch.device(DEVICE)),
                                   1).block_n
     cache = 32 * block_n  # 32 key blocks: 16 splits of 2 blocks, or 11 of 3
 
@@ -171,7 +173,7 @@ def test_integer_classes_keep_launches_apart():
     q, k_cache, v_cache = randn(1, 1, nheads, d), randn(1, cache, nheads_k, d), randn(1, cache, nheads_k, d)
     lens = torch.tensor([cache - 5], dtype=torch.int32, device=DEVICE)
     out = {ns: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, num_splits=ns) for ns in (16, 12, 1)}
-    used = {ns: decode_module._plan(1, 1, nheads, nheads_k, d, cache, torch.float16,
+    used = {ns: decode.plan_decode(1, 1, nheads, nheads_k, d, cache, torch.float16,
                                     device_target(torch.device(DEVICE)), ns).num_splits for ns in (16, 12)}
     assert used == {16: 16, 12: 11}
     for ns in (16, 12):

@@ -4,7 +4,7 @@ and PagedKVCache (tritonattn/kv_cache.py).
 Pools are filled with random data and read through random permuted block tables (flash-attn's
 `_generate_block_kvcache`, FlashInfer's paged tests); the dense caches gathered through the same
 tables are the yardstick: paged decode must equal dense decode on them (bit for bit under the
-interpreter, where both run the same arithmetic), and both must match tritonattn.reference.attention_ref
+interpreter, where both run the same arithmetic), and both must match tritonattn.testing.attention_ref
 in fp32 over each request's keys. Small shapes under the interpreter, bigger ones and bf16 on a GPU.
 """
 
@@ -27,10 +27,10 @@ from helpers import (
     references,
 )
 from tritonattn import PagedKVCache, PoolExhaustedError, flash_attn_with_kvcache, rel_err
-from tritonattn._jit import wide_pages
-from tritonattn._options import attn_options
-from tritonattn._utils import device_target
-from tritonattn.decode import _flash_attn_with_kvcache_launch
+from tritonattn.config.hardware import device_target
+from tritonattn.config.options import attn_options
+from tritonattn.jit.common import wide_pages
+from tritonattn.launch.decode import launch_kvcache
 from tritonattn.testing import agreement_tolerance
 
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if ON_GPU else [])
@@ -147,18 +147,18 @@ def test_paged_equals_dense_and_reference(page_size, append, dtype):
 def test_deep_grid_equals_dense_and_reference(page_size):
     """An unsplit grid of DECODE_DEEP_GRID programs per SM (decode_paged_tiles: the config's stages and,
     for P = 16 at a 128-key BLOCK_N, BLOCK_N 64) still equals dense decode and the reference."""
-    from tritonattn import decode
-    from tritonattn._configs import DECODE_DEEP_GRID, DECODE_DEEP_MIN_BLOCKS, INTERPRETER_SM_COUNT
-    from tritonattn._utils import device_sm_count
+    import tritonattn.launch.decode as decode
+    from tritonattn.config.hardware import device_sm_count
+    from tritonattn.config.tables import DECODE_DEEP_GRID, DECODE_DEEP_MIN_BLOCKS, INTERPRETER_SM_COUNT
 
     dtype = torch.bfloat16 if ON_GPU else torch.float16
     nheads, nheads_k, head_dim = 8, 2, 64
     sms = device_sm_count(torch.cuda.current_device()) if ON_GPU else INTERPRETER_SM_COUNT
     batch = -(-DECODE_DEEP_GRID * sms // nheads_k)
     target = device_target(torch.device(DEVICE))
-    plan = decode._plan(batch, 1, nheads, nheads_k, head_dim, 64 * page_size, dtype, target, 0, 0)
+    plan = decode.plan_decode(batch, 1, nheads, nheads_k, head_dim, 64 * page_size, dtype, target, 0, 0)
     max_blocks = -(-DECODE_DEEP_MIN_BLOCKS * plan.block_n // page_size)  # a long enough cache
-    paged_plan = decode._plan(batch, 1, nheads, nheads_k, head_dim, max_blocks * page_size, dtype, target, 0,
+    paged_plan = decode.plan_decode(batch, 1, nheads, nheads_k, head_dim, max_blocks * page_size, dtype, target, 0,
                               page_size)
     assert paged_plan.num_splits == 1 and paged_plan.num_stages == plan.num_stages
     k_pool, v_pool, table, k_dense, v_dense = make_paged_cache(batch, max_blocks, page_size, nheads_k, head_dim, dtype)
@@ -268,10 +268,11 @@ def test_one_loop_and_two_loops_match_the_reference(monkeypatch, one_loop, page_
     """Both forms of a split's loop over its cached keys (ONE_LOOP, [Note] One loop for short splits in
     tritonattn/decode_kernels.py), forced whatever the split length, over dense and paged caches: ragged tails
     of every size, empty splits, causal seqlen_q > 1 with and without an append."""
-    from tritonattn import decode
+    import tritonattn.launch.decode as decode
+    import tritonattn.launch.replay as replay
 
-    monkeypatch.setattr(decode, "_one_loop", lambda blocks_per_split, gathers: one_loop)
-    decode._REPLAYS.clear()  # replays key on the call, which decides ONE_LOOP in real use: record the forced form
+    monkeypatch.setattr(decode, "one_loop", lambda blocks_per_split, gathers: one_loop)
+    replay.REPLAYS.clear()  # replays key on the call, which decides ONE_LOOP in real use: record the forced form
     dtype, seqlen_q = torch.float16, 3
     lengths = [0, 5, 31, 64, 100] if INTERPRET else [0, 5, 63, 640, 2000]
     batch, nheads, nheads_k, head_dim = len(lengths), NHEADS, 2, HEAD_DIM
@@ -292,14 +293,14 @@ def test_one_loop_and_two_loops_match_the_reference(monkeypatch, one_loop, page_
                     assert_close_to_ref(out, ref32, ref_same, msg=f"{where} {msg}")
                     assert_lse_close(lse, ref_lse, dtype, msg=f"{where} {msg}")
     finally:
-        decode._REPLAYS.clear()  # recorded with the forced form
+        replay.REPLAYS.clear()  # recorded with the forced form
 
 
 def test_split_heuristic_fills_more_programs_for_paged_caches():
-    """num_splits=0 (tritonattn._configs.decode_num_splits): a paged cache's splits fill DECODE_PAGED_WAVES
+    """num_splits=0 (tritonattn.config.tables.decode_num_splits): a paged cache's splits fill DECODE_PAGED_WAVES
     programs per SM, a dense cache's one, and neither splits once the programs fill 0.8 of that."""
-    from tritonattn._configs import DECODE_MAX_SPLITS, DECODE_PAGED_WAVES, decode_num_splits, planning_sm_count
-    from tritonattn._utils import device_target
+    from tritonattn.config.hardware import device_target
+    from tritonattn.config.tables import DECODE_MAX_SPLITS, DECODE_PAGED_WAVES, decode_num_splits, planning_sm_count
 
     device = device_target(torch.device(DEVICE))  # the target the heuristic plans for here
     sms = planning_sm_count(device)
@@ -316,8 +317,8 @@ def test_split_heuristic_fills_more_programs_for_paged_caches():
 def test_split_heuristic_keeps_a_second_wave_of_splits_long():
     """Past one wave's count, a paged cache's splits keep DECODE_PAGED_WAVE_MIN_BLOCKS blocks each: a
     long cache takes the full second wave, a shorter one part of it, a short one the dense count."""
-    from tritonattn._configs import DECODE_PAGED_WAVE_MIN_BLOCKS, decode_num_splits, planning_sm_count
-    from tritonattn._utils import device_target
+    from tritonattn.config.hardware import device_target
+    from tritonattn.config.tables import DECODE_PAGED_WAVE_MIN_BLOCKS, decode_num_splits, planning_sm_count
 
     device = device_target(torch.device(DEVICE))  # the target the heuristic plans for here
     sms = planning_sm_count(device)
@@ -335,29 +336,30 @@ def test_split_heuristic_keeps_a_second_wave_of_splits_long():
 
 def test_paged_caches_cap_the_pipeline_stages(monkeypatch):
     """A paged cache's decode runs at most DECODE_PAGED_STAGES pipeline stages in a split or shallow
-    grid; a dense one keeps the config's own (kernels/tritonattn/_configs.py says why)."""
-    from tritonattn import decode
-    from tritonattn._configs import DECODE_PAGED_STAGES, DecodeConfig
+    grid; a dense one keeps the config's own (kernels/tritonattn/config/tables.py says why)."""
+    import tritonattn.launch.decode as decode
+    from tritonattn.config.tables import DECODE_PAGED_STAGES, DecodeConfig
 
     deep = DecodeConfig(64, 4, DECODE_PAGED_STAGES + 2)  # a config deeper than the cap
     monkeypatch.setattr(decode, "decode_config", lambda *args, **kwargs: deep)
-    decode._plan.cache_clear()
+    decode.plan_decode.cache_clear()
     try:
         def stages(page_size):
-            return decode._plan(1, 1, 8, 2, 128, 4096, torch.float16, None, 0, page_size).num_stages
+            return decode.plan_decode(1, 1, 8, 2, 128, 4096, torch.float16, None, 0, page_size).num_stages
 
         assert stages(0) == deep.num_stages
         assert stages(16) == stages(64) == DECODE_PAGED_STAGES
     finally:
-        decode._plan.cache_clear()  # plans made with the fake config must not outlive the test
+        decode.plan_decode.cache_clear()  # plans made with the fake config must not outlive the test
 
 
 def test_deep_paged_grids_keep_the_config_stages_and_split_wide_gathers():
     """decode_paged_tiles: split or shallow grids get the stage cap; an unsplit grid of at least
     DECODE_DEEP_GRID programs per SM keeps the config's stages for long caches and halves a BLOCK_N
     that would gather more than DECODE_GATHER_MAX_PAGES pages; and _plan follows it."""
-    from tritonattn import _configs, decode
-    from tritonattn._configs import (
+    import tritonattn.config.tables as tables
+    import tritonattn.launch.decode as decode
+    from tritonattn.config.tables import (
         DECODE_DEEP_GRID,
         DECODE_DEEP_MIN_BLOCKS,
         DECODE_GATHER_MAX_PAGES,
@@ -367,7 +369,7 @@ def test_deep_paged_grids_keep_the_config_stages_and_split_wide_gathers():
     )
 
     device = None  # the interpreter's target: INTERPRETER_SM_COUNT SMs
-    sms = _configs.INTERPRETER_SM_COUNT
+    sms = tables.INTERPRETER_SM_COUNT
     cfg = DecodeConfig(128, 4, DECODE_PAGED_STAGES + 1)
     capped = DECODE_PAGED_STAGES
     deep = DECODE_DEEP_GRID * sms
@@ -384,10 +386,10 @@ def test_deep_paged_grids_keep_the_config_stages_and_split_wide_gathers():
     assert decode_paged_tiles(cfg, wide, deep, 2, long_cache, device) == (128, capped)
 
     def plan(batch, page_size, seqlen_cache):
-        return decode._plan(batch, 1, 16, 4, 64, seqlen_cache, torch.float16, device, 0, page_size)
+        return decode.plan_decode(batch, 1, 16, 4, 64, seqlen_cache, torch.float16, device, 0, page_size)
 
     fake = DecodeConfig(64, 4, DECODE_PAGED_STAGES + 1)
-    decode._plan.cache_clear()
+    decode.plan_decode.cache_clear()
     try:
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(decode, "decode_config", lambda *args, **kwargs: fake)
@@ -400,7 +402,7 @@ def test_deep_paged_grids_keep_the_config_stages_and_split_wide_gathers():
             assert p.num_splits > 1 and p.num_stages == capped
             assert plan(batch, 0, DECODE_DEEP_MIN_BLOCKS * 64).num_stages == fake.num_stages  # dense
     finally:
-        decode._plan.cache_clear()
+        decode.plan_decode.cache_clear()
 
 
 def test_register_cap_only_where_registers_would_cut_occupancy(monkeypatch):
@@ -408,8 +410,8 @@ def test_register_cap_only_where_registers_would_cut_occupancy(monkeypatch):
     Hopper-sized SM, is capped at 65536 / (3 x 32 x warps) registers rounded down to 8 (unless that is
     below DECODE_MIN_REGISTER_CAP); dense plans, deeper plans, grids of at most 2 programs per SM and
     small-smem GPUs get no cap."""
-    from tritonattn._configs import DECODE_PAGED_STAGES, decode_max_registers
-    from tritonattn._utils import TARGETS
+    from tritonattn.config.hardware import TARGETS
+    from tritonattn.config.tables import DECODE_PAGED_STAGES, decode_max_registers
 
     hopper = TARGETS["H100"]
     assert hopper.sm_count == 132
@@ -428,13 +430,13 @@ def test_register_cap_only_where_registers_would_cut_occupancy(monkeypatch):
 def test_capped_registers_compile_and_match_dense(page_size):
     """A paged grid of more than 2 programs per SM with a short cache (3 stages) compiles within its
     register cap and still equals dense decode and the reference."""
-    from tritonattn import decode
-    from tritonattn._utils import device_sm_count
+    import tritonattn.launch.decode as decode
+    from tritonattn.config.hardware import device_sm_count
 
     dtype, nheads, nheads_k, head_dim = torch.bfloat16, 32, 8, 128
     batch = -(-(2 * device_sm_count(torch.cuda.current_device()) + 1) // nheads_k)
     max_blocks = 1024 // page_size
-    plan = decode._plan(batch, 1, nheads, nheads_k, head_dim, max_blocks * page_size, dtype,
+    plan = decode.plan_decode(batch, 1, nheads, nheads_k, head_dim, max_blocks * page_size, dtype,
                         device_target(torch.device(DEVICE)), 0, page_size)
     if plan.max_registers is None:
         pytest.skip(f"no register cap on this GPU ({plan})")
@@ -450,10 +452,10 @@ def test_capped_registers_compile_and_match_dense(page_size):
     assert_paged_equals_dense(out, out_dense, dtype, f"capped registers, page_size={page_size}, {plan}")
     # the launch cache's keys: (caller key (signature, ...), constexpr values, argument classes, warps, stages,
     # pdl, maxnreg)
-    sig = decode._signature(q, k_pool, v_pool, k, v, table)
-    constexpr_names = [decode._launch_decode.names[i] for i in decode._launch_decode.constexprs]
+    sig = decode.signature(q, k_pool, v_pool, k, v, table)
+    constexpr_names = [decode.decode_launcher.names[i] for i in decode.decode_launcher.constexprs]
     compiled = []
-    for key, entry in decode._launch_decode.kernels.items():
+    for key, entry in decode.decode_launcher.kernels.items():
         caller, constexprs, _, num_warps, num_stages, _, maxnreg = key
         tiles = dict(zip(constexpr_names, constexprs))
         if caller[0] == sig and (tiles["PAGE_SIZE"], tiles["BLOCK_N"], tiles["BLOCK_H"], num_warps, num_stages,
@@ -527,7 +529,9 @@ def test_wide_page_offsets_read_and_write_the_same_rows(monkeypatch, path):
     """With WIDE_PAGES forced on (64-bit in-page offsets, taken by pools whose page rows lie 2^31 / (P - 1)
     elements apart or more), the decode kernel, the append and the chunked-prefill path give the same
     output and caches as the 32-bit offsets, and match the reference."""
-    from tritonattn import decode, prefill
+    import tritonattn.launch.decode as decode
+    import tritonattn.launch.prefill as prefill_launch
+    import tritonattn.launch.replay as replay
 
     dtype, page_size = torch.float16, 16
     lengths = [0, 5, page_size - 2, 3 * page_size + 7]
@@ -539,16 +543,16 @@ def test_wide_page_offsets_read_and_write_the_same_rows(monkeypatch, path):
     ref32, _, ref_same = per_request_references(q, k_dense, v_dense, k, v, lengths, causal=True)
     k_exp, v_exp = expected_pools(k_pool, v_pool, table, k, v, lengths)
     if path == "prefill":
-        monkeypatch.setattr(decode, "_chunked_prefill_pays", lambda *args: True)
+        monkeypatch.setattr(decode, "chunked_prefill_pays", lambda *args: True)
     num_splits = 1 if path == "decode" else 0  # 0: the dispatch, patched to the prefill path
     results, asked = [], set()
     for wide in (False, True):
         if wide:
-            for module in (decode, prefill):
+            for module in (decode, prefill_launch):
                 monkeypatch.setattr(module, "wide_pages", lambda *args, name=module.__name__: asked.add(name) or True)
             # replays key on the call's signature, which decides WIDE_PAGES in real use: record afresh (the
             # fast launches key on every constexpr, so they compile the forced flag's kernels themselves)
-            monkeypatch.setattr(decode, "_REPLAYS", {})
+            replay.REPLAYS.clear()
         kp, vp = k_pool.clone(), v_pool.clone()
         out = flash_attn_with_kvcache(q, kp, vp, k, v, cache_seqlens=i32(lengths), block_table=table, causal=True,
                                       num_splits=num_splits)
@@ -556,7 +560,7 @@ def test_wide_page_offsets_read_and_write_the_same_rows(monkeypatch, path):
         assert torch.equal(kp, k_exp) and torch.equal(vp, v_exp), f"{path}, wide={wide}: wrong cache rows"
         results.append(out)
     # the decode kernel, or the append kernel and the prefill kernel, specialised on WIDE_PAGES=True
-    assert asked == ({"tritonattn.decode"} if path == "decode" else {"tritonattn.decode", "tritonattn.prefill"}), asked
+    assert asked == ({decode.__name__} if path == "decode" else {decode.__name__, prefill_launch.__name__}), asked
     assert_paged_equals_dense(results[1], results[0], dtype, f"{path}: wide vs 32-bit in-page offsets")
 
 
@@ -674,7 +678,7 @@ def test_device_block_table_never_leaves_the_pool():
     for num_splits in (1, 3):
         k_pool.copy_(k_start)
         v_pool.copy_(v_start)
-        out, lse = _flash_attn_with_kvcache_launch(q, k_pool, v_pool, k, v, seqlens,
+        out, lse = launch_kvcache(q, k_pool, v_pool, k, v, seqlens,
                                                    attn_options(head_dim, head_dim**-0.5, True), num_splits, True,
                                                    table)
         assert torch.isfinite(out).all() and not torch.isnan(lse).any()
@@ -929,7 +933,7 @@ def test_cache_decode_takes_one_key_per_query():
 def test_partial_append_paged(page_size, path, monkeypatch):
     """seqlen_new < seqlen_q into a paged pool: the seqlen_new new rows land page by page at each
     request's length (crossing pages), the queries align to the last seqlen_q of L_b + seqlen_new keys."""
-    from tritonattn import decode
+    import tritonattn.launch.decode as decode
 
     lengths = [0, 13, 37]
     seqlen_q, seqlen_new, dtype = 6, 2, torch.float16
@@ -941,7 +945,7 @@ def test_partial_append_paged(page_size, path, monkeypatch):
     ref32, _, ref_same = per_request_references(q, k_dense, v_dense, k, v, lengths, causal=True)
     k_exp, v_exp = expected_pools(k_pool, v_pool, table, k, v, lengths)
     if path == "prefill":
-        monkeypatch.setattr(decode, "_chunked_prefill_pays", lambda *args: True)
+        monkeypatch.setattr(decode, "chunked_prefill_pays", lambda *args: True)
     kp, vp = k_pool.clone(), v_pool.clone()
     out = flash_attn_with_kvcache(q, kp, vp, k, v, cache_seqlens=i32(lengths), block_table=table, causal=True,
                                   num_splits=1 if path == "decode" else 0)

@@ -67,7 +67,7 @@ else:
     EXTRA_HEAD_DIMS = ()
     DTYPES = (torch.float16, torch.float32)
 
-INTERPRETER_BLOCK = 32  # tritonattn._configs.INTERPRETER_CONFIG tiles
+INTERPRETER_BLOCK = 32  # tritonattn.config.tables.INTERPRETER_CONFIG tiles
 INTERPRETER_MAX_TILES = 256  # ~4 ms per (BLOCK_M x BLOCK_N) tile on one CPU core: ~1 s a case
 INTERPRETER_SAMPLES = 25
 

@@ -1,4 +1,4 @@
-"""Hopper's warp-specialized forward (kernels/tritonattn/prefill_sm90.py) and the rule that chooses it.
+"""Hopper's warp-specialized forward (kernels/tritonattn/jit/sm90.py) and the rule that chooses it.
 
 The kernel itself (GPU of capability 9.x with Triton 3.6 only; Gluon does not run under the interpreter) is
 launched directly, whatever the rule would choose, on shapes that reach every path: ragged row and key
@@ -14,12 +14,13 @@ import torch
 
 from helpers import ON_GPU, assert_close_to_ref, assert_lse_close, make_qkv
 from tritonattn import flash_attn_func
-from tritonattn._configs import SM90_WS_MIN_KEYS, gluon_sm90_available, prefill_fwd_sm90_config
-from tritonattn._launch import recording
-from tritonattn._options import attn_options
-from tritonattn._utils import TARGETS
-from tritonattn.prefill import _ensure_tma_allocator, variant_options
-from tritonattn.reference import attention_ref
+from tritonattn.api.args import attention_call
+from tritonattn.config.hardware import TARGETS
+from tritonattn.config.options import attn_options
+from tritonattn.config.tables import SM90_WS_MIN_KEYS, gluon_sm90_available, prefill_fwd_sm90_config
+from tritonattn.launch.fast import recording
+from tritonattn.launch.operands import ensure_tma_allocator
+from tritonattn.testing import attention_ref
 
 HOPPER = ON_GPU and torch.cuda.get_device_capability()[0] == 9 and gluon_sm90_available()
 needs_hopper = pytest.mark.skipif(not HOPPER, reason="Gluon's Hopper kernel: a 9.x GPU, a Gluon with its API")
@@ -43,15 +44,17 @@ VARIANTS = {
 
 def _run_sm90(q, k, v, causal, **kw):
     """The Hopper kernel on (q, k, v): (out, lse), with the public function's variant handling."""
-    from tritonattn import prefill_sm90
+    import tritonattn.launch.sm90 as sm90
 
     batch, seqlen_q, nheads, head_dim = q.shape
-    options, variants = variant_options(head_dim, None, causal, kw.get("window_size", (-1, -1)), kw.get("softcap", 0.0),
-                                        kw.get("alibi_slopes"), kw.get("sinks"), k.shape[1], batch, nheads, q.device)
+    call = attention_call(head_dim, None, causal, kw.get("window_size", (-1, -1)), kw.get("softcap", 0.0),
+                          kw.get("alibi_slopes"), kw.get("sinks"), seqlen_k=k.shape[1], batch=batch, nheads=nheads,
+                          device=q.device)
+    options, variants = call.options, call.tensors
     out = torch.empty_like(q)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
-    _ensure_tma_allocator()
-    prefill_sm90.forward(q, k, v, out, lse, options, prefill_sm90_config(), variants)
+    ensure_tma_allocator()
+    sm90.forward(q, k, v, out, lse, options, prefill_sm90_config(), variants)
     return out, lse
 
 
@@ -85,7 +88,7 @@ def test_sm90_forward_matches_reference(shape, dtype, causal, variant):
 def test_public_function_takes_the_hopper_kernel_and_agrees(causal, monkeypatch):
     """flash_attn_func runs the Hopper kernel where the rule says so (TRITONATTN_SM90=0 switches it off), and
     both kernels agree within the error rule."""
-    import tritonattn.prefill_sm90 as sm90
+    import tritonattn.launch.sm90 as sm90
 
     q, k, v = make_qkv(1, 2048, 2048, 8, 2, 128, torch.bfloat16, seed=1)
     calls = []

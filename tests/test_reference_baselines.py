@@ -1,7 +1,7 @@
-"""The seed's eager decode baselines (tritonattn.reference.decode_eager_slice, decode_eager_cat).
+"""The seed's eager decode baselines (tritonattn.testing.decode_eager_slice, decode_eager_cat).
 
 They are benchmark competitors in notebook 02, so they must compute the same attention as the
-ground truth: tritonattn.reference.attention_ref in fp32 over the whole preallocated cache with
+ground truth: tritonattn.testing.attention_ref in fp32 over the whole preallocated cache with
 key_padding_lengths (seqlen_q == 1), or over the valid rows with the bottom-right causal mask
 (seqlen_q > 1). Pure PyTorch: these run on the CPU and need no Triton.
 """
@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.competitors import decode_eager_cat, decode_eager_slice
 from helpers import DEVICE, assert_close_to_ref
-from tritonattn.reference import attention_ref, decode_eager_cat, decode_eager_slice
-from tritonattn.testing import rel_err
+from tritonattn.testing import attention_ref, rel_err
 
 HEADS = [(4, 4), (4, 2), (4, 1), (6, 2)]  # MHA, GQA, MQA, G = 3
 

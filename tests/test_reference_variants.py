@@ -1,4 +1,4 @@
-"""tritonattn.reference.attention_ref's attention variants (sliding window, softcap, ALiBi, sinks) against a
+"""tritonattn.testing.attention_ref's attention variants (sliding window, softcap, ALiBi, sinks) against a
 second, loop-by-loop float64 implementation of the formulas in its docstring: the reference the kernels
 will be judged by must itself be right. Also: the variants at their "off" values change nothing, and
 causal ALiBi equals flash-attn's form of it (a bias that differs per row by a constant) in the output.
@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from tritonattn.reference import attention_ref
+from tritonattn.testing import attention_ref
 
 
 def naive(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, slopes=None, sinks=None):

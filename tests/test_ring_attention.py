@@ -27,7 +27,8 @@ DTYPES = [torch.float16, torch.bfloat16] if ON_GPU else [torch.float16, torch.fl
 
 
 def test_primitive_signatures_are_flash_attns():
-    """The positional parameters of flash-attn 2's primitives, in its order."""
+    """The parameters of flash-attn 2's primitives, in its order; ours (seqused_k in the varlen backward) come
+    after them, keyword-only."""
     expected = {
         _flash_attn_forward: "q k v dropout_p softmax_scale causal window_size_left window_size_right softcap "
                              "alibi_slopes return_softmax",
@@ -41,7 +42,12 @@ def test_primitive_signatures_are_flash_attns():
                                      "softcap alibi_slopes deterministic rng_state zero_tensors",
     }
     for fn, names in expected.items():
-        assert list(inspect.signature(fn).parameters) == names.split(), fn.__name__
+        params = inspect.signature(fn).parameters.values()
+        theirs = [p.name for p in params if p.kind != inspect.Parameter.KEYWORD_ONLY]
+        assert theirs == names.split(), fn.__name__
+    ours = [p.name for p in inspect.signature(_flash_attn_varlen_backward).parameters.values()
+            if p.kind == inspect.Parameter.KEYWORD_ONLY]
+    assert ours == ["seqused_k"]
 
 
 def ring_attention(q, k, v, blocks: int, scale: float):

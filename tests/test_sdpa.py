@@ -1,4 +1,4 @@
-"""The SDPA provider (kernels/tritonattn/sdpa.py): registered on import, never active until the user activates it;
+"""The SDPA provider (tritonattn.compile.sdpa): registered on import, never active until the user activates it;
 while active, scaled_dot_product_attention's flash backend runs our kernels (output and gradients equal
 ours and the reference: causal, GQA through enable_gqa, dropout with a mask replayed by the backward,
 either input layout, under torch.compile too); after restore_flash_attention_impl PyTorch's own runs
@@ -13,10 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+import tritonattn.compile.sdpa as sdpa
 from helpers import DEVICE, assert_close_to_ref
-from tritonattn import flash_attn_func, sdpa
-from tritonattn.prefill import Dropout, dropout_probs, variant_options
-from tritonattn.reference import attention_ref
+from tritonattn import flash_attn_func
+from tritonattn.api.args import attention_call
+from tritonattn.config.options import Dropout
+from tritonattn.launch.prefill import dropout_probs
+from tritonattn.testing import attention_ref
 
 pytestmark = pytest.mark.skipif(not sdpa.available(), reason="torch has no flash attention provider hook (< 2.10)")
 attn = torch.nn.attention
@@ -116,7 +119,7 @@ def test_sdpa_flash_dropout_replays_its_mask(causal):
     seed = direct[6]
     assert seed.dtype == torch.uint64 and seed.shape == (2,)
     qs, ks = q.transpose(1, 2), k.transpose(1, 2)
-    options, _ = variant_options(64, None, causal, (-1, -1), 0.0, None, None, 96, 2, 4, q.device)
+    options = attention_call(64, None, causal, seqlen_k=96, batch=2, nheads=4, device=q.device).options
     mask = dropout_probs(qs, ks, options, Dropout(p, seed.view(torch.int64))) >= 0
     assert 0.7 < mask.float().mean().item() < 0.9
     (ref, ref_in), (same, same_in) = references(q, k, v, causal, mask, p)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tritonattn._configs import SM90_WS_MIN_KEYS, gluon_sm90_available
+from tritonattn.config.tables import SM90_WS_MIN_KEYS, gluon_sm90_available
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "select_flash_attn_tests.py"
 

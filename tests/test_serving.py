@@ -18,9 +18,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.serving import Request, ServingEngine, VerificationError, make_workload
 from helpers import DEVICE, ON_GPU, assert_close_to_ref, make_qkv, references
 from tritonattn import PagedKVCache, attention_ref, flash_attn_func, flash_attn_with_kvcache, rel_err
-from tritonattn.serving import Request, ServingEngine, VerificationError, make_workload
 from tritonattn.testing import agreement_tolerance
 
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if ON_GPU else [])

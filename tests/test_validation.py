@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import tritonattn.prefill as prefill
 from helpers import DEVICE, make_qkv
 from tritonattn import InputError, flash_attn_func, flash_attn_with_kvcache
 
@@ -32,7 +31,9 @@ def no_launch(monkeypatch):
     def launcher_reached(*args, **kwargs):
         raise AssertionError("validation let a bad call through to allocation/launch")
 
-    monkeypatch.setattr(prefill, "_flash_attn_forward", launcher_reached)
+    import tritonattn.api.prefill as prefill
+
+    monkeypatch.setattr(prefill, "launch_prefill", launcher_reached)
 
 
 # --------------------------------------------------------------------------------------------
@@ -95,7 +96,7 @@ def test_unsupported_device_raises_value_error():
 
 def test_cpu_tensors_without_interpreter_raise_value_error(monkeypatch):
     """CPU tensors with TRITON_INTERPRET unset/0 raise ValueError telling to set TRITON_INTERPRET=1."""
-    monkeypatch.setenv("TRITON_INTERPRET", "0")  # read by tritonattn._utils.is_interpreter() per call
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # read by tritonattn.config.hardware.is_interpreter() per call
     q, k, v = (t.cpu() for t in qkv())
     with pytest.raises(ValueError, match="Got CPU tensors.*TRITON_INTERPRET=1"):
         flash_attn_func(q, k, v)

@@ -1,6 +1,6 @@
 """The attention variants in flash_attn_func / flash_attn_varlen_func, forward and backward: sliding
 window, logit softcap, ALiBi and learnable sinks, alone and combined, against the float64 reference
-(kernels/tritonattn/reference.py, itself checked loop by loop in test_reference_variants.py): out, lse, dq, dk,
+(kernels/tritonattn/testing/reference.py, itself checked loop by loop in test_reference_variants.py): out, lse, dq, dk,
 dv and dsinks, on odd lengths, seqlen_q != seqlen_k both ways, windows of 0 and wider than the
 sequence, rows that see no key, GQA, packed batches with per-sequence alignment, and with dropout.
 """
@@ -12,9 +12,9 @@ import torch
 
 from helpers import DEVICE, ON_GPU, assert_close_to_ref, assert_lse_close
 from tritonattn import flash_attn_func, flash_attn_varlen_func, testing
-from tritonattn._options import attn_options
+from tritonattn.config.options import attn_options
 from tritonattn.errors import InputError
-from tritonattn.reference import attention_ref
+from tritonattn.testing import attention_ref
 
 DTYPES = [torch.float16, torch.bfloat16] if ON_GPU else [torch.float16, torch.float32]
 
@@ -204,11 +204,11 @@ def test_dsinks_deterministic():
 def test_window_sizes_normalise_to_one_kernel():
     """flash-attn's window rules: (-1, -1) is no window, (-1, 0) causal, a side at or past seqlen_k
     unbounded; causal makes the right side 0. Equal semantics give equal options."""
-    from tritonattn.prefill import variant_options
+    from tritonattn.api.args import attention_call
 
     def opts(**kw):
-        return variant_options(64, None, kw.pop("causal", False), kw.pop("window_size", (-1, -1)), 0.0, None, None,
-                               100, 1, 2, DEVICE)[0]
+        return attention_call(64, None, kw.pop("causal", False), kw.pop("window_size", (-1, -1)), seqlen_k=100,
+                              batch=1, nheads=2, device=DEVICE).options
 
     assert opts(window_size=(-1, 0)) == opts(causal=True)
     assert opts(window_size=(100, 100)) == opts()
@@ -235,7 +235,8 @@ def test_bad_variant_inputs_raise_before_launch():
 @pytest.mark.skipif(not ON_GPU, reason="compiles: GPU only")
 def test_new_window_size_or_softcap_does_not_recompile():
     """Window sizes and softcap are runtime arguments: other values reuse the compiled kernels."""
-    from tritonattn.prefill_kernels import bwd_dkdv_kernel, bwd_dq_kernel, fwd_kernel
+    from tritonattn.jit.prefill_bwd import bwd_dkdv_kernel, bwd_dq_kernel
+    from tritonattn.jit.prefill_fwd import fwd_kernel
 
     def compiled():  # Triton's per-device cache of compiled kernels
         device = torch.cuda.current_device()

@@ -350,3 +350,53 @@ def test_long_packed_batch_gpu(causal):
         same, _ = attention_ref(q[s][None], k[s][None], v[s][None], causal=causal, upcast=False)
         assert_close_to_ref(out[s][None], ref.float(), same, msg=f"sequence {b}")
         assert_lse_close(lse[:, s], ref_lse[0], torch.bfloat16, msg=f"sequence {b}")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_seqused_k_forward_backward_and_paged(causal):
+    """seqused_k: each packed sequence attends to the first seqused_k[b] keys of its span (bottom-right causal
+    over those), its gradients match the reference over the cut sequences, the keys past seqused_k get zero
+    dk / dv, and a paged K/V (block_table) takes it too. CPU values past a span are refused."""
+    dtype = torch.float16 if ON_GPU else torch.float32
+    lens_q, lens_k, used = [5, 9, 1], [12, 9, 7], [7, 0, 7]
+    nheads, nheads_k, head_dim = 4, 2, 32
+    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    seqused = torch.tensor(used, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(sum(lens_q), nheads, head_dim, device=DEVICE, dtype=dtype, requires_grad=True)
+    k = torch.randn(sum(lens_k), nheads_k, head_dim, device=DEVICE, dtype=dtype, requires_grad=True)
+    v = torch.randn(sum(lens_k), nheads_k, head_dim, device=DEVICE, dtype=dtype, requires_grad=True)
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal, seqused_k=seqused)
+    dout = torch.randn_like(out)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    refs, grads = [], []
+    for b in range(3):
+        qs, ks, vs = (t.detach()[s: s + n].float().requires_grad_() for t, s, n in (
+            (q, int(cu_q[b]), lens_q[b]), (k, int(cu_k[b]), used[b]), (v, int(cu_k[b]), used[b])))
+        ref, _ = attention_ref(qs[None], ks[None], vs[None], causal=causal)
+        refs.append(ref[0])
+        grads.append(torch.autograd.grad(ref, (qs, ks, vs), dout[int(cu_q[b]): int(cu_q[b]) + lens_q[b]][None].float(),
+                                         allow_unused=True))
+    ref = torch.cat(refs)
+    assert rel_err(out.detach().float(), ref) < (1e-5 if dtype == torch.float32 else 1e-2)
+    assert rel_err(dq.float(), torch.cat([g[0] for g in grads])) < 2e-2
+    for b in range(3):  # the used keys' gradients; zero past them
+        start = int(cu_k[b])
+        for got, ref_grad in ((dk, grads[b][1]), (dv, grads[b][2])):
+            assert torch.count_nonzero(got[start + used[b]: start + lens_k[b]]) == 0
+            if used[b]:
+                assert rel_err(got[start: start + used[b]].float(), ref_grad) < 2e-2
+    # a paged K/V with the same keys: one page per sequence
+    page = max(lens_k)
+    k_pool = torch.zeros(3, page, nheads_k, head_dim, device=DEVICE, dtype=dtype)
+    v_pool = torch.zeros_like(k_pool)
+    for b in range(3):
+        k_pool[b, : lens_k[b]] = k.detach()[int(cu_k[b]): int(cu_k[b + 1])]
+        v_pool[b, : lens_k[b]] = v.detach()[int(cu_k[b]): int(cu_k[b + 1])]
+    table = torch.arange(3, dtype=torch.int32, device=DEVICE)[:, None]
+    paged = flash_attn_varlen_func(q.detach(), k_pool, v_pool, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                   block_table=table, seqused_k=seqused)
+    assert rel_err(paged.float(), out.detach().float()) < 1e-2
+    if DEVICE.type == "cpu":
+        with pytest.raises(ValueError, match="seqused_k"):
+            flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), seqused_k=seqused + 6)

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from tritonattn import _versions
-from tritonattn._configs import _GLUON_SM90_API, gluon_sm90_available
-from tritonattn._launch import _flat_launch_abi
+from tritonattn.config.tables import GLUON_SM90_API, gluon_sm90_available
+from tritonattn.launch.fast import flat_launch_abi
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -85,7 +85,7 @@ def test_launch_abi_is_detected_from_the_launcher_signature():
                      launch_enter_hook, launch_exit_hook, *args):
             pass
 
-    assert _flat_launch_abi(Flat) and not _flat_launch_abi(Named)
+    assert flat_launch_abi(Flat) and not flat_launch_abi(Named)
 
 
 def test_gluon_api_is_detected_by_name():
@@ -96,4 +96,4 @@ def test_gluon_api_is_detected_by_name():
     found = _versions.release(triton.__version__)
     if found > _versions.TRITON_NEWEST_TESTED:
         pytest.skip(f"Triton {triton.__version__} is newer than the tested range")
-    assert gluon_sm90_available() == (found >= (3, 6)), (triton.__version__, _GLUON_SM90_API)
+    assert gluon_sm90_available() == (found >= (3, 6)), (triton.__version__, GLUON_SM90_API)

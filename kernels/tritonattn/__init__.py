@@ -12,7 +12,8 @@ Public API:
                      PoolExhaustedError when its blocks or request slots run out.
     attention_ref:   eager reference used by tests, notebooks and benchmarks.
     rel_err:         ||out - ref|| / ||ref||; tritonattn.testing holds the error rule built on it.
-    sdpa:            our kernels as scaled_dot_product_attention's flash backend, activated by the user:
+    The SDPA provider (tritonattn.compile.sdpa): our kernels as scaled_dot_product_attention's flash
+                     backend, registered on import, activated by the user:
                      torch.nn.attention.activate_flash_attention_impl("tritonattn") (torch >= 2.10).
     InputError, InputTypeError: what bad input raises, before any launch (ValueError / TypeError and
                      RuntimeError, as flash-attn raises).
@@ -20,27 +21,26 @@ Public API:
 The attention functions have flash-attn 2's signatures (flash_attn.flash_attn_interface), so code
 written for it runs by changing the import; our own options come after theirs, keyword-only.
 
-Layout (docs/design.md): prefill.py / decode.py / kv_cache.py / serving.py launch the @triton.jit
-kernels of prefill_kernels.py / decode_kernels.py, which share the jit helpers of _jit.py; the
-options of a call travel as one _options.AttnOptions; _configs.py picks tiles per GPU.
+Layout (docs/design.md): api/ (the public functions, the one translation of their arguments, the
+validation) -> launch/ (plans and launches) -> jit/ (the kernels) -> config/ (options, hardware, tables);
+cache/ (KVCache, PagedKVCache), compile/ (torch.compile's ops, the SDPA provider), integrations/ and
+testing/ (references, the error rule) sit on top.
 """
 
 from . import _versions  # noqa: F401, I001  (first: checks Triton and numpy before any kernel is decorated)
-from . import _ops, sdpa  # noqa: F401  (the custom ops torch.compile traces; the SDPA provider, not activated)
-from ._utils import default_device, env_summary, has_gpu, is_interpreter
-from .decode import flash_attn_with_kvcache
-from .errors import InputError, InputTypeError
-from .kv_cache import KVCache, PagedKVCache, PoolExhaustedError
-from .prefill import (
-    flash_attn_func,
+from .compile import ops as _ops, sdpa as _sdpa  # noqa: F401  (registered: the custom ops, the SDPA provider)
+from .api.kvcache import flash_attn_with_kvcache
+from .api.packed import (
     flash_attn_kvpacked_func,
     flash_attn_qkvpacked_func,
-    flash_attn_varlen_func,
     flash_attn_varlen_kvpacked_func,
     flash_attn_varlen_qkvpacked_func,
 )
-from .reference import attention_ref, causal_mask
-from .testing import rel_err
+from .api.prefill import flash_attn_func, flash_attn_varlen_func
+from .cache import KVCache, PagedKVCache, PoolExhaustedError
+from .config.hardware import default_device, env_summary, has_gpu, is_interpreter
+from .errors import InputError, InputTypeError
+from .testing import attention_ref, causal_mask, rel_err
 
 __all__ = [
     "flash_attn_func",

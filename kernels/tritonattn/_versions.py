@@ -3,7 +3,7 @@
 The kernels are tested on every Triton release from TRITON_MIN to TRITON_NEWEST_TESTED: compiled on a GPU
 with the Triton the GPU image ships, and under the interpreter plus cross-compiled for sm_75 / sm_80 / sm_89 /
 sm_90 in CPU CI for each release of the range (README, "Install"). Paths that depend on a Triton API (the
-Gluon Hopper forward, the direct C launch of _launch.py) are chosen by detecting that API, never by the
+Gluon Hopper forward, the direct C launch of launch/fast.py) are chosen by detecting that API, never by the
 version number, with the portable path as the fallback. Outside the range:
 
 - older than TRITON_MIN: ImportError naming the version found and the minimum (no kernel path is tested

@@ -44,9 +44,9 @@ from typing import Dict, Optional, Tuple
 import torch
 from transformers import AttentionInterface, masking_utils
 
-from ..decode import flash_attn_with_kvcache
+from ..api.kvcache import flash_attn_with_kvcache
+from ..api.prefill import flash_attn_func, flash_attn_varlen_func
 from ..errors import InputError
-from ..prefill import flash_attn_func, flash_attn_varlen_func
 
 NAME = "triton_attention"
 PADDING_ATTR = "_triton_attention_padding"

@@ -1,177 +1,27 @@
-"""Environment detection and input validation shared by every public entry point.
-
-Nothing here queries the GPU driver at import time: `triton.runtime.driver.active` fails on a
-machine without a GPU even under the interpreter, so every device query lives inside a function
-and is cached per device.
-"""
+"""Validation of the prefill paths' inputs, and the checks every entry point shares: each raises
+InputError / InputTypeError (or NotImplementedError for what the hardware cannot run) before anything
+is allocated or launched."""
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import numbers
-import os
-import platform
-from dataclasses import dataclass
-from typing import Iterator, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
-from .errors import InputError, InputTypeError
+from ..config.hardware import bf16_unsupported, device_target, is_interpreter
+from ..errors import InputError, InputTypeError
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
 MIN_HEAD_DIM, MAX_HEAD_DIM = 1, 256  # any head dim: the tile is padded to a power of two and masked
-
-
-# --------------------------------------------------------------------------------------------
-# Row alignment
-# --------------------------------------------------------------------------------------------
-def rows_aligned(t: torch.Tensor) -> bool:
-    """True when t's base and every outer stride are 16-byte multiples (what a tensor descriptor, and a
-    vectorised row load, needs)."""
-    size = t.element_size()
-    return t.data_ptr() % 16 == 0 and all((s * size) % 16 == 0 for s in t.stride()[:-1])
-
-
-def empty_aligned(shape, dtype: torch.dtype, device, *, zero: bool = False, aligned: bool = True) -> torch.Tensor:
-    """An uninitialised (or, with zero, zeroed) tensor of `shape`; with `aligned` its rows are 16-byte
-    multiples: for a last dim that is not, a view [..., :shape[-1]] of a buffer padded along the last dim."""
-    shape = tuple(int(n) for n in shape)
-    per_16_bytes = max(1, 16 // dtype.itemsize) if aligned else 1
-    width = -(-shape[-1] // per_16_bytes) * per_16_bytes
-    make = torch.zeros if zero else torch.empty
-    return make((*shape[:-1], width), dtype=dtype, device=device)[..., : shape[-1]]
-
-
-# --------------------------------------------------------------------------------------------
-# Environment
-# --------------------------------------------------------------------------------------------
-def is_interpreter() -> bool:
-    """True when Triton kernels run under the CPU interpreter (TRITON_INTERPRET=1).
-
-    The variable must be set before `triton` decorates the kernels, i.e. before `import tritonattn`.
-    """
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def has_gpu() -> bool:
-    """True when a CUDA device is usable by PyTorch."""
-    return torch.cuda.is_available()
-
-
-def default_device() -> torch.device:
-    """Where tests, notebooks and benchmarks put their tensors: cuda if present, else cpu."""
-    return torch.device("cuda") if has_gpu() else torch.device("cpu")
-
-
-@functools.lru_cache(maxsize=None)
-def device_capability(index: int) -> tuple[int, int]:
-    """Compute capability of CUDA device `index`, cached."""
-    return torch.cuda.get_device_capability(index)
-
-
-@functools.lru_cache(maxsize=None)
-def device_smem_bytes(index: int) -> int:
-    """Largest opt-in shared memory per block of CUDA device `index` (L4: 99 KB, H100/H200: 227 KB)."""
-    props = torch.cuda.get_device_properties(index)
-    return int(getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024)
-
-
-@functools.lru_cache(maxsize=None)
-def device_sm_count(index: int) -> int:
-    """Number of streaming multiprocessors of CUDA device `index`, cached."""
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-@dataclass(frozen=True)
-class Target:
-    """What the config tables need to know about a GPU: its compute capability, the shared memory one
-    block may opt in to (bytes), and its SM count. `device_target` reads one off a device; `TARGETS`
-    describes the cards users bring, so the selection can be asked about a card that is not here."""
-
-    name: str
-    capability: Tuple[int, int]
-    smem_per_block: int
-    sm_count: int
-
-    @property
-    def arch(self) -> int:
-        """The capability as Triton's target names it (sm_89 -> 89)."""
-        return 10 * self.capability[0] + self.capability[1]
-
-
-# The cards the configs are proven to fit (tests/test_config_fitness.py compiles every config for each).
-TARGETS = {
-    "T4": Target("T4", (7, 5), 64 * 1024, 40),
-    "A100": Target("A100", (8, 0), 163 * 1024, 108),
-    "A10": Target("A10", (8, 6), 99 * 1024, 72),
-    "L4": Target("L4", (8, 9), 99 * 1024, 58),
-    "H100": Target("H100", (9, 0), 227 * 1024, 132),
-}
-
-_PLANNED_TARGET: Optional[Target] = None  # set by `planning_for`: every device plans for this card
-
-
-@contextlib.contextmanager
-def planning_for(target: Target) -> Iterator[Target]:
-    """Within this block every call plans its launches for `target` whatever device its tensors are on
-    (see `_launch.recording`, which also keeps the launches from running)."""
-    global _PLANNED_TARGET
-    previous, _PLANNED_TARGET = _PLANNED_TARGET, target
-    try:
-        yield target
-    finally:
-        _PLANNED_TARGET = previous
-
-
-def device_target(device: torch.device) -> Optional[Target]:
-    """The `Target` launches on `device` are planned for: the card `planning_for` names, else the CUDA
-    device's own description; None for the interpreter's one small config (CPU tensors)."""
-    if _PLANNED_TARGET is not None:
-        return _PLANNED_TARGET
-    if is_interpreter() or device.type != "cuda":
-        return None
-    return _cuda_target(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_target(index: int) -> Target:
-    return Target(torch.cuda.get_device_name(index), device_capability(index), device_smem_bytes(index),
-                  device_sm_count(index))
-
-
-def gpu_name() -> str:
-    """Name of the present GPU, or 'cpu-interpreter' / 'cpu' without one."""
-    if has_gpu():
-        return torch.cuda.get_device_name(torch.cuda.current_device())
-    return "cpu-interpreter" if is_interpreter() else "cpu"
-
-
-def env_summary() -> dict:
-    """Versions and hardware, printed by notebooks and stored with every benchmark row."""
-    import triton
-
-    summary = {
-        "gpu": gpu_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
-        "interpreter": is_interpreter(),
-        "cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version() if has_gpu() else None,
-    }
-    if has_gpu():
-        index = torch.cuda.current_device()
-        summary["capability"] = "%d.%d" % device_capability(index)
-        summary["sm_count"] = device_sm_count(index)
-        summary["smem_per_block_kb"] = device_smem_bytes(index) // 1024
-    return summary
 
 
 # --------------------------------------------------------------------------------------------
 # Validation: every public function calls these before allocating or launching anything.
 # --------------------------------------------------------------------------------------------
-def _validate_tensor(name: str, t, ndim: int, layout: str) -> None:
+def validate_tensor(name: str, t, ndim: int, layout: str) -> None:
     if not isinstance(t, torch.Tensor):
         raise InputTypeError(f"Expected {name} to be a torch.Tensor, got {type(t).__name__}.")
     if t.dim() != ndim:
@@ -185,7 +35,7 @@ def _validate_tensor(name: str, t, ndim: int, layout: str) -> None:
         )
 
 
-def _validate_dtypes(**tensors: Optional[torch.Tensor]) -> torch.dtype:
+def validate_dtypes(**tensors: Optional[torch.Tensor]) -> torch.dtype:
     named = {k: v for k, v in tensors.items() if v is not None}
     first_name, first = next(iter(named.items()))
     for name, t in named.items():
@@ -203,15 +53,13 @@ def _validate_dtypes(**tensors: Optional[torch.Tensor]) -> torch.dtype:
                 "bfloat16 is not supported under the Triton interpreter (TRITON_INTERPRET=1): its tl.dot "
                 "gives wrong results for bf16 inputs. Use float16/float32 on the CPU; bf16 runs on a GPU."
             )
-        if target is not None and target.capability < (8, 0):
-            raise NotImplementedError(
-                f"bfloat16 needs a GPU of compute capability 8.0 or newer (Ampere); {target.name} is "
-                f"{target.capability[0]}.{target.capability[1]}. Use float16 there."
-            )
+        reason = bf16_unsupported(target) if target is not None else None
+        if reason is not None:
+            raise NotImplementedError(f"bfloat16 {reason}. Use float16 there.")
     return first.dtype
 
 
-def _validate_devices(**tensors: Optional[torch.Tensor]) -> torch.device:
+def validate_devices(**tensors: Optional[torch.Tensor]) -> torch.device:
     named = {k: v for k, v in tensors.items() if v is not None}
     first_name, first = next(iter(named.items()))
     for name, t in named.items():
@@ -231,20 +79,20 @@ def _validate_devices(**tensors: Optional[torch.Tensor]) -> torch.device:
     raise InputError(f"Expected CUDA tensors (or CPU tensors under the interpreter), got device {first.device}.")
 
 
-def _validate_head_dim(head_dim: int) -> None:
+def validate_head_dim(head_dim: int) -> None:
     if not (MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM):
         raise InputError(f"Expected head_dim between {MIN_HEAD_DIM} and {MAX_HEAD_DIM}, got {head_dim}; the kernels "
                          f"take any head dim in that range.")
 
 
-def _validate_heads(nheads: int, nheads_k: int) -> None:
+def validate_heads(nheads: int, nheads_k: int) -> None:
     if nheads_k < 1 or nheads % nheads_k != 0:
         raise InputError(
             f"Expected nheads ({nheads}) to be divisible by nheads_k ({nheads_k}); GQA needs whole groups."
         )
 
 
-def _validate_dropout(dropout_p) -> float:
+def validate_dropout(dropout_p) -> float:
     """dropout_p: a number in [0, 1) (1 would drop everything and scale by 1 / 0); returns it as a float."""
     if isinstance(dropout_p, (bool, torch.Tensor)) or not isinstance(dropout_p, numbers.Real):
         raise InputTypeError(f"Expected dropout_p to be a float in [0, 1), got {type(dropout_p).__name__}.")
@@ -253,7 +101,7 @@ def _validate_dropout(dropout_p) -> float:
     return float(dropout_p)
 
 
-def _validate_alibi_slopes(alibi_slopes, batch: int, nheads: int, device) -> torch.Tensor:
+def validate_alibi_slopes(alibi_slopes, batch: int, nheads: int, device) -> torch.Tensor:
     """ALiBi's slopes: float32 (nheads,) or (batch, nheads) on q's device (flash-attn's rule); returns
     them with a contiguous last dim."""
     if not isinstance(alibi_slopes, torch.Tensor):
@@ -266,7 +114,7 @@ def _validate_alibi_slopes(alibi_slopes, batch: int, nheads: int, device) -> tor
     return alibi_slopes if alibi_slopes.stride(-1) == 1 else alibi_slopes.contiguous()
 
 
-def _validate_sinks(sinks, nheads: int, device) -> None:
+def validate_sinks(sinks, nheads: int, device) -> None:
     """Attention sinks: a floating (nheads,) tensor on q's device, one logit per query head."""
     if not isinstance(sinks, torch.Tensor):
         raise InputTypeError(f"Expected sinks to be a torch.Tensor or None, got {type(sinks).__name__}.")
@@ -277,7 +125,7 @@ def _validate_sinks(sinks, nheads: int, device) -> None:
                          f"{tuple(sinks.shape)} on {sinks.device}.")
 
 
-def _check_block_table_entries(block_table: torch.Tensor, host_lengths, seqlen_new: int, page_size: int,
+def check_block_table_entries(block_table: torch.Tensor, host_lengths, seqlen_new: int, page_size: int,
                                num_blocks: int, window_left: int = -1, seqlen_q: int = 0) -> None:
     """Raise ValueError if a CPU block_table entry that the call uses lies outside [0, num_blocks).
 
@@ -311,7 +159,7 @@ def _check_block_table_entries(block_table: torch.Tensor, host_lengths, seqlen_n
     )
 
 
-def _validate_max_seqlen(name: str, value) -> int:
+def validate_max_seqlen(name: str, value) -> int:
     """max_seqlen_q / max_seqlen_k: a host int >= 0 (a tensor would need a device sync to read)."""
     if isinstance(value, (bool, torch.Tensor)) or not hasattr(value, "__index__"):
         raise InputTypeError(
@@ -324,7 +172,7 @@ def _validate_max_seqlen(name: str, value) -> int:
     return value
 
 
-def _validate_cu_seqlens(name: str, cu_seqlens, device: torch.device) -> None:
+def validate_cu_seqlens(name: str, cu_seqlens, device: torch.device) -> None:
     """Checks of cu_seqlens that need no device sync: type, dtype int32, 1-D (batch + 1,), device."""
     if not isinstance(cu_seqlens, torch.Tensor):
         raise InputTypeError(f"Expected {name} to be a torch.Tensor, got {type(cu_seqlens).__name__}.")
@@ -342,7 +190,7 @@ def _validate_cu_seqlens(name: str, cu_seqlens, device: torch.device) -> None:
         raise InputError(f"Expected {name} on the inputs' device {device}, got {cu_seqlens.device}.")
 
 
-def _validate_cu_seqlens_values(name: str, cu_seqlens: torch.Tensor, total: Optional[int], max_seqlen: int,
+def validate_cu_seqlens_values(name: str, cu_seqlens: torch.Tensor, total: Optional[int], max_seqlen: int,
                                 max_name: str) -> None:
     """Value checks of a CPU cu_seqlens (reading a CUDA one would sync): starts at 0, never
     decreases, ends at the packed row count (unless total is None: keys in a paged pool), no
@@ -368,3 +216,122 @@ def _validate_cu_seqlens_values(name: str, cu_seqlens: torch.Tensor, total: Opti
             f"Expected {max_name} ({max_seqlen}) >= the longest sequence in {name} ({longest}); "
             f"rows past {max_name} would never be computed."
         )
+
+
+def validate_qkv(q, k, v) -> None:
+    layout = "(batch, seqlen, nheads, headdim)"
+    validate_tensor("q", q, 4, layout)
+    validate_tensor("k", k, 4, layout)
+    validate_tensor("v", v, 4, layout)
+    validate_dtypes(q=q, k=k, v=v)
+    validate_devices(q=q, k=k, v=v)
+    if k.shape != v.shape:
+        raise InputError(f"Expected k and v to have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}.")
+    if q.shape[0] != k.shape[0]:
+        raise InputError(f"Expected q and k to share the batch size, got {q.shape[0]} and {k.shape[0]}.")
+    if q.shape[3] != k.shape[3]:
+        raise InputError(f"Expected q and k to share the head dim, got {q.shape[3]} and {k.shape[3]}.")
+    validate_head_dim(q.shape[3])
+    validate_heads(q.shape[2], k.shape[2])
+
+
+def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, paged: bool = False,
+                    seqused_k: Optional[torch.Tensor] = None) -> Tuple[int, int]:
+    """Checks of packed inputs that need no device sync (see flash_attn_varlen_func); returns the max lengths.
+    paged: k and v are the rows of paged pools, which cu_seqlens_k does not span. seqused_k: None, or
+    checked as `validate_seqused_k` says (its values too where it and cu_seqlens_k are on the host)."""
+    validate_tensor("q", q, 3, "(total_q, nheads, headdim)")
+    validate_tensor("k", k, 3, "(total_k, nheads_k, headdim)")
+    validate_tensor("v", v, 3, "(total_k, nheads_k, headdim)")
+    validate_dtypes(q=q, k=k, v=v)
+    device = validate_devices(q=q, k=k, v=v)
+    if k.shape != v.shape:
+        raise InputError(f"Expected k and v to have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}.")
+    if q.shape[2] != k.shape[2]:
+        raise InputError(f"Expected q and k to share the head dim, got {q.shape[2]} and {k.shape[2]}.")
+    validate_head_dim(q.shape[2])
+    validate_heads(q.shape[1], k.shape[1])
+    max_seqlen_q = validate_max_seqlen("max_seqlen_q", max_seqlen_q)
+    max_seqlen_k = validate_max_seqlen("max_seqlen_k", max_seqlen_k)
+    validate_cu_seqlens("cu_seqlens_q", cu_seqlens_q, device)
+    validate_cu_seqlens("cu_seqlens_k", cu_seqlens_k, device)
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise InputError(
+            f"Expected cu_seqlens_q and cu_seqlens_k to describe the same batch, got {cu_seqlens_q.numel() - 1} "
+            f"and {cu_seqlens_k.numel() - 1} sequences (shapes {tuple(cu_seqlens_q.shape)} and "
+            f"{tuple(cu_seqlens_k.shape)})."
+        )
+    if cu_seqlens_q.device.type == "cpu":  # readable without a device sync (the interpreter's case)
+        validate_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q")
+        validate_cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, None if paged else k.shape[0], max_seqlen_k,
+                                   "max_seqlen_k")
+    if seqused_k is not None:
+        validate_seqused_k_values(validate_seqused_k(seqused_k, cu_seqlens_q.numel() - 1, device), cu_seqlens_k)
+    return max_seqlen_q, max_seqlen_k
+
+
+def validate_seqused_k(seqused_k, batch: int, device: torch.device) -> torch.Tensor:
+    """seqused_k: int32 (batch,) on the inputs' device (flash-attn's layout), the number of keys each
+    packed sequence attends to; returned contiguous. Its values are checked against cu_seqlens_k where
+    both are on the host (`validate_seqused_k_values`); on a GPU the kernels clamp each into
+    [0, the sequence's cu_seqlens_k span] (wrong results, never a read outside it)."""
+    if not isinstance(seqused_k, torch.Tensor):
+        raise InputTypeError(f"Expected seqused_k to be an int32 tensor or None, got {type(seqused_k).__name__}.")
+    if seqused_k.dtype != torch.int32:
+        raise InputTypeError(f"Expected seqused_k of dtype int32 (flash-attn's layout), got {seqused_k.dtype}.")
+    if tuple(seqused_k.shape) != (batch,) or seqused_k.device != device:
+        raise InputError(f"Expected seqused_k of shape ({batch},) (one key count per sequence) on {device}, got "
+                         f"{tuple(seqused_k.shape)} on {seqused_k.device}.")
+    return seqused_k.contiguous()
+
+
+def validate_seqused_k_values(seqused_k: torch.Tensor, cu_seqlens_k: torch.Tensor) -> None:
+    """Host-known seqused_k against host-known cu_seqlens_k: 0 <= seqused_k[b] <= that sequence's keys."""
+    if seqused_k.device.type != "cpu" or cu_seqlens_k.device.type != "cpu" or seqused_k.numel() == 0:
+        return
+    span = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int64)
+    used = seqused_k.to(torch.int64)
+    bad = ((used < 0) | (used > span)).nonzero()
+    if len(bad):
+        b = int(bad[0])
+        raise InputError(f"Expected 0 <= seqused_k[b] <= cu_seqlens_k[b + 1] - cu_seqlens_k[b], got seqused_k[{b}] = "
+                         f"{int(used[b])} for a sequence of {int(span[b])} keys.")
+
+
+def validate_varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+                          dropout_p, seqused_k=None) -> Tuple[int, int, torch.Tensor]:
+    """flash_attn_varlen_func's checks with a paged K/V (block_table): the packed checks on one row of each
+    page, the pools, the table (and, host-visible, its entries and the lengths against its capacity);
+    returns (max_seqlen_q, max_seqlen_k, block_table with a contiguous last dim)."""
+    validate_tensor("k", k_cache, 4, "(num_blocks, page_size, nheads_k, headdim) with block_table")
+    validate_tensor("v", v_cache, 4, "(num_blocks, page_size, nheads_k, headdim) with block_table")
+    if k_cache.shape != v_cache.shape or k_cache.shape[1] < 1:
+        raise InputError(f"Expected k and v pools of one shape with page_size >= 1, got {tuple(k_cache.shape)} and "
+                         f"{tuple(v_cache.shape)}.")
+    max_seqlen_q, max_seqlen_k = validate_varlen(q, k_cache[:, 0], v_cache[:, 0], cu_seqlens_q, cu_seqlens_k,
+                                                 max_seqlen_q, max_seqlen_k, paged=True, seqused_k=seqused_k)
+    if not isinstance(block_table, torch.Tensor):
+        raise InputTypeError(f"Expected block_table to be a torch.Tensor, got {type(block_table).__name__}.")
+    if block_table.dtype != torch.int32:
+        raise InputTypeError(f"Expected block_table of dtype int32, got {block_table.dtype}.")
+    batch = cu_seqlens_q.numel() - 1
+    if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.device != q.device:
+        raise InputError(f"Expected block_table (batch={batch}, max_blocks_per_seq) on {q.device}, got shape "
+                         f"{tuple(block_table.shape)} on {block_table.device}.")
+    if validate_dropout(dropout_p):
+        raise NotImplementedError("dropout with a paged K/V (block_table) is not supported: dropout is for training, "
+                                  "and the paged forward has no backward.")
+    page_size = k_cache.shape[1]
+    capacity = block_table.shape[1] * page_size
+    if k_cache.shape[0] < 1 or block_table.shape[1] < 1:
+        raise InputError(f"Expected a pool of >= 1 block and a block_table of >= 1 column, got pools "
+                         f"{tuple(k_cache.shape)} and block_table {tuple(block_table.shape)}.")
+    block_table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
+    if cu_seqlens_k.device.type == "cpu":  # host-known lengths (the interpreter's case): check them whole
+        lengths = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+        if lengths.numel() and int(lengths.max()) > capacity:
+            raise InputError(f"Expected every key length <= the block table's capacity max_blocks_per_seq * "
+                             f"page_size = {capacity}, got lengths {lengths.tolist()}.")
+        if block_table.device.type == "cpu":
+            check_block_table_entries(block_table, lengths, 0, page_size, k_cache.shape[0])
+    return max_seqlen_q, max_seqlen_k, block_table

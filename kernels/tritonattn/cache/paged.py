@@ -1,237 +1,30 @@
-"""KV caches for generation on top of `flash_attn_with_kvcache` (kernels/tritonattn/decode.py).
-
-- `KVCache`: preallocated dense K/V buffers (batch, max_seqlen, nheads_k, head_dim) and lengths.
-- `PagedKVCache`: a pool of fixed-size pages shared by requests that come and go, with a free list
-  and a block table (PagedAttention, vLLM); `PoolExhaustedError` when the pool or the slots run out.
-
-Both keep their lengths twice: an int32 device tensor (what the kernels read, advanced in place, so a
-decode step never syncs with the host and can be captured in a CUDA graph) and a host mirror (what
-the overflow and allocation checks read).
-
-Their methods keep host state, so under torch.compile they run eagerly, outside the graph (a graph
-break; an error with fullgraph=True). A compiled decode step calls `flash_attn_with_kvcache` on the
-buffers with the device lengths (`seqlens_device`), which compiles whole.
-"""
+"""`PagedKVCache`: a pool of fixed-size pages shared by requests that come and go, with a free list and
+a block table (PagedAttention, vLLM); `PoolExhaustedError` when the pool or the slots run out."""
 
 from __future__ import annotations
 
-import functools
 import numbers
 from typing import NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
-from ._options import attn_options, resolve_variants
-from ._utils import (
+from ..api.args import attention_call
+from ..api.kvcache import kvcache_call
+from ..api.prefill import flash_attn_func
+from ..api.validate import (
     SUPPORTED_DTYPES,
-    _validate_devices,
-    _validate_dtypes,
-    _validate_head_dim,
-    _validate_heads,
-    _validate_tensor,
-    default_device,
-    empty_aligned,
+    validate_devices,
+    validate_dtypes,
+    validate_head_dim,
+    validate_heads,
+    validate_tensor,
 )
-from .decode import (
-    _check_host_lengths,
-    _kvcache_call,
-    _resolve_kvcache_variants,
-    _validate_kvcache_inputs,
-    _validate_num_splits,
-    flash_attn_with_kvcache,
-)
-from .errors import InputError, InputTypeError
-from .prefill import flash_attn_func, variant_args
-
-_NO_WINDOW = (-1, -1)  # flash-attn's window_size for none
-
-
-def _eager_only(method):
-    """`method` as is, except under torch.compile: run eagerly there (torch.compiler.disable) rather than
-    traced, since dynamo would specialise on the host mirror's values."""
-    disabled, is_compiling = torch.compiler.disable(method), torch.compiler.is_compiling
-
-    @functools.wraps(method)
-    def call(*args, **kwargs):
-        return disabled(*args, **kwargs) if is_compiling() else method(*args, **kwargs)
-
-    return call
-
-
-def _check_one_key_per_query(q, k, v) -> None:
-    """A cache's decode step appends one key per query token: k and v carry q's seqlen_q tokens, which
-    is what the lengths advance by (flash_attn_with_kvcache itself allows fewer new keys than queries)."""
-    for name, t in (("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[1] != q.shape[1]:
-            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise InputError(f"Expected {name} with q's {q.shape[1]} new tokens, (batch, {q.shape[1]}, nheads_k, "
-                             f"head_dim), got {shape}.")
-
-
-# ============================================================================================
-# KV cache helper
-# ============================================================================================
-class KVCache:
-    """Preallocated K/V buffers plus per-request lengths, for batched autoregressive generation.
-
-    Owns k_cache / v_cache of shape (batch, max_seqlen, nheads_k, head_dim) (rows 16-byte aligned: for a
-    head dim that is not a multiple of 8 in fp16/bf16, views of wider buffers) and the lengths, kept
-    twice: an int32 device tensor (what the kernel reads; advanced in place, so a decode step never
-    syncs with the host and can be captured in a CUDA graph) and a host mirror (what the overflow
-    checks read). Every method raises ValueError before an append could pass max_seqlen.
-
-        cache = KVCache(batch, max_seqlen, nheads_k, head_dim, dtype=torch.float16, device="cuda")
-        out = cache.prefill(q_prompt, k_prompt, v_prompt)        # causal prompt attention, fills the cache
-        for step in range(n):
-            out = cache.decode(q_t, k_t, v_t)                    # append + attend, lengths += seqlen_q
-
-    CUDA graphs: a captured `decode` advances the device lengths on every replay but the host mirror
-    only once, at capture; call `refresh_host_seqlens()` (one host sync) after replaying.
-    """
-
-    def __init__(self, batch: int, max_seqlen: int, nheads_k: int, head_dim: int, *,
-                 dtype: torch.dtype = torch.float16, device: Union[str, torch.device, None] = None):
-        for name, value in (("batch", batch), ("max_seqlen", max_seqlen), ("nheads_k", nheads_k)):
-            if not isinstance(value, numbers.Integral) or value < 1:
-                raise InputError(f"Expected {name} to be a positive int, got {value!r}.")
-        _validate_head_dim(head_dim)
-        if dtype not in SUPPORTED_DTYPES:
-            raise InputTypeError(f"Expected dtype float16, bfloat16 or float32, got {dtype}.")
-        device = default_device() if device is None else torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        shape = (int(batch), int(max_seqlen), int(nheads_k), int(head_dim))
-        self.k_cache = empty_aligned(shape, dtype, device, zero=True)
-        self.v_cache = empty_aligned(shape, dtype, device, zero=True)
-        self._seqlens = torch.zeros(int(batch), dtype=torch.int32, device=device)
-        self._host = np.zeros(int(batch), dtype=np.int64)
-        self.batch, self.max_seqlen, self.nheads_k, self.head_dim = shape
-        self.dtype, self.device = dtype, device
-
-    # -- lengths ---------------------------------------------------------------------------------
-    @property
-    def seqlens(self) -> list:
-        """Current length of each request (host mirror, a list of ints)."""
-        return self._host.tolist()
-
-    @property
-    def seqlens_device(self) -> torch.Tensor:
-        """Current lengths as the int32 (batch,) device tensor the kernel reads (do not modify)."""
-        return self._seqlens
-
-    @_eager_only
-    def refresh_host_seqlens(self) -> list:
-        """Copy the device lengths to the host mirror (one sync), e.g. after CUDA-graph replays."""
-        self._host = self._seqlens.cpu().numpy().astype(np.int64)
-        return self.seqlens
-
-    def _indices(self, batch_idx) -> Union[slice, torch.Tensor]:
-        """batch_idx (None, int, sequence or 1-D tensor of ints) -> a slice or an index tensor."""
-        if batch_idx is None:
-            return slice(0, self.batch)
-        if isinstance(batch_idx, numbers.Integral) and not isinstance(batch_idx, bool):
-            idx = [int(batch_idx)]
-        elif isinstance(batch_idx, torch.Tensor):
-            if batch_idx.dim() != 1 or batch_idx.dtype.is_floating_point or batch_idx.dtype == torch.bool:
-                raise InputError(f"Expected batch_idx to be a 1-D integer tensor, got {batch_idx.dtype} "
-                                 f"of shape {tuple(batch_idx.shape)}.")
-            idx = [int(i) for i in batch_idx.tolist()]
-        elif isinstance(batch_idx, Sequence):
-            idx = [int(i) for i in batch_idx]
-        else:
-            raise InputTypeError(
-                f"Expected batch_idx to be None, an int or a sequence of ints, got {type(batch_idx).__name__}."
-            )
-        if not idx:
-            raise InputError("Expected batch_idx to name at least one request.")
-        for i in idx:
-            if not 0 <= i < self.batch:
-                raise InputError(f"Expected batch indices in [0, {self.batch}), got {i}.")
-        if len(set(idx)) != len(idx):
-            raise InputError(f"Expected distinct batch indices, got {idx}.")
-        if idx == list(range(idx[0], idx[0] + len(idx))):
-            return slice(idx[0], idx[0] + len(idx))
-        return torch.tensor(idx, dtype=torch.long, device=self.device)
-
-    def _host_index(self, index):
-        return index if isinstance(index, slice) else index.cpu().numpy()
-
-    @_eager_only
-    def reset(self, batch_idx=None) -> None:
-        """Forget the contents of the given requests (all by default): their lengths become 0."""
-        index = self._indices(batch_idx)
-        self._host[self._host_index(index)] = 0
-        self._seqlens[index] = 0
-
-    # -- prefill and decode ----------------------------------------------------------------------
-    @_eager_only
-    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-                softmax_scale: Optional[float] = None, batch_idx=None, window_size=_NO_WINDOW, softcap: float = 0.0,
-                alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Attention over prompts of one length with the prefill kernel; stores k/v in the cache.
-
-        q: (n, seqlen, nheads, head_dim), k/v: (n, seqlen, nheads_k, head_dim) for the n requests
-        named by batch_idx (all by default), whose caches must be empty (reset them first). Returns
-        tritonattn.flash_attn_func(q, k, v, causal=causal, ...) with the variants given (window_size,
-        softcap, alibi_slopes, sinks, as flash_attn_func takes them) and sets those requests' lengths
-        to seqlen.
-        """
-        index = self._indices(batch_idx)
-        host_index = self._host_index(index)
-        count = len(self._host[host_index])
-        for name, t in (("k", k), ("v", v)):
-            _validate_tensor(name, t, 4, "(n, seqlen, nheads_k, headdim)")
-            expected = (count, k.shape[1] if isinstance(k, torch.Tensor) else -1, self.nheads_k, self.head_dim)
-            if tuple(t.shape) != expected:
-                raise InputError(f"Expected {name} of shape (n, seqlen, nheads_k, head_dim) = {expected} for "
-                                 f"{count} requests, got {tuple(t.shape)}.")
-            if t.dtype != self.dtype or t.device != self.device:
-                raise InputError(f"Expected {name} as {self.dtype} on {self.device} (the cache's), got {t.dtype} "
-                                 f"on {t.device}.")
-        if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[0] != count or q.shape[1] != k.shape[1]:
-            raise InputError(f"Expected q of shape ({count}, {k.shape[1]}, nheads, {self.head_dim}), got "
-                             f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}.")
-        seqlen = k.shape[1]
-        busy = np.nonzero(self._host[host_index] != 0)[0]
-        if len(busy):
-            request = int(np.arange(self.batch)[host_index][busy[0]])
-            raise InputError(f"Expected empty caches for prefill, but request {request} holds "
-                             f"{int(self._host[request])} tokens; call reset() first.")
-        if seqlen > self.max_seqlen:
-            raise InputError(f"KV cache overflow: prompt of {seqlen} tokens > max_seqlen {self.max_seqlen}.")
-        out = flash_attn_func(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                              softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
-        self.k_cache[index, :seqlen] = k
-        self.v_cache[index, :seqlen] = v
-        self._host[host_index] = seqlen
-        self._seqlens[index] = seqlen
-        return out
-
-    @_eager_only
-    def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-               softmax_scale: Optional[float] = None, num_splits: int = 0, window_size=_NO_WINDOW,
-               softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None,
-               sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """One decode step for the whole batch: append k/v (batch, seqlen_q, nheads_k, head_dim) at
-        each request's length, attend q (batch, seqlen_q, nheads, head_dim) over the cache (with the
-        variants given, as flash_attn_with_kvcache takes them), advance the lengths by seqlen_q
-        (device tensor in place, no host sync; host mirror). Returns out."""
-        if not isinstance(q, torch.Tensor) or q.dim() != 4:
-            raise InputError("Expected q of shape (batch, seqlen_q, nheads, head_dim).")
-        if k is None or v is None:
-            raise InputError("KVCache.decode appends: expected k and v (batch, seqlen_q, nheads_k, head_dim).")
-        _check_one_key_per_query(q, k, v)
-        seqlen_q = q.shape[1]
-        if int(self._host.max()) + seqlen_q > self.max_seqlen:
-            _check_host_lengths(self._host, seqlen_q, self.max_seqlen)
-        out = flash_attn_with_kvcache(q, self.k_cache, self.v_cache, k, v, cache_seqlens=self._seqlens,
-                                      softmax_scale=softmax_scale, causal=causal, num_splits=num_splits,
-                                      window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                                      sinks=sinks)
-        self._seqlens += seqlen_q
-        self._host += seqlen_q
-        return out
+from ..api.validate_cache import validate_kvcache_inputs, validate_num_splits
+from ..config.hardware import default_device
+from ..errors import InputError, InputTypeError
+from ..launch.operands import empty_aligned
+from .dense import NO_WINDOW, check_one_key_per_query, eager_only
 
 
 # ============================================================================================
@@ -309,7 +102,7 @@ class PagedKVCache:
                             ("max_batch", max_batch), ("max_blocks_per_seq", max_blocks_per_seq)):
             if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
                 raise InputError(f"Expected {name} to be a positive int, got {value!r}.")
-        _validate_head_dim(head_dim)
+        validate_head_dim(head_dim)
         if dtype not in SUPPORTED_DTYPES:
             raise InputTypeError(f"Expected dtype float16, bfloat16 or float32, got {dtype}.")
         device = default_device() if device is None else torch.device(device)
@@ -364,14 +157,14 @@ class PagedKVCache:
         self._check_slots([slot])
         return int(self._npages[slot]) * self.page_size
 
-    @_eager_only
+    @eager_only
     def refresh_host_seqlens(self) -> list:
         """Copy the device lengths to the host mirror (one sync), e.g. after CUDA-graph replays."""
         self._host_len = self._seqlens.cpu().numpy().astype(np.int64)
         return self.seqlens
 
     # -- requests ---------------------------------------------------------------------------------
-    @_eager_only
+    @eager_only
     def add_request(self) -> int:
         """Take a free slot for a new request (length 0, no page yet) and return its id."""
         free = np.nonzero(~self._active)[0]
@@ -381,7 +174,7 @@ class PagedKVCache:
         self._active[slot] = True
         return slot
 
-    @_eager_only
+    @eager_only
     def free(self, slot: int) -> None:
         """Release a finished request: its pages return to the pool, its slot to the free slots."""
         self._check_slots([slot])
@@ -395,7 +188,7 @@ class PagedKVCache:
         self.block_table[slot] = -1
         self._seqlens[slot] = 0
 
-    @_eager_only
+    @eager_only
     def extend(self, slot: int, num_tokens: int) -> list:
         """Make room for `num_tokens` more tokens after the request's current length: take the pages
         they need from the pool (none while the last page has room). Returns the new blocks.
@@ -480,7 +273,7 @@ class PagedKVCache:
         bounded by W: the pages before it may have been returned to the pool."""
         if window_size is None:
             if self.sliding_window is None:
-                return _NO_WINDOW
+                return NO_WINDOW
             return (self.sliding_window, 0 if causal else -1)
         if self.sliding_window is not None:
             left = window_size[0] if isinstance(window_size, Sequence) and len(window_size) == 2 else None
@@ -514,7 +307,7 @@ class PagedKVCache:
         self._check_slots(slots)
         return [int(s) for s in slots]
 
-    @_eager_only
+    @eager_only
     def batch(self, slots=None) -> PagedBatch:
         """Block table and lengths of a batch of requests (default: every active slot, ascending).
 
@@ -531,7 +324,7 @@ class PagedKVCache:
         )
 
     # -- prefill and decode ---------------------------------------------------------------------------
-    @_eager_only
+    @eager_only
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, slots, causal: bool = True,
                 softmax_scale: Optional[float] = None, window_size=None, softcap: float = 0.0,
                 alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -547,7 +340,7 @@ class PagedKVCache:
         window_size = self._window(window_size, causal)
         count = len(slots)
         for name, t in (("k", k), ("v", v)):
-            _validate_tensor(name, t, 4, "(n, seqlen, nheads_k, head_dim)")
+            validate_tensor(name, t, 4, "(n, seqlen, nheads_k, head_dim)")
             expected = (count, k.shape[1] if isinstance(k, torch.Tensor) else -1, self.nheads_k, self.head_dim)
             if tuple(t.shape) != expected:
                 raise InputError(f"Expected {name} of shape (n, seqlen, nheads_k, head_dim) = {expected} for "
@@ -559,17 +352,16 @@ class PagedKVCache:
                 or q.shape[3] != self.head_dim):
             raise InputError(f"Expected q of shape ({count}, {k.shape[1]}, nheads, {self.head_dim}), got "
                              f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}.")
-        _validate_heads(q.shape[2], self.nheads_k)
-        _validate_dtypes(q=q, k=k)
-        _validate_devices(q=q, k=k)
+        validate_heads(q.shape[2], self.nheads_k)
+        validate_dtypes(q=q, k=k)
+        validate_devices(q=q, k=k)
         busy = [s for s in slots if self._host_len[s] != 0]
         if busy:
             raise InputError(f"Expected empty requests for prefill, but slot {busy[0]} holds "
                              f"{int(self._host_len[busy[0]])} tokens; decode appends to it, or free it.")
         seqlen = k.shape[1]
-        variant_args(attn_options(q.shape[3], softmax_scale, alibi=alibi_slopes is not None, sinks=sinks is not None,
-                                  **resolve_variants(window_size, softcap, causal, seqlen)),
-                     alibi_slopes, sinks, count, q.shape[2], q.device)  # checked before pages are taken
+        attention_call(q.shape[3], softmax_scale, causal, window_size, softcap, alibi_slopes, sinks, seqlen_k=seqlen,
+                       batch=count, nheads=q.shape[2], device=q.device)  # checked before pages are taken
         self._reserve(slots, seqlen)  # raises before anything is written
         out = flash_attn_func(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                               softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
@@ -585,7 +377,7 @@ class PagedKVCache:
         self._release_before_window(slots)
         return out
 
-    @_eager_only
+    @eager_only
     def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, slots=None, causal: bool = True,
                softmax_scale: Optional[float] = None, num_splits: int = 0, window_size=None, softcap: float = 0.0,
                alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -602,21 +394,18 @@ class PagedKVCache:
                              f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}.")
         if k is None or v is None:
             raise InputError("PagedKVCache.decode appends: expected k and v (n, seqlen_q, nheads_k, head_dim).")
-        _check_one_key_per_query(q, k, v)
+        check_one_key_per_query(q, k, v)
         # everything that could still fail is checked before pages are taken: all or nothing per call
-        _validate_kvcache_inputs(q, self.k_cache, self.v_cache, k, v, paged=True)
-        causal, variants = _resolve_kvcache_variants(self._window(window_size, causal), softcap, alibi_slopes, sinks,
-                                                     causal, self.max_seqlen)
-        window, cap = (variants.window, variants.softcap) if variants is not None else (_NO_WINDOW, 0.0)
-        options = attn_options(q.shape[3], softmax_scale, causal, window, cap, alibi=alibi_slopes is not None,
-                               sinks=sinks is not None)
-        variant_args(options, alibi_slopes, sinks, len(slots), q.shape[2], q.device)
-        _validate_num_splits(num_splits)
+        validate_kvcache_inputs(q, self.k_cache, self.v_cache, k, v, paged=True)
+        call = attention_call(q.shape[3], softmax_scale, causal, self._window(window_size, causal), softcap,
+                              alibi_slopes, sinks, seqlen_k=self.max_seqlen, batch=len(slots), nheads=q.shape[2],
+                              device=q.device)
+        validate_num_splits(num_splits)
         seqlen_q = q.shape[1]
         self._reserve(slots, seqlen_q)
         index = self._index(slots)
-        out = _kvcache_call(q, self.k_cache, self.v_cache, k, v, self._seqlens[index], self.block_table[index],
-                            softmax_scale, causal, num_splits, False, validated=True, variants=variants)
+        out = kvcache_call(q, self.k_cache, self.v_cache, k, v, self._seqlens[index], self.block_table[index],
+                           softmax_scale, causal, num_splits, False, validated=True, call=call)
         self._seqlens[index] += seqlen_q
         self._host_len[slots] += seqlen_q
         self._release_before_window(slots)

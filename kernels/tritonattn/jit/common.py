@@ -34,13 +34,19 @@ l_i = 0 into an output of zeros and an LSE of +inf (flash-attn's convention), so
 the LSE (backward: exp(s - lse) = 0; split merges: weight exp(lse_i - lse) = 0) gives zeros too.
 """
 
+from __future__ import annotations
+
 import os
 
 import triton
 import triton.language as tl
 
 LN2 = tl.constexpr(0.6931471805599453)  # ln(2): log(x) == log2(x) * LN2
+
+
 LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): exp(x) == exp2(x * LOG2E)
+
+
 INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")  # no PTX under the interpreter
 
 
@@ -282,7 +288,7 @@ def merge_partials(o_parts, lse_parts):
 
 @triton.jit
 def merge_sink(out, lse, sink):
-    """Fold a sink (a key of logit `sink` and no value, see [Note] Sinks in kernels/tritonattn/prefill_kernels.py)
+    """Fold a sink (a key of logit `sink` and no value, see [Note] Sinks in kernels/tritonattn/jit/prefill_fwd.py)
     into a finished row: out and lse (natural log, +inf for a row that saw no key) over its keys become
     out * exp(lse - lse') and lse' = log(exp(lse) + exp(sink)), over the keys and the sink; a row that
     saw no key gives zeros and lse' = sink. Split-KV decode adds the sink here, once, after merging the
@@ -350,7 +356,7 @@ def kv_block_offsets(blocks, start_n, offs_n, stride_b, stride_n, PAGE_SIZE: tl.
     Paged, the rows' places inside their pages are written from what the block's alignment gives
     away: when a page holds whole blocks (P a multiple of BLOCK_N) they are start_n % P + offs_n;
     when a block holds several whole pages, offs_n % P, the same for every block (loop-invariant).
-    See [Note] Paged address arithmetic in kernels/tritonattn/decode_kernels.py.
+    See [Note] Paged address arithmetic in kernels/tritonattn/jit/decode.py.
     """
     if PAGED:
         if PAGE_SIZE % BLOCK_N == 0:  # the block lies in one page
@@ -369,14 +375,14 @@ def physical_blocks(Table, start_n, rows, n_rows, NUM_BLOCKS, PAGE_SIZE: tl.cons
     """Physical blocks holding the logical rows `rows` = start_n + [0, BLOCK_N) of one request, whose
     block-table row starts at `Table`; table entries that no row below n_rows needs are not read (0
     instead: block 0), and every entry is clamped into [0, NUM_BLOCKS), see [Note] Bad block-table
-    entries in kernels/tritonattn/decode_kernels.py.
+    entries in kernels/tritonattn/jit/decode.py.
 
     When PAGE_SIZE is a multiple of BLOCK_N the key block lies in one page (start_n is a multiple of
     BLOCK_N): one table entry, a scalar. When the block holds a few whole pages (BLOCK_N a multiple of
     PAGE_SIZE, at most 4 pages, e.g. P = 16 at BLOCK_N 64) it loads one entry per page and broadcasts
     it over that page's rows (fewer loads than the rows each thread holds). Otherwise each row looks
     up its own page (a gather of BLOCK_N entries, as vLLM does). See [Note] BLOCK_N vs page size in
-    kernels/tritonattn/decode_kernels.py.
+    kernels/tritonattn/jit/decode.py.
     """
     if PAGE_SIZE % BLOCK_N == 0:
         blocks = tl.load(Table + start_n // PAGE_SIZE, mask=start_n < n_rows, other=0)  # scalar
@@ -390,11 +396,23 @@ def physical_blocks(Table, start_n, rows, n_rows, NUM_BLOCKS, PAGE_SIZE: tl.cons
 
 
 @triton.jit
+def sequence_keys(Cu_seqlens_k, Seqused_k, off_b, HAS_SEQUSED_K: tl.constexpr):
+    """Packed sequence off_b's first key row and key count: its cu_seqlens_k span, or with seqused_k the
+    first seqused_k[off_b] keys of that span, clamped into [0, span] (a device value is trusted but never
+    reaches past the span; flash-attn's varlen seqused_k). Every packed kernel reads its keys from here."""
+    k_start = tl.load(Cu_seqlens_k + off_b)
+    n_keys = tl.load(Cu_seqlens_k + off_b + 1) - k_start
+    if HAS_SEQUSED_K:
+        n_keys = tl.minimum(tl.maximum(tl.load(Seqused_k + off_b), 0), n_keys)
+    return k_start, n_keys
+
+
+@triton.jit
 def left_padding(Cache_leftpad, off_b, n_keys):
     """Request off_b's first key row LP_b = cache_leftpad[off_b], clamped to [0, n_keys] (its cached keys'
     end): a device value is trusted but never moves a base outside the request's rows. The caller
     shifts its K/V base down LP_b rows and counts keys from there ([Note] Left padding in
-    kernels/tritonattn/decode_kernels.py)."""
+    kernels/tritonattn/jit/decode.py)."""
     return tl.minimum(tl.maximum(tl.load(Cache_leftpad + off_b), 0), n_keys)
 
 
@@ -409,7 +427,7 @@ def dropout_keep(seed, salt, bh, rows, start_n, BLOCK_N: tl.constexpr, keep_thre
     keep_threshold = round((1 - dropout_p) * 2^16). The bits depend only on (seed, salt) and the
     element's coordinates, never on tiles, launch order or the GPU, so the backward (whose tiles
     differ from the forward's) regenerates exactly the forward's mask. seed and salt are drawn from
-    torch's generator of the inputs' device (kernels/tritonattn/prefill.py `dropout`).
+    torch's generator of the inputs' device (api/args.py `dropout`).
     """
     groups = (start_n // 8 + tl.arange(0, BLOCK_N // 8)).to(tl.uint32)  # [BLOCK_N // 8]
     c0 = tl.broadcast_to(groups[None, :], (rows.shape[0], BLOCK_N // 8))

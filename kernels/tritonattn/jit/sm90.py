@@ -2,7 +2,7 @@
 FlashAttention-3 schedules it.
 
 Triton's block-level compiler waits for each warpgroup MMA right before the softmax that follows it, so in
-`prefill_kernels.fwd_kernel` the tensor cores idle while a block's softmax runs, and Triton 3.6's automatic
+`jit.prefill_fwd.fwd_kernel` the tensor cores idle while a block's softmax runs, and Triton 3.6's automatic
 warp specialization does not reach that kernel's shape (docs/perf-notes.md, "Prefill at cuDNN's speed on
 Hopper"). Here the schedule is written out. A program owns BLOCK_M query rows of one (batch, head) and runs
 three partitions:
@@ -16,17 +16,13 @@ three partitions:
       iteration j:  [its turn] S_j = Q K_j^T, O += P_{j-1} V_{j-1} (issued)   wait S_j   release K_j
                     softmax(S_j) -> P_j, alpha_j   wait O   release V_{j-1}   O *= alpha_j
 
-Masks, scores, the softmax step and the epilogue are kernels/tritonattn/_jit.py's helpers, shared with every other
-kernel. The shapes and options this kernel takes, and when it is chosen, are `_configs.prefill_fwd_sm90_config`;
+Masks, scores, the softmax step and the epilogue are kernels/tritonattn/jit/common.py's helpers, shared with every other
+kernel. The shapes and options this kernel takes, and when it is chosen, are `config.tables.prefill_fwd_sm90_config`;
 Gluon kernels do not run under the Triton interpreter, which keeps the portable kernel.
 """
 
 from __future__ import annotations
 
-from typing import Optional
-
-import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -37,21 +33,19 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ._configs import AttnConfig
-from ._jit import LOG2E, finalize, key_range, query_block, score_units, softmax_step, variant_scores, window_extent
-from ._launch import LaunchCache
-from ._options import AttnOptions
+from .common import LOG2E, finalize, key_range, query_block, score_units, softmax_step, variant_scores, window_extent
 
 # The TMA copies under this Triton's names: async_load / async_store from Triton 3.8 (3.9 removed the old
 # names), async_copy_global_to_shared / async_copy_shared_to_global before; same arguments, same operations.
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+
 tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
-# Registers: three warpgroups (two consumers, the loader's) x 128 threads x MAXNREG = 64512 of the SM's
-# 65536. After setmaxnreg each consumer thread holds CONSUMER_REGS (its [64, 128] fp32 output and scores,
-# and the bf16 probabilities), the loader's 24; one program per SM (160 KB of shared memory at D = 128).
-MAXNREG = 168
+
 CONSUMER_REGS = gl.constexpr(240)
+
+
 LOADER_REGS = gl.constexpr(24)
 
 
@@ -190,7 +184,7 @@ def fwd_kernel_sm90_ws(
     HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
-    HAS_SINKS: gl.constexpr,
+    HAS_SINKS: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,  # dense inputs only: never on here
     Alibi=None, stride_alibi_b=None, Sinks=None,
     NUM_STAGES: gl.constexpr = 2,
 ):
@@ -254,21 +248,3 @@ def fwd_kernel_sm90_ws(
         (_ws_loader, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_lo, n_blocks, BLOCK_N,
                       NUM_STAGES)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
-
-
-_launch_ws = LaunchCache(fwd_kernel_sm90_ws)
-
-
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-            options: AttnOptions, config: AttnConfig, variants: Optional[dict] = None) -> None:
-    """Launch the warp-specialized forward on dense (batch, seqlen, heads, D) tensors whose rows TMA can
-    address, writing out and lse (batch, nheads, seqlen_q) float32; `variants` as `prefill.variant_args`.
-    The caller checks the call is one `_configs.prefill_fwd_sm90_config` gives a config for."""
-    batch, seqlen_q, nheads, _ = q.shape
-    seqlen_k, nheads_k = k.shape[1], k.shape[2]
-    grid = (triton.cdiv(seqlen_q, config.block_m), batch * nheads, 1)
-    args = (q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-            nheads, seqlen_q, seqlen_k, nheads // nheads_k)
-    kwargs = dict(**options.runtime, **options.constexprs, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-                  NUM_STAGES=config.num_stages, **(variants or {}))
-    _launch_ws(None, grid, args, config.num_warps, 1, kwargs, q.device.index or 0, maxnreg=MAXNREG)

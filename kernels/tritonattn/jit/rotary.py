@@ -14,13 +14,8 @@ For a pair (a, b) at angle t: a' = a cos t - b sin t, b' = b cos t + a sin t (co
 
 from __future__ import annotations
 
-import contextlib
-
-import torch
 import triton
 import triton.language as tl
-
-from ._options import head_dim_tile
 
 
 @triton.jit
@@ -65,26 +60,3 @@ def rotary_kernel(
     out = x * cos + sign[None, :] * x_partner * sin
     o_row = Out + off_b.to(tl.int64) * stride_ob + off_h * stride_oh + offs_s[:, None].to(tl.int64) * stride_os
     tl.store(o_row + offs_d[None, :], out.to(Out.dtype.element_ty), mask=rows & in_dim)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, *,
-                 interleaved: bool, same_position: bool) -> torch.Tensor:
-    """A rotated copy of x (batch, seqlen, nheads, headdim): token t of batch entry b at position
-    positions[b] + t (positions[b] for all with same_position). Inputs validated by the caller:
-    cos / sin (seqlen_ro, rotary_dim / 2) contiguous, positions int32 (batch,) on x's device."""
-    batch, seqlen, nheads, head_dim = x.shape
-    out = torch.empty((batch, seqlen, nheads, head_dim), dtype=x.dtype, device=x.device)
-    if out.numel() == 0:
-        return out
-    block_s = min(64, max(16, triton.next_power_of_2(seqlen)))
-    grid = (batch * nheads, triton.cdiv(seqlen, block_s))  # axis 0 has no 65535 cap
-    with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
-        rotary_kernel[grid](
-            x, out, cos, sin, positions,
-            x.stride(0), x.stride(1), x.stride(2), out.stride(0), out.stride(1), out.stride(2), cos.stride(0),
-            seqlen, nheads, cos.shape[0],
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_tile(head_dim), ROTARY_DIM=2 * cos.shape[1],
-            INTERLEAVED=interleaved, SAME_POSITION=same_position, BLOCK_S=block_s,
-        )
-    return out
-

@@ -13,7 +13,7 @@ cached K/V byte is read once:
 - Split-KV (flash-decoding, Tri Dao, Daniel Haziza, Francisco Massa, Grigory Sizov, 2023): the
   cache is cut into num_splits chunks streamed by parallel programs; each writes a partial output
   and its log-sum-exp to fp32 scratch, and a small combine kernel merges them (`merge_partials` in
-  kernels/tritonattn/_jit.py). With one split the decode kernel writes the final output directly.
+  kernels/tritonattn/jit/common.py). With one split the decode kernel writes the final output directly.
 - Paged caches (PagedAttention, Woosuk Kwon et al., 2023; vLLM and flash-attn's block_table): the
   cache is a pool of fixed-size pages and a block table maps each request's logical pages to
   physical blocks; the same kernel reads it behind the constexpr PAGED (see [Note] Paged caches).
@@ -38,10 +38,10 @@ a (B, H_KV, S, D) buffer seen through .transpose(1, 2)); paged pools (NUM_BLOCKS
 any strides and a contiguous last dim (including a (NUM_BLOCKS, H_KV, P, D) pool seen through
 .transpose(1, 2)) and any page size P >= 1 (tested: 1, 2, 8, 16, 48, 64, 256); caches beyond 2^31
 elements (int64 offsets); left-padded requests (cache_leftpad) in dense caches and in the one-page
-tables of cache_batch_idx. Not here: cache_batch_idx and rotary embedding are kernels/tritonattn/decode.py's
+tables of cache_batch_idx. Not here: cache_batch_idx and rotary embedding are the api layer's (api/kvcache.py)
 (a one-page-per-request table, a rotary launch before this one). The variants (sliding window,
 softcap, ALiBi, sinks): see [Note] Variants in decode. All K/V row addresses go through
-`kv_row_offsets` (kernels/tritonattn/_jit.py).
+`kv_row_offsets` (kernels/tritonattn/jit/common.py).
 
 [Note] Fused append without hazards. The new keys/values are read from the k/v inputs, not from
 the cache, by the program that owns them (the last split of each (request, KV head), first row
@@ -51,7 +51,7 @@ its own page, so an append crossing page boundaries writes each row to its own p
 may share pages they only read (prefix sharing), but a page appended into must be one request's.
 The last split streams its share of the cached keys like every other split, then the new rows, so
 it ends last; loading those rows only then (and, paged, their table entries) would add a memory
-round trip or two at the end of the grid. With EARLY_NEW (`_early_new` in kernels/tritonattn/decode.py: dense
+round trip or two at the end of the grid. With EARLY_NEW (`early_new` in launch/decode.py: dense
 caches, pools whose pages hold whole key blocks, P % BLOCK_N == 0, and split pools that gather a
 key block from several pages) it loads the first BLOCK_NEW new rows and their page entries at its
 start, under the cached keys' loads (the other splits' loads of them are fully masked). The early
@@ -64,7 +64,7 @@ its ragged tail (the last cached keys when L_b is not a multiple of BLOCK_N, and
 the causal band) through a masked one. The pipeliner fills each loop's pipeline on its own, so the
 tail's tiles are requested only when the first loop is done: one memory round trip per program that
 no other work hides when the splits are short and there is one program per SM. With ONE_LOOP
-(`_one_loop`: splits of at most DECODE_ONE_LOOP_MAX_BLOCKS blocks, kernels/tritonattn/_configs.py) every block
+(`one_loop` in launch/decode.py: splits of at most DECODE_ONE_LOOP_MAX_BLOCKS blocks, config/tables.py) every block
 takes the masked loop, so the tail comes through the same pipeline; the masks cost a little per
 block, which long splits pay more often than the round trip they save, so long splits keep the two
 loops (where the crossover lies on Hopper: docs/perf-notes.md, Decode, "One loop for short splits").
@@ -80,19 +80,19 @@ j <= t + N_b - M. With a full append (M_NEW = M) every cached key is visible to 
 the new keys are masked (token t sees new keys 0..t); with a partial one or none, cached keys are masked too
 (the last M - M_NEW - 1 for token 0, one fewer for each later token).
 
-[Note] Variants in decode. The prefill kernels' semantics (kernels/tritonattn/_jit.py [Note] Key band), aligned
+[Note] Variants in decode. The prefill kernels' semantics (kernels/tritonattn/jit/common.py [Note] Key band), aligned
 bottom-right against each request's current length N_b: token t's diagonal key is t + N_b - M. Softcap
 and ALiBi change the scores in every stage through `variant_scores` (each row's ALiBi slope is its own
 q head's). A sliding window bounds the cached keys a request visits to its band, [N_b - M - left,
 N_b), at most left + M keys; the splits tile that band instead of the whole buffer: split s starts s *
 SPLIT_N keys after the band's first key block, and the host plans the splits over the band's span (at
-most left + M + BLOCK_N keys, `_plan` in kernels/tritonattn/decode.py) rather than N_CACHE, so a long cache under
+most left + M + BLOCK_N keys, `plan_decode` in launch/decode.py) rather than N_CACHE, so a long cache under
 a short window costs what the window costs, and splits that would lie past the band run no iteration.
 Inside a split the band's left edge (keys some rows of the request do not see) is a masked stage
 before the unmasked blocks, and rows of the band's first key block that lie before the band are not
 loaded at all (they read as zeros): the kernel never reads a key or value before a request's band, so
 such rows (a paged cache's pages wholly before the window) may hold anything, NaN included. A sink is
-a key with a logit and no value ([Note] Sinks in kernels/tritonattn/prefill_kernels.py): unsplit, it starts each
+a key with a logit and no value ([Note] Sinks in kernels/tritonattn/jit/prefill_fwd.py): unsplit, it starts each
 row's running max and sum; split, no partial carries it and the combine adds it once to the merged row
 (`merge_sink`).
 
@@ -104,13 +104,13 @@ there, so the loops, the masks and the splits run unchanged over the shifted ran
 diagonal j <= t + N_b - M keeps its place since both ends move by LP_b. The fused append still writes
 cache row L_b + u (shifted base plus shifted length) and reads its rows back as keys L_b - LP_b + u.
 Moving the base by whole rows is right only when a request's rows are one piece of memory: a dense
-cache, or the one page per request of cache_batch_idx (kernels/tritonattn/decode.py), whose page holds all of
+cache, or the one page per request of cache_batch_idx (api/validate_cache.py), whose page holds all of
 N_CACHE; a paged block_table with left padding is refused on the host, as flash-attn refuses it. A
 request padded up to its length sees no key without an append: zeros, LSE +inf. The splits are still
 cut from N_CACHE, so a heavily padded request leaves its last splits empty ([Note] Empty KV splits).
 
 [Note] Paged caches. Logical key j of request b lives in row j % P of physical block
-Block_table[b, j // P]; `kv_row_offsets` / `kv_block_offsets` (kernels/tritonattn/_jit.py) turn (block,
+Block_table[b, j // P]; `kv_row_offsets` / `kv_block_offsets` (kernels/tritonattn/jit/common.py) turn (block,
 row) into an int64 offset with the pool's block and row strides, so pool views with any strides
 work (see [Note] Paged address arithmetic). Paging is a constexpr: with PAGED=False the paging
 arguments are passed as None (Triton makes them constexprs) and every paged branch is compiled out,
@@ -150,7 +150,7 @@ block, when a block holds whole pages. The rest of the offset stays in the loop:
 scalar plus a loop-invariant vector) takes fewer instructions but runs slower at split shapes on
 Hopper (instruction counts and timings: docs/perf-notes.md, Paged decode, "In-page offsets in 32
 bits"). The unsplit 3-stage kernel's registers are capped so that 3 programs share an SM
-(`decode_max_registers`, kernels/tritonattn/_configs.py; see [Note] Paged pipelining). A pool whose page rows
+(`decode_max_registers`, kernels/tritonattn/config/tables.py; see [Note] Paged pipelining). A pool whose page rows
 lie 2^31 / (P - 1) elements apart or more (a permuted (P, num_blocks, ...) buffer) would overflow
 the 32-bit in-page offset; the host sees it from the strides (`wide_pages`) and compiles such calls
 with WIDE_PAGES, 64-bit in-page offsets.
@@ -190,7 +190,7 @@ allows.
 What the pipeline does not hide is the scatter itself: with one program per SM (the dense split
 rule) a paged request streams markedly slower than a dense one at small batches, so paged caches
 split over two programs per SM when the splits stay long enough (DECODE_PAGED_WAVES,
-DECODE_PAGED_WAVE_MIN_BLOCKS in kernels/tritonattn/_configs.py). Paged against dense step time over the H200
+DECODE_PAGED_WAVE_MIN_BLOCKS in kernels/tritonattn/config/tables.py). Paged against dense step time over the H200
 grid, its one point above 5% (P = 16 at D = 128, batch 1 x 16384) and the causes ruled out for it:
 docs/perf-notes.md, Paged decode.
 
@@ -202,10 +202,12 @@ the pool is dropped (never a write outside it, and -1 fillers past a request's p
 PagedKVCache keeps, are never written through).
 """
 
+from __future__ import annotations
+
 import triton
 import triton.language as tl
 
-from ._jit import (
+from .common import (
     LOG2E,
     finalize,
     gqa_q_head,
@@ -315,7 +317,9 @@ def decode_kernel(
     window_left=-1, window_right=-1, softcap=0.0,  # the variants, see [Note] Variants in decode
     HAS_WINDOW: tl.constexpr = False, HAS_SOFTCAP: tl.constexpr = False, HAS_ALIBI: tl.constexpr = False,
     HAS_SINKS: tl.constexpr = False, Alibi=None, stride_alibi_b=None, Sinks=None,
+    HAS_SEQUSED_K: tl.constexpr = False, Seqused_k=None,  # packed sequences only: never on here
 ):
+    tl.static_assert(not HAS_SEQUSED_K, "seqused_k counts packed keys; a cache has cache_seqlens")
     tl.static_assert(BLOCK_H >= 16 and BLOCK_N >= 16 and BLOCK_NEW >= 16, "tl.dot needs tiles of at least 16")
     unit, cap_scale = score_units(softmax_scale, softcap, HAS_SOFTCAP)
     qk_scale = unit * LOG2E  # scores (in units of `unit`) to base-2 logits

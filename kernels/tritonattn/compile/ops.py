@@ -6,8 +6,8 @@ which dynamo records as single graph nodes: each op has a fake implementation (t
 tracing without running a kernel) and the prefill op its registered autograd.
 
     tritonattn::prefill_fwd(q, k, v, cu_seqlens_q?, cu_seqlens_k?, max_seqlen_q, max_seqlen_k,
-                         alibi_slopes?, sinks?, rng_state?, softmax_scale, causal, window_left,
-                         window_right, softcap, dropout_p) -> (out, lse)
+                            alibi_slopes?, sinks?, seqused_k?, rng_state?, softmax_scale?, causal,
+                            window_left, window_right, softcap, dropout_p) -> (out, lse)
     tritonattn::prefill_bwd(dout, q, k, v, out, lse, <the same inputs after v>) -> (dq, dk, dv, dsinks)
 
 flash_attn_func and flash_attn_varlen_func share the prefill ops: with cu_seqlens, q, k, v are packed
@@ -15,14 +15,16 @@ flash_attn_func and flash_attn_varlen_func share the prefill ops: with cu_seqlen
 forward-only op, and flash_attn_with_kvcache one op with every argument of the eager function:
 
     tritonattn::varlen_paged_fwd(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                              max_seqlen_k, block_table, alibi_slopes?, sinks?, <scalars>) -> (out, lse)
+                                 max_seqlen_k, block_table, alibi_slopes?, sinks?, seqused_k?,
+                                 <scalars>) -> (out, lse)
     tritonattn::kvcache(q, k_cache!, v_cache!, k?, v?, rotary_cos?, rotary_sin?, cache_seqlens,
                      cache_batch_idx?, cache_leftpad?, block_table?, alibi_slopes?, sinks?,
                      softmax_scale?, causal, window_left, window_right, softcap, rotary_interleaved,
                      num_splits, return_lse) -> (out, lse)      (k_cache!, v_cache!: the append)
 
-The scalars are flash-attn's (window sides -1 for unbounded, softcap 0 for none, softmax_scale
-resolved); the op rebuilds the kernels' options from them (`variant_options`, cached by value).
+The scalars are flash-attn's, as the caller gave them (window sides, softcap, softmax_scale or None);
+the op's body translates them with the eager path's one translation (`api.args.attention_call`,
+cached by value), so a compiled call and an eager one compute the same thing.
 Dropout's (seed, salt) come in as rng_state, an input drawn in the graph, so a compiled graph draws
 fresh bits per call like the eager path. dsinks is an empty (0,) tensor without sinks (an op output
 cannot be None).
@@ -40,39 +42,31 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ._options import resolve_variants
-from .decode import flash_attn_with_kvcache, uncached_scratch
-from .errors import InputError
-from .prefill import (
-    PAGED_VARLEN_NO_BACKWARD,
-    TRACED,
-    _flash_attn_backward,
-    _flash_attn_forward,
-    _flash_attn_varlen_backward,
-    _flash_attn_varlen_forward,
-    _results,
-    _validate_dropout,
-    _validate_qkv,
-    _validate_varlen,
-    _varlen_paged,
-    dropout,
-    variant_options,
-)
+from ..api.args import attention_call, draw_rng_state
+from ..api.kvcache import flash_attn_with_kvcache
+from ..api.prefill import PAGED_VARLEN_NO_BACKWARD, TRACED, results, varlen_paged
+from ..api.validate import validate_dropout, validate_qkv, validate_varlen
+from ..config.options import window_pair
+from ..errors import InputError, InputTypeError
+from ..launch.backward import launch_backward, launch_varlen_backward
+from ..launch.prefill import launch_prefill, launch_varlen
+from ..launch.replay import uncached_scratch
 
 # The ops' namespace is the package's import name ("tritonattn"), so that two copies of the package can
 # share a process under different names (benchmarks.ab --host times two trees side by side).
 NAMESPACE = __name__.split(".")[0]
 
 
-def _prefill_options(q: Tensor, k: Tensor, cu_seqlens_q, max_seqlen_k: int, alibi_slopes, sinks, softmax_scale: float,
-                     causal: bool, window_left: int, window_right: int, softcap: float):
-    """The kernels' options and variant arguments of a prefill op's call, dense (q 4-D) or packed."""
+def _call(q: Tensor, k: Tensor, cu_seqlens_q, max_seqlen_k: int, alibi_slopes, sinks, seqused_k, softmax_scale,
+          causal: bool, window_left: int, window_right: int, softcap: float, dropout_p: float, rng_state):
+    """A prefill op's call through the one translation (`args.attention_call`), dense (q 4-D) or packed."""
     if cu_seqlens_q is None:
         batch, nheads, seqlen_k = q.shape[0], q.shape[2], k.shape[1]
     else:
         batch, nheads, seqlen_k = cu_seqlens_q.numel() - 1, q.shape[1], max_seqlen_k
-    return variant_options(q.shape[-1], softmax_scale, causal, (window_left, window_right), softcap, alibi_slopes,
-                           sinks, seqlen_k, batch, nheads, q.device)
+    return attention_call(q.shape[-1], softmax_scale, causal, (window_left, window_right), softcap, alibi_slopes, sinks,
+                          seqused_k, dropout_p, rng_state, seqlen_k=seqlen_k, batch=batch, nheads=nheads,
+                          device=q.device)
 
 
 def _lse_shape(q: Tensor, packed: bool):
@@ -82,58 +76,60 @@ def _lse_shape(q: Tensor, packed: bool):
 
 def prefill_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
                     max_seqlen_q: int, max_seqlen_k: int, alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
-                    rng_state: Optional[Tensor], softmax_scale: Optional[float], causal: bool, window_left: int,
-                    window_right: int, softcap: float, dropout_p: float,
+                    seqused_k: Optional[Tensor], rng_state: Optional[Tensor], softmax_scale: Optional[float],
+                    causal: bool, window_left: int, window_right: int, softcap: float, dropout_p: float,
                     out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """The prefill forward from the ops' arguments, inputs checked before the launch (out: written into
-    when given, see `_flash_attn_forward`): the body of `tritonattn::prefill_fwd` and of the SDPA provider."""
+    when given, see `launch_prefill`): the body of `tritonattn::prefill_fwd` and of the SDPA provider."""
     if cu_seqlens_q is None:
-        _validate_qkv(q, k, v)
+        validate_qkv(q, k, v)
     else:
-        max_seqlen_q, max_seqlen_k = _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    options, variants = _prefill_options(q, k, cu_seqlens_q, max_seqlen_k, alibi_slopes, sinks, softmax_scale, causal,
-                                         window_left, window_right, softcap)
-    drop = dropout(dropout_p, q.device, rng_state)
+        max_seqlen_q, max_seqlen_k = validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                     seqused_k=seqused_k)
+    if seqused_k is not None and cu_seqlens_q is None:
+        raise InputError("Expected cu_seqlens_q / cu_seqlens_k with seqused_k: it counts the keys of packed sequences.")
+    call = _call(q, k, cu_seqlens_q, max_seqlen_k, alibi_slopes, sinks, seqused_k, softmax_scale, causal, window_left,
+                 window_right, softcap, dropout_p, rng_state)
     if cu_seqlens_q is None:
-        return _flash_attn_forward(q, k, v, options, drop=drop, variants=variants, out=out)
-    return _flash_attn_varlen_forward(q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q,
-                                      max_seqlen_k, options, drop=drop, variants=variants, out=out)
+        return launch_prefill(q, k, v, call.options, drop=call.drop, tensors=call.tensors, out=out)
+    return launch_varlen(q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k,
+                         call.options, drop=call.drop, tensors=call.tensors, out=out)
 
 
 def prefill_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                      cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int,
                      max_seqlen_k: int, alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
-                     rng_state: Optional[Tensor], softmax_scale: Optional[float], causal: bool, window_left: int,
-                     window_right: int, softcap: float, dropout_p: float,
+                     seqused_k: Optional[Tensor], rng_state: Optional[Tensor], softmax_scale: Optional[float],
+                     causal: bool, window_left: int, window_right: int, softcap: float, dropout_p: float,
                      grads: Optional[Tuple[Tensor, Tensor, Tensor]] = None):
     """The prefill backward of `prefill_forward`'s call: (dq, dk, dv, dsinks or None), written into
     `grads` when given (q's, k's and v's shapes, contiguous last dims)."""
-    options, variants = _prefill_options(q, k, cu_seqlens_q, max_seqlen_k, alibi_slopes, sinks, softmax_scale, causal,
-                                         window_left, window_right, softcap)
-    drop = dropout(dropout_p, q.device, rng_state)
+    call = _call(q, k, cu_seqlens_q, max_seqlen_k, alibi_slopes, sinks, seqused_k, softmax_scale, causal, window_left,
+                 window_right, softcap, dropout_p, rng_state)
     if cu_seqlens_q is None:
-        dq, dk, dv, _, dsinks = _flash_attn_backward(dout, q, k, v, out, lse, options, grads=grads, drop=drop,
-                                                     variants=variants)
+        dq, dk, dv, _, dsinks = launch_backward(dout, q, k, v, out, lse, call.options, grads=grads, drop=call.drop,
+                                                tensors=call.tensors)
     else:
-        dq, dk, dv, _, dsinks = _flash_attn_varlen_backward(
+        dq, dk, dv, _, dsinks = launch_varlen_backward(
             dout, q, k, v, out, lse, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k,
-            options, grads=grads, drop=drop, variants=variants)
+            call.options, grads=grads, drop=call.drop, tensors=call.tensors)
     return dq, dk, dv, dsinks
 
 
 @torch.library.custom_op(f"{NAMESPACE}::prefill_fwd", mutates_args=())
 def prefill_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
                 max_seqlen_q: int, max_seqlen_k: int, alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
-                rng_state: Optional[Tensor], softmax_scale: float, causal: bool, window_left: int, window_right: int,
-                softcap: float, dropout_p: float) -> Tuple[Tensor, Tensor]:
+                seqused_k: Optional[Tensor], rng_state: Optional[Tensor], softmax_scale: Optional[float], causal: bool,
+                window_left: int, window_right: int, softcap: float, dropout_p: float) -> Tuple[Tensor, Tensor]:
     out, lse = prefill_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, sinks,
-                               rng_state, softmax_scale, causal, window_left, window_right, softcap, dropout_p)
+                               seqused_k, rng_state, softmax_scale, causal, window_left, window_right, softcap,
+                               dropout_p)
     return out.contiguous(), lse  # see [Note] Contiguous outputs
 
 
 @prefill_fwd.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, sinks, rng_state, softmax_scale,
-      causal, window_left, window_right, softcap, dropout_p):
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, sinks, seqused_k, rng_state,
+      softmax_scale, causal, window_left, window_right, softcap, dropout_p):
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(
         _lse_shape(q, cu_seqlens_q is not None), dtype=torch.float32)
 
@@ -141,104 +137,111 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slo
 @torch.library.custom_op(f"{NAMESPACE}::prefill_bwd", mutates_args=())
 def prefill_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                 cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
-                alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], rng_state: Optional[Tensor],
-                softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
-                dropout_p: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], seqused_k: Optional[Tensor],
+                rng_state: Optional[Tensor], softmax_scale: Optional[float], causal: bool, window_left: int,
+                window_right: int, softcap: float, dropout_p: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     dq, dk, dv, dsinks = prefill_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                          max_seqlen_k, alibi_slopes, sinks, rng_state, softmax_scale, causal,
-                                          window_left, window_right, softcap, dropout_p)
+                                          max_seqlen_k, alibi_slopes, sinks, seqused_k, rng_state, softmax_scale,
+                                          causal, window_left, window_right, softcap, dropout_p)
     return dq, dk, dv, dsinks if dsinks is not None else q.new_empty((0,), dtype=torch.float32)
 
 
 @prefill_bwd.register_fake
-def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, sinks, rng_state,
-      softmax_scale, causal, window_left, window_right, softcap, dropout_p):
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, sinks, seqused_k,
+      rng_state, softmax_scale, causal, window_left, window_right, softcap, dropout_p):
     nheads = q.shape[-2] if sinks is not None else 0
     return (torch.empty_like(q, memory_format=torch.contiguous_format), k.new_empty(k.shape), v.new_empty(v.shape),
             q.new_empty((nheads,), dtype=torch.float32))
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, sinks, rng_state, *scalars = inputs
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, sinks, seqused_k, rng_state,
+     *scalars) = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)  # as in eager: softmax_lse takes no gradient
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, rng_state)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, seqused_k, rng_state)
     ctx.lengths = (max_seqlen_q, max_seqlen_k)
     ctx.scalars = scalars
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, rng_state = ctx.saved_tensors
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, seqused_k, rng_state = ctx.saved_tensors
     dq, dk, dv, dsinks = prefill_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.lengths, alibi_slopes,
-                                     sinks, rng_state, *ctx.scalars)
+                                     sinks, seqused_k, rng_state, *ctx.scalars)
     dsinks = dsinks.to(sinks.dtype) if sinks is not None and ctx.needs_input_grad[8] else None
-    return dq, dk, dv, None, None, None, None, None, dsinks, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, dsinks, None, None, None, None, None, None, None, None
 
 
 prefill_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _resolved(window_size, softcap, causal, seqlen_k, softmax_scale, head_dim: int):
-    """flash-attn's variant arguments as the ops' scalars: (scale, causal, window_left, window_right, softcap)."""
-    resolved = resolve_variants(window_size, softcap, causal, seqlen_k)
-    left, right = resolved["window"]
-    scale = float(softmax_scale) if softmax_scale is not None else head_dim ** -0.5
-    return scale, resolved["causal"], left, right, resolved["softcap"]
+def _scalars(window_size, softcap, softmax_scale):
+    """flash-attn's scalar arguments as the ops take them, unresolved (the op's body translates them,
+    `args.attention_call`): (softmax_scale or None, window_left, window_right, softcap). Checked here,
+    where dynamo traces, so that a bad value fails at the call, not inside the graph."""
+    left, right = window_pair(window_size)
+    try:
+        cap = float(softcap if softcap is not None else 0.0)
+    except (TypeError, ValueError):
+        raise InputTypeError(f"Expected softcap to be a number, got {type(softcap).__name__}.") from None
+    return (None if softmax_scale is None else float(softmax_scale)), left, right, cap
 
 
-def _rng_state(dropout_p, device) -> Optional[Tensor]:
-    return torch.randint(0, 2**62, (2,), dtype=torch.int64, device=device) if dropout_p > 0 else None
+def rng_input(dropout_p, device) -> Optional[Tensor]:
+    """The ops' rng_state input: a fresh draw with dropout (drawn in the graph, so each compiled call draws anew)."""
+    return draw_rng_state(device) if dropout_p > 0 else None
 
 
 def flash_attn_func_traced(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                            return_attn_probs, return_softmax_lse, sinks):
-    """flash_attn_func under torch.compile: flash-attn's arguments resolved in Python (what dynamo
-    traces), then one `tritonattn::prefill_fwd` node; its inputs are checked when it runs, before any launch."""
-    dropout_p = _validate_dropout(dropout_p)
+    """flash_attn_func under torch.compile: one `tritonattn::prefill_fwd` node (flash-attn's scalars checked
+    here, where dynamo traces; the tensors when it runs, before any launch)."""
+    dropout_p = validate_dropout(dropout_p)
     if return_attn_probs and dropout_p > 0:
         raise NotImplementedError("return_attn_probs with dropout (S_dmask, a testing aid) is eager only.")
-    scalars = _resolved(window_size, softcap, causal, k.shape[1], softmax_scale, q.shape[-1])
-    out, lse = prefill_fwd(q, k, v, None, None, q.shape[1], k.shape[1], alibi_slopes, sinks,
-                           _rng_state(dropout_p, q.device), *scalars, float(dropout_p))
-    return _results(out, lse, None, return_attn_probs, return_softmax_lse)
+    scale, left, right, cap = _scalars(window_size, softcap, softmax_scale)
+    out, lse = prefill_fwd(q, k, v, None, None, q.shape[1], k.shape[1], alibi_slopes, sinks, None,
+                           rng_input(dropout_p, q.device), scale, bool(causal), left, right, cap, dropout_p)
+    return results(out, lse, None, return_attn_probs, return_softmax_lse)
 
 
 def flash_attn_varlen_func_traced(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                   softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
-                                  block_table, return_softmax_lse, sinks):
+                                  block_table, return_softmax_lse, sinks, seqused_k=None):
     """flash_attn_varlen_func under torch.compile: one `tritonattn::prefill_fwd` node over the packed
     sequences (max_seqlen_q / max_seqlen_k as the graph's ints), or one `tritonattn::varlen_paged_fwd` node over a
     paged K/V (forward only, as eager)."""
-    dropout_p = _validate_dropout(dropout_p)
+    dropout_p = validate_dropout(dropout_p)
     if return_attn_probs and dropout_p > 0:
         raise NotImplementedError("return_attn_probs with dropout (S_dmask, a testing aid) is eager only.")
-    scalars = _resolved(window_size, softcap, causal, max_seqlen_k, softmax_scale, q.shape[-1])
+    scale, left, right, cap = _scalars(window_size, softcap, softmax_scale)
     if block_table is not None:  # a paged K/V: forward only, as in eager
         if dropout_p:
             raise NotImplementedError("dropout with a paged K/V (block_table) is not supported: dropout is for "
                                       "training, and the paged forward has no backward.")
         out, lse = varlen_paged_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
-                                    block_table, alibi_slopes, sinks, *scalars)
-        return _results(out, lse, None, return_attn_probs, return_softmax_lse)
+                                    block_table, alibi_slopes, sinks, seqused_k, scale, bool(causal), left, right, cap)
+        return results(out, lse, None, return_attn_probs, return_softmax_lse)
     out, lse = prefill_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), alibi_slopes,
-                           sinks, _rng_state(dropout_p, q.device), *scalars, float(dropout_p))
-    return _results(out, lse, None, return_attn_probs, return_softmax_lse)
+                           sinks, seqused_k, rng_input(dropout_p, q.device), scale, bool(causal), left, right, cap,
+                           dropout_p)
+    return results(out, lse, None, return_attn_probs, return_softmax_lse)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::varlen_paged_fwd", mutates_args=())
 def varlen_paged_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                      max_seqlen_q: int, max_seqlen_k: int, block_table: Tensor, alibi_slopes: Optional[Tensor],
-                     sinks: Optional[Tensor], softmax_scale: float, causal: bool, window_left: int, window_right: int,
-                     softcap: float) -> Tuple[Tensor, Tensor]:
-    out, lse = _varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0,
-                             softmax_scale, causal, (window_left, window_right), softcap, alibi_slopes, False,
-                             block_table, True, sinks)
+                     sinks: Optional[Tensor], seqused_k: Optional[Tensor], softmax_scale: Optional[float], causal: bool,
+                     window_left: int, window_right: int, softcap: float) -> Tuple[Tensor, Tensor]:
+    out, lse = varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0,
+                            softmax_scale, causal, (window_left, window_right), softcap, alibi_slopes, False,
+                            block_table, True, sinks, seqused_k)
     return out.contiguous(), lse  # see [Note] Contiguous outputs
 
 
 @varlen_paged_fwd.register_fake
 def _(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, alibi_slopes, sinks,
-      softmax_scale, causal, window_left, window_right, softcap):
+      seqused_k, softmax_scale, causal, window_left, window_right, softcap):
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(_lse_shape(q, True),
                                                                                    dtype=torch.float32)
 
@@ -293,12 +296,10 @@ def flash_attn_with_kvcache_traced(q, k_cache, v_cache, k, v, rotary_cos, rotary
                              "(flash-attn's rule); None means every cache is full.")
         length = capacity if cache_seqlens is None else cache_seqlens
         cache_seqlens = torch.full((q.shape[0],), length, dtype=torch.int32, device=q.device)
-    resolved = resolve_variants(window_size, softcap, causal, capacity)  # validated here, where dynamo traces
-    window = resolved["window"]
-    scale = None if softmax_scale is None else float(softmax_scale)
+    scale, left, right, cap = _scalars(window_size, softcap, softmax_scale)
     out, lse = kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-                       block_table, alibi_slopes, sinks, scale, resolved["causal"], window[0], window[1],
-                       resolved["softcap"], bool(rotary_interleaved), int(num_splits), bool(return_softmax_lse))
+                       block_table, alibi_slopes, sinks, scale, bool(causal), left, right, cap,
+                       bool(rotary_interleaved), int(num_splits), bool(return_softmax_lse))
     return (out, lse) if return_softmax_lse else out
 
 

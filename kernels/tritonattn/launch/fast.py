@@ -6,9 +6,9 @@ specialisation, builds a string key, then `CompiledKernel`'s runner asks for the
 stream, builds launch metadata for the (empty) launch hooks, and the C launcher calls `data_ptr()`
 and `cuPointerGetAttribute` for every tensor. `LaunchCache` keeps the compiled kernel per caller key
 after the first launch and then calls its C launcher directly, with raw pointers and the current
-stream (see [Note] Host overhead in kernels/tritonattn/decode.py). `LaunchCache.direct` hands that C launch,
+stream (see [Note] Host overhead in launch/decode.py). `LaunchCache.direct` hands that C launch,
 bound to its compiled kernel (`DirectLaunch`), to a caller that keeps its own argument templates:
-kernels/tritonattn/decode.py's replays of repeated calls.
+launch/replay.py's replays of repeated decode calls.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import Target, is_interpreter, planning_for
+from ..config.hardware import Target, is_interpreter, planning_for
 
 
 def _hook_active(hook) -> bool:
@@ -79,7 +79,7 @@ class LaunchCache:
         params = list(inspect.signature(getattr(fn, "fn", fn)).parameters.values())
         self.names = [p.name for p in params]
         self.defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
-        self.constexprs = tuple(i for i, p in enumerate(params) if _is_constexpr(p.annotation))
+        self.constexprs = tuple(i for i, p in enumerate(params) if is_constexpr(p.annotation))
         self.values = tuple(i for i, p in enumerate(params) if i not in self.constexprs)
         self._get_constexprs, self._get_values = _getter(self.constexprs), _getter(self.values)
 
@@ -174,7 +174,7 @@ _RECORDS: Optional[List[LaunchRecord]] = None  # set inside `recording`
 
 @contextlib.contextmanager
 def recording(target: Target) -> Iterator[List[LaunchRecord]]:
-    """Plan every call in this block for `target` (`_utils.planning_for`) and record each kernel launch
+    """Plan every call in this block for `target` (`config.hardware.planning_for`) and record each kernel launch
     instead of running it: yields the list the `LaunchRecord`s are appended to. Calls still validate,
     allocate and return their outputs, unwritten. What the config-fitness test compiles for each card."""
     global _RECORDS
@@ -212,13 +212,13 @@ def _getter(indices: Tuple[int, ...]):
     return lambda full: tuple(full[i] for i in indices)
 
 
-def _is_constexpr(annotation) -> bool:
+def is_constexpr(annotation) -> bool:
     """Whether a kernel parameter is annotated `tl.constexpr` (as Triton itself decides)."""
     return annotation is tl.constexpr or (isinstance(annotation, str) and annotation.split(".")[-1] == "constexpr")
 
 
 @functools.lru_cache(maxsize=None)
-def _flat_launch_abi(launcher_cls: type) -> bool:
+def flat_launch_abi(launcher_cls: type) -> bool:
     """Whether `launcher_cls` calls its C launch with the kernel's arguments flattened after the scratch
     buffers, as Triton 3.5 and 3.6's CudaLauncher does: its `__call__(self, gridX, gridY, gridZ, stream,
     function, *args)` passes `launch(grid..., stream, function, cooperative, pdl, global_scratch,
@@ -234,12 +234,12 @@ def _flat_launch_abi(launcher_cls: type) -> bool:
 
 
 def _direct_launch(run):
-    """The C launch function behind a CudaLauncher whose launch ABI is the flat one (`_flat_launch_abi`)
+    """The C launch function behind a CudaLauncher whose launch ABI is the flat one (`flat_launch_abi`)
     when calling it directly is what CudaLauncher.__call__ would do: no global or profile scratch to
     allocate. Else None."""
     launch = getattr(run, "launch", None)
     needed = ("launch_cooperative_grid", "launch_pdl", "global_scratch_size", "profile_scratch_size")
-    if launch is None or not all(hasattr(run, name) for name in needed) or not _flat_launch_abi(type(run)):
+    if launch is None or not all(hasattr(run, name) for name in needed) or not flat_launch_abi(type(run)):
         return None
     if run.global_scratch_size or run.profile_scratch_size:
         return None

@@ -14,8 +14,9 @@ fp16/bf16; anywhere under `sdpa_kernel(SDPBackend.FLASH_ATTENTION)`). The output
 contracts: out and the gradients have their inputs' strides, logsumexp is (batch, nheads, seqlen_q)
 (packed: (nheads, total_q)), and rng_state holds the dropout's (seed, salt) as uint64 (2,), which the
 backward takes back, so a dropout mask is drawn once and replayed exactly (zeros without dropout).
-Not supported, with a clear error: return_debug_mask, seqused_k, and ALiBi slopes when a gradient is
-wanted (PyTorch's backward op takes no slopes). That last check sees grad mode and requires_grad when
+seqused_k (the varlen path's per-sequence key count) is honoured. Not supported, with a clear error:
+return_debug_mask, and seqused_k or ALiBi slopes when a gradient is wanted (PyTorch's backward op takes
+neither). That last check sees grad mode and requires_grad when
 the op runs: code that calls the op with grad mode off and differentiates it through its own autograd
 (AOT autograd, a custom op) gets gradients without the slopes, as with PyTorch's own kernels.
 
@@ -30,7 +31,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._ops import _rng_state, prefill_backward, prefill_forward
+from .ops import prefill_backward, prefill_forward, rng_input
 
 IMPL_NAME = "tritonattn"
 
@@ -45,7 +46,7 @@ def _rng_outputs(rng_state: Optional[Tensor], device: torch.device):
     return seed, torch.zeros((), dtype=torch.uint64, device=device)
 
 
-def _rng_input(dropout_p: float, rng_state: Tensor) -> Optional[Tensor]:
+def _forward_rng(dropout_p: float, rng_state: Tensor) -> Optional[Tensor]:
     return rng_state.view(torch.int64) if dropout_p > 0 else None
 
 
@@ -62,16 +63,14 @@ def _flash_attention_forward(query: Tensor, key: Tensor, value: Tensor, cum_seq_
                              seqused_k: Optional[Tensor] = None, alibi_slopes: Optional[Tensor] = None):
     """aten::_flash_attention_forward: (batch, seqlen, nheads, headdim), or packed with cum_seq_q/k."""
     _no_debug_mask(return_debug_mask)
-    if seqused_k is not None:
-        raise NotImplementedError("seqused_k is not supported by the 'tritonattn' flash attention provider; give the "
-                                  "used lengths through cum_seq_k, or restore_flash_attention_impl().")
-    if alibi_slopes is not None and torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
-        raise NotImplementedError("ALiBi slopes with a gradient: aten::_flash_attention_backward takes no slopes, so "
-                                  "the gradient would ignore them; use tritonattn.flash_attn_func(alibi_slopes=...).")
-    rng = _rng_state(dropout_p, query.device)
-    out, lse = prefill_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, alibi_slopes, None, rng, scale,
-                               is_causal, _window(window_size_left), _window(window_size_right), 0.0, dropout_p,
-                               out=torch.empty_like(query))
+    for name, given in (("ALiBi slopes", alibi_slopes), ("seqused_k", seqused_k)):
+        if given is not None and torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+            raise NotImplementedError(f"{name} with a gradient: aten::_flash_attention_backward does not take it, so "
+                                      "the gradient would ignore it; use tritonattn.flash_attn_varlen_func for both.")
+    rng = rng_input(dropout_p, query.device)
+    out, lse = prefill_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, alibi_slopes, None, seqused_k,
+                               rng, scale, is_causal, _window(window_size_left), _window(window_size_right), 0.0,
+                               dropout_p, out=torch.empty_like(query))
     return (out, lse, *_rng_outputs(rng, query.device), query.new_empty((0,)))
 
 
@@ -81,8 +80,8 @@ def _flash_attention_backward(grad_out: Tensor, query: Tensor, key: Tensor, valu
                               scale: Optional[float] = None, window_size_left: Optional[int] = None,
                               window_size_right: Optional[int] = None):
     grads = tuple(torch.empty_like(t) for t in (query, key, value))
-    prefill_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, None, None,
-                     _rng_input(dropout_p, rng_state), scale, is_causal, _window(window_size_left),
+    prefill_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, None, None, None,
+                     _forward_rng(dropout_p, rng_state), scale, is_causal, _window(window_size_left),
                      _window(window_size_right), 0.0, dropout_p, grads=grads)
     return grads
 
@@ -98,9 +97,9 @@ def _sdpa_flash_forward(query: Tensor, key: Tensor, value: Tensor, dropout_p: fl
     _no_debug_mask(return_debug_mask)
     q, k, v = _bshd(query, key, value)
     output = torch.empty_like(query)
-    rng = _rng_state(dropout_p, query.device)
-    _, lse = prefill_forward(q, k, v, None, None, q.shape[1], k.shape[1], None, None, rng, scale, is_causal, -1, -1,
-                             0.0, dropout_p, out=output.transpose(1, 2))
+    rng = rng_input(dropout_p, query.device)
+    _, lse = prefill_forward(q, k, v, None, None, q.shape[1], k.shape[1], None, None, None, rng, scale, is_causal, -1,
+                             -1, 0.0, dropout_p, out=output.transpose(1, 2))
     seed, offset = _rng_outputs(rng, query.device)
     return output, lse, None, None, query.shape[2], key.shape[2], seed, offset, query.new_empty((0,))
 
@@ -111,8 +110,8 @@ def _sdpa_flash_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Te
                          scale: Optional[float] = None):
     grads = tuple(torch.empty_like(t) for t in (query, key, value))
     q, k, v, o, do = _bshd(query, key, value, out, grad_out)
-    prefill_backward(do, q, k, v, o, logsumexp, None, None, q.shape[1], k.shape[1], None, None,
-                     _rng_input(dropout_p, philox_seed), scale, is_causal, -1, -1, 0.0, dropout_p,
+    prefill_backward(do, q, k, v, o, logsumexp, None, None, q.shape[1], k.shape[1], None, None, None,
+                     _forward_rng(dropout_p, philox_seed), scale, is_causal, -1, -1, 0.0, dropout_p,
                      grads=_bshd(*grads))
     return grads
 

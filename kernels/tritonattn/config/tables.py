@@ -17,8 +17,8 @@ from typing import Optional
 
 import torch
 
-from ._options import AttnOptions
-from ._utils import Target
+from .hardware import Target
+from .options import AttnOptions
 
 HOPPER_SMEM = 200 * 1024  # a device with at least this much smem per block gets the big-tile table
 
@@ -45,11 +45,12 @@ class AttnConfig:
 
 INTERPRETER_CONFIG = AttnConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
 
+
 # Hopper (H100/H200, 227 KB smem), 2-byte dtypes, tensor-descriptor loads. key: head_dim_pad.
 # D=128 is the winner of an H200 sweep (benchmarks/tune_prefill.py), causal and not; tensor descriptors
 # because the pointer path is several times slower on Hopper (docs/perf-notes.md, Prefill). Other head
 # dims follow the same shape, with 8 warps at D=256 so the [128, 256] fp32 accumulator fits in registers.
-_HOPPER_FWD = {
+HOPPER_FWD = {
     16: AttnConfig(128, 64, 4, 3, True),
     32: AttnConfig(128, 64, 4, 3, True),
     64: AttnConfig(128, 64, 4, 3, True),
@@ -57,7 +58,8 @@ _HOPPER_FWD = {
     256: AttnConfig(128, 64, 8, 2, True),
 }
 
-# Hopper's warp-specialized forward (kernels/tritonattn/prefill_sm90.py): 128 query rows split over two consumer
+
+# Hopper's warp-specialized forward (kernels/tritonattn/jit/sm90.py): 128 query rows split over two consumer
 # warpgroups that take turns on the tensor cores, 128-key blocks in a 2-slot K/V ring, 4 warps per consumer
 # (config.num_warps: the default partition's). Against fwd_kernel on an H200, bf16, head dim 128 (one run;
 # docs/perf-notes.md, "Prefill at cuDNN's speed"): 10 to 18% faster from 4096 keys on, causal or not, MHA and
@@ -65,14 +67,16 @@ _HOPPER_FWD = {
 # causal, where a program's few key blocks cannot hide its prologue and epilogue at one program per SM;
 # slower at head dim 64 (an 82 KB program still holds an SM's registers alone). Hence: head dim 128, 2-byte
 # dtypes, dense, no dropout, at least 1024 keys (2048 causal).
-_SM90_WS_FWD = AttnConfig(128, 128, 4, 2, True)
+SM90_WS_FWD = AttnConfig(128, 128, 4, 2, True)
+
+
 SM90_WS_MIN_KEYS = {False: 1024, True: 2048}
 
 
-# What prefill_sm90.py uses of Gluon, by module; "a|b": either name (the TMA copies were renamed in Triton 3.8,
+# What jit/sm90.py uses of Gluon, by module; "a|b": either name (the TMA copies were renamed in Triton 3.8,
 # and 3.9 keeps the old names only as stubs that raise, so the new name is looked for first). Detected rather
 # than read off the version number: Triton 3.5's Gluon lacks gl.num_warps and tma.make_tensor_descriptor.
-_GLUON_SM90_API = {
+GLUON_SM90_API = {
     "triton.experimental.gluon.language": ("warp_specialize", "num_warps", "NVMMADistributedLayout",
                                            "NVMMASharedLayout", "DotOperandLayout", "SliceLayout",
                                            "allocate_shared_memory", "static_range", "convert_layout"),
@@ -88,52 +92,53 @@ _GLUON_SM90_API = {
 
 @functools.lru_cache(maxsize=None)
 def gluon_sm90_available() -> bool:
-    """Whether this Triton's Gluon has the Hopper API prefill_sm90.py is written against (every name, or one of
-    each "a|b" pair, in _GLUON_SM90_API). Where it has not, the portable forward runs. CI cross-compiles the
+    """Whether this Triton's Gluon has the Hopper API jit/sm90.py is written against (every name, or one of
+    each "a|b" pair, in GLUON_SM90_API). Where it has not, the portable forward runs. CI cross-compiles the
     kernel for sm_90 under each Triton of the supported range where this holds."""
     import importlib
 
     try:
-        modules = {name: importlib.import_module(name) for name in _GLUON_SM90_API}
+        modules = {name: importlib.import_module(name) for name in GLUON_SM90_API}
     except ImportError:
         return False
     return all(any(hasattr(modules[name], alt) for alt in attr.split("|"))
-               for name, attrs in _GLUON_SM90_API.items() for attr in attrs)
+               for name, attrs in GLUON_SM90_API.items() for attr in attrs)
 
 
 def prefill_fwd_sm90_config(options: AttnOptions, dtype: torch.dtype, seqlen_k: int,
                             target: Optional[Target]) -> Optional[AttnConfig]:
     """The warp-specialized Hopper forward's config for a dense call without dropout whose tensors
-    descriptors can address, or None where fwd_kernel is chosen (see _SM90_WS_FWD)."""
+    descriptors can address, or None where fwd_kernel is chosen (see SM90_WS_FWD)."""
     if target is None or target.capability[0] != 9 or target.smem_per_block < HOPPER_SMEM:
         return None
     if options.head_dim != 128 or options.head_dim_pad != 128 or dtype not in (torch.float16, torch.bfloat16):
         return None
     if seqlen_k < SM90_WS_MIN_KEYS[options.causal] or os.environ.get("TRITONATTN_SM90", "1") == "0":
         return None
-    return _SM90_WS_FWD if gluon_sm90_available() else None
+    return SM90_WS_FWD if gluon_sm90_available() else None
 
 
 # Ampere/Ada with 99 KB or more smem per block (A10, Colab's L4, A100): tiles that fit.
-_SMALL_SMEM_FWD = {
+SMALL_SMEM_FWD = {
     16: AttnConfig(128, 64, 4, 3),
     32: AttnConfig(128, 64, 4, 3),
     64: AttnConfig(128, 64, 4, 3),
     128: AttnConfig(128, 64, 8, 2),
     256: AttnConfig(64, 32, 4, 2),
 }
+
+
 # Turing (T4: 64 KB per block, no bf16): the largest tiles whose compile fits it.
-_TINY_SMEM_FWD = {
+TINY_SMEM_FWD = {
     16: AttnConfig(128, 64, 4, 3),
     32: AttnConfig(128, 64, 4, 3),
     64: AttnConfig(64, 64, 4, 2),
     128: AttnConfig(64, 32, 4, 2),
     256: AttnConfig(32, 16, 4, 1),
 }
-SMALL_SMEM = 96 * 1024  # a device with less smem per block than this (T4) gets the tiny tables
 
-# The kernels' shared memory for each config is checked by compiling it for every card in
-# tritonattn._utils.TARGETS (tests/test_config_fitness.py); fp32, rarely used, gets one small config per class.
+
+SMALL_SMEM = 96 * 1024  # a device with less smem per block than this (T4) gets the tiny tables
 
 
 def is_hopper_class(target: Target) -> bool:
@@ -155,27 +160,31 @@ def prefill_fwd_config(head_dim_pad: int, dtype: torch.dtype, causal: bool, targ
         if is_hopper_class(target) or (target.smem_per_block >= SMALL_SMEM and head_dim_pad <= 128):
             return AttnConfig(64, 32, 4, 2)
         return AttnConfig(32, 32, 4, 1) if head_dim_pad <= 128 else AttnConfig(16, 16, 4, 1)
-    return _table(target, _HOPPER_FWD, _SMALL_SMEM_FWD, _TINY_SMEM_FWD)[head_dim_pad]
+    return _table(target, HOPPER_FWD, SMALL_SMEM_FWD, TINY_SMEM_FWD)[head_dim_pad]
 
 
 # Backward: (dK/dV config, dQ config). dK/dV programs own BLOCK_N keys and stream queries in
 # BLOCK_M steps; dQ programs own BLOCK_M queries and stream keys in BLOCK_N steps.
-_HOPPER_BWD = {
+HOPPER_BWD = {
     16: (AttnConfig(64, 128, 4, 3, True), AttnConfig(128, 64, 4, 3, True)),
     32: (AttnConfig(64, 128, 4, 3, True), AttnConfig(128, 64, 4, 3, True)),
     64: (AttnConfig(64, 128, 8, 3, True), AttnConfig(128, 64, 8, 3, True)),
     128: (AttnConfig(64, 128, 8, 3, True), AttnConfig(128, 64, 8, 3, True)),  # swept on an H200
     256: (AttnConfig(32, 64, 4, 2, True), AttnConfig(64, 32, 4, 2, True)),
 }
-_SMALL_SMEM_BWD = {
+
+
+SMALL_SMEM_BWD = {
     16: (AttnConfig(32, 64, 4, 2), AttnConfig(64, 32, 4, 2)),
     32: (AttnConfig(32, 64, 4, 2), AttnConfig(64, 32, 4, 2)),
     64: (AttnConfig(32, 64, 4, 2), AttnConfig(64, 32, 4, 2)),
     128: (AttnConfig(32, 64, 4, 2), AttnConfig(64, 32, 4, 2)),
     256: (AttnConfig(16, 32, 4, 1), AttnConfig(32, 16, 4, 1)),
 }
-_TINY_SMEM_BWD = {  # the 99 KB table, with smaller tiles where it outgrows a T4's 64 KB
-    **_SMALL_SMEM_BWD,
+
+
+TINY_SMEM_BWD = {  # the 99 KB table, with smaller tiles where it outgrows a T4's 64 KB
+    **SMALL_SMEM_BWD,
     128: (AttnConfig(32, 32, 4, 2), AttnConfig(32, 32, 4, 2)),
     256: (AttnConfig(16, 16, 4, 1), AttnConfig(16, 16, 4, 1)),
 }
@@ -201,11 +210,11 @@ def prefill_bwd_config(
         if head_dim_pad <= 128:
             return AttnConfig(16, 32, 4, 1), AttnConfig(32, 16, 4, 1)
         return AttnConfig(16, 16, 4, 1), AttnConfig(16, 16, 4, 1)  # D = 256: K, V and dK, dV stay resident
-    return _table(target, _HOPPER_BWD, _SMALL_SMEM_BWD, _TINY_SMEM_BWD)[head_dim_pad]
+    return _table(target, HOPPER_BWD, SMALL_SMEM_BWD, TINY_SMEM_BWD)[head_dim_pad]
 
 
 # --------------------------------------------------------------------------------------------
-# Decode (kernels/tritonattn/decode_kernels.py): one program streams one split of one (request, KV head)'s cache for
+# Decode (kernels/tritonattn/jit/decode.py): one program streams one split of one (request, KV head)'s cache for
 # a block of up to `max_rows` query rows (the q heads of the group x seqlen_q). Decode is bound by
 # memory bandwidth, so the configs aim at deep load pipelines rather than big tiles.
 # --------------------------------------------------------------------------------------------
@@ -220,45 +229,74 @@ class DecodeConfig:
 
 
 INTERPRETER_DECODE_CONFIG = DecodeConfig(block_n=32, num_warps=4, num_stages=1)
+
+
 INTERPRETER_SM_COUNT = 4  # what the split heuristic assumes when there is no GPU to ask
+
+
 DECODE_MIN_BLOCKS_PER_SPLIT = 1  # a split streams at least this many BLOCK_N blocks (see decode_num_splits)
+
+
 DECODE_MAX_SPLITS = 64
+
+
 DECODE_FULL_GRID = 0.8  # this many programs per SM or more: no split (flash-attn's rule)
+
+
 DECODE_PAGED_WAVES = 2  # a paged cache's splits fill this many programs per SM (see decode_num_splits)
+
+
 DECODE_PAGED_WAVE_MIN_BLOCKS = 4  # ... but the splits past one wave's count keep this many blocks each
+
+
 # A paged cache's decode runs at most this many pipeline stages (the dense config's 4 on Hopper): at 3 the
 # kernel's shared memory fits 3 programs per SM instead of 2, and it runs faster at split and one-wave
 # shapes; smaller key blocks (BLOCK_N 16 or 32 for P = 16) are slower than either. The dense cache keeps
 # 4: there 3 stages win at some shapes and lose at others (docs/perf-notes.md, Paged decode, "Plans").
 DECODE_PAGED_STAGES = 3
+
+
 # ... except in a deep grid: unsplit, with at least DECODE_DEEP_GRID programs per SM (more than one wave of
 # the capped kernel, see decode_paged_tiles), where a cache of at least DECODE_DEEP_MIN_BLOCKS key blocks per
 # request keeps the config's stages, and a key block that would gather more than DECODE_GATHER_MAX_PAGES
 # pages (P = 16 at BLOCK_N 128) halves BLOCK_N instead.
 DECODE_DEEP_GRID = 3
+
+
 DECODE_DEEP_MIN_BLOCKS = 32
-DECODE_GATHER_MAX_PAGES = 4  # physical_blocks in kernels/tritonattn/_jit.py looks up one entry per page up to this
+
+
+DECODE_GATHER_MAX_PAGES = 4  # jit/common.py's physical_blocks looks up one entry per page up to this
+
+
 # A split of at most this many BLOCK_N blocks streams them all through one masked loop instead of an
 # unmasked loop plus a masked one for its ragged tail (see [Note] One loop for short splits in
-# decode_kernels.py); pools that gather a key block from several pages (P % BLOCK_N != 0) only up to the
+# jit/decode.py); pools that gather a key block from several pages (P % BLOCK_N != 0) only up to the
 # second count. Both counts are where one loop stops being faster on an H200 (docs/perf-notes.md, Decode,
 # "One loop for short splits").
 DECODE_ONE_LOOP_MAX_BLOCKS = 32
+
+
 DECODE_ONE_LOOP_MAX_BLOCKS_GATHER = 16
+
+
 DECODE_PDL = os.environ.get("TRITONATTN_PDL", "1") not in ("0", "")  # read once, at import (see decode_use_pdl)
+
 
 # Hopper (227 KB smem): K and V tiles of 2-byte dtypes, num_stages deep. key: head_dim_pad.
 # D=128 is the pick of an H200 sweep (benchmarks/tune_decode.py; docs/perf-notes.md, Decode, "Config"): the
 # fastest, or within 1% of it, at the bandwidth-bound shapes. The other head dims are not swept.
-_HOPPER_DECODE = {
+HOPPER_DECODE = {
     16: DecodeConfig(128, 4, 4),
     32: DecodeConfig(128, 4, 4),
     64: DecodeConfig(128, 4, 4),
     128: DecodeConfig(64, 4, 4),
     256: DecodeConfig(64, 4, 3),
 }
+
+
 # ~100 KB smem per block (Ampere/Ada, Colab's L4): stages x 2 x BLOCK_N x D x 2 bytes stays < 99 KB.
-_SMALL_SMEM_DECODE = {
+SMALL_SMEM_DECODE = {
     16: DecodeConfig(64, 4, 3),
     32: DecodeConfig(64, 4, 3),
     64: DecodeConfig(64, 4, 3),
@@ -271,7 +309,7 @@ def decode_config(head_dim_pad: int, dtype: torch.dtype, target: Optional[Target
     """Tile config for the decode kernel on `target` (None: the interpreter's one small config)."""
     if target is None:
         return INTERPRETER_DECODE_CONFIG
-    config = (_HOPPER_DECODE if is_hopper_class(target) else _SMALL_SMEM_DECODE)[head_dim_pad]
+    config = (HOPPER_DECODE if is_hopper_class(target) else SMALL_SMEM_DECODE)[head_dim_pad]
     if dtype == torch.float32:  # 4-byte tiles: halve the keys per stage
         config = DecodeConfig(max(16, config.block_n // 2), config.num_warps, config.num_stages)
     return config
@@ -280,6 +318,8 @@ def decode_config(head_dim_pad: int, dtype: torch.dtype, target: Optional[Target
 # Beyond its tiles the decode kernel stages a little for layout conversions: 4.5 KB at D = 256 on sm_89
 # and nothing on sm_90 by Triton's allocation (tests/test_config_fitness.py compiles every plan per card).
 DECODE_SMEM_SLACK = 8 * 1024
+
+
 DECODE_SMEM_SLACK_HOPPER = 1024
 
 
@@ -383,7 +423,7 @@ def decode_paged_tiles(config: DecodeConfig, page_size: int, programs: int, num_
     wave of the capped kernel the 4-stage plan is the faster one. Short caches (fewer than
     DECODE_DEEP_MIN_BLOCKS blocks) keep the cap, where the capped plan stays the faster one. A block
     of 8 pages (P = 16 at BLOCK_N 128) is a per-row gather; halved to 4 pages it takes one lookup per page
-    (see [Note] BLOCK_N vs page size in kernels/tritonattn/decode_kernels.py), faster in deep grids though
+    (see [Note] BLOCK_N vs page size in kernels/tritonattn/jit/decode.py), faster in deep grids though
     slower at split and one-wave shapes, which keep BLOCK_N. The timings behind each threshold:
     docs/perf-notes.md, Paged decode, "Plans".
     """
@@ -399,7 +439,11 @@ def decode_paged_tiles(config: DecodeConfig, page_size: int, programs: int, num_
 
 
 DECODE_REGISTERS_PER_SM = 65536  # 32-bit registers per SM from Volta to Hopper (Ada included)
+
+
 DECODE_CAPPED_PROGRAMS_PER_SM = 3  # programs of a stage-capped paged plan that Hopper's shared memory holds
+
+
 DECODE_MIN_REGISTER_CAP = 128  # decode_max_registers caps no lower than this
 
 
@@ -433,3 +477,44 @@ def decode_use_pdl(target: Optional[Target]) -> bool:
     results, hiding the second launch's latency. Hopper and newer only (sm_90+: `griddepcontrol`);
     off under the interpreter and with TRITONATTN_PDL=0 in the environment at import (DECODE_PDL)."""
     return target is not None and DECODE_PDL and target.capability[0] >= 9
+
+
+# With num_splits=0, flash_attn_with_kvcache runs the prefill kernel family instead of the decode
+# kernel from this many new tokens per request on, when the prefill grid also fills this fraction of
+# the SMs (`chunked_prefill_pays`, see [Note] Chunked prefill).
+CHUNKED_PREFILL_MIN_SEQLEN_Q = 128
+
+
+CHUNKED_PREFILL_MIN_WAVE = 0.8
+
+
+SPLIT_SCRATCH_CACHE_BYTES = 64 * 2**20  # larger split scratch is allocated per call, not kept
+
+
+# Registers: three warpgroups (two consumers, the loader's) x 128 threads x MAXNREG = 64512 of the SM's
+# 65536. After setmaxnreg each consumer thread holds CONSUMER_REGS (its [64, 128] fp32 output and scores,
+# and the bf16 probabilities), the loader's 24; one program per SM (160 KB of shared memory at D = 128).
+MAXNREG = 168
+
+
+# --------------------------------------------------------------------------------------------
+# Helper kernels: the backward's preprocessing, flash-attn's S_dmask, row blocks of the append and
+# rotary kernels, the split combine
+# --------------------------------------------------------------------------------------------
+BWD_PREPROCESS_BLOCK_M = 64  # query rows per program of the backward's preprocessing (rowsum(dO * O))
+
+
+def dropout_probs_tiles(head_dim_pad: int) -> tuple:
+    """(BLOCK_M, BLOCK_N) of flash-attn's S_dmask kernel (a test's tool): small, so that a T4's 64 KB of
+    shared memory holds q and k tiles of head dim 256 at 16 x 32."""
+    return (64, 64) if head_dim_pad <= 64 else (32, 32) if head_dim_pad <= 128 else (16, 32)
+
+
+def row_block(rows: int) -> int:
+    """Rows per program of the cache append and the rotary kernels: the next power of two, 16 to 64."""
+    return min(64, max(16, 1 << max(0, int(rows) - 1).bit_length()))
+
+
+def combine_num_warps(splits_pad: int, head_dim_pad: int) -> int:
+    """Warps of the split combine: 4 once a row's partials are 4096 elements or more, else 1."""
+    return 4 if splits_pad * head_dim_pad >= 4096 else 1

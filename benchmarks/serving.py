@@ -56,11 +56,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
-from ._utils import is_interpreter
-from .errors import InputError, InputTypeError
-from .kv_cache import PagedKVCache
-from .reference import attention_ref
-from .testing import check_close
+from tritonattn import InputError, InputTypeError, PagedKVCache, is_interpreter
+from tritonattn.testing import check_close, references
 
 VERIFY_MODES = ("all", "sample", "none")
 
@@ -117,13 +114,10 @@ def check_attention(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                     sliding_window: Optional[int] = None) -> Tuple[float, float]:
     """(err, bound) of `out` (M, H, D), the causal attention of q (M, H, D) over k, v (N, H_KV, D)
     aligned bottom-right (each query seeing at most `sliding_window` keys left of its own, when given),
-    against the fp32 reference, by the error rule of kernels/tritonattn/testing.py; err is inf when out is not
+    against the fp32 reference, by the error rule of tritonattn.testing; err is inf when out is not
     finite."""
-    q, k, v = q[None], k[None], v[None]
     window = (-1, -1) if sliding_window is None else (sliding_window, 0)
-    ref32, _ = attention_ref(q.float(), k.float(), v.float(), causal=True, window_size=window)
-    same = ref32 if q.dtype == torch.float32 else attention_ref(q, k, v, causal=True, window_size=window,
-                                                                upcast=False)[0]
+    ref32, _, same = references(q[None], k[None], v[None], causal=True, window_size=window)
     _, err, bound = check_close(out[None], ref32, same)
     return err, bound
 
@@ -233,7 +227,7 @@ class ServingEngine:
             requests = [requests]
         for i, r in enumerate(requests):
             if not isinstance(r, Request):
-                raise InputTypeError(f"Expected tritonattn.serving.Request objects, got {type(r).__name__} "
+                raise InputTypeError(f"Expected benchmarks.serving.Request objects, got {type(r).__name__} "
                                      f"at index {i}.")
             _positive_int(f"prompt_len of request {i}", r.prompt_len)
             _positive_int(f"max_new_tokens of request {i}", r.max_new_tokens, minimum=0)
@@ -422,7 +416,7 @@ class ServingEngine:
         if not ok and self.strict:
             raise VerificationError(
                 f"step {self.clock}: request {a.rid} {kind} of tokens [{start}, {end}) over {end} keys: rel err "
-                f"{err:.3e} > bound {bound:.3e} against tritonattn.reference.attention_ref (causal bottom-right).")
+                f"{err:.3e} > bound {bound:.3e} against tritonattn.testing.attention_ref (causal bottom-right).")
 
     def _retire(self, a: _Active) -> None:
         self.cache.free(a.slot)

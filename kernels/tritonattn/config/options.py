@@ -1,29 +1,25 @@
-"""`AttnOptions`: what one attention call computes, split into what is compiled and what is passed.
+"""`AttnOptions`: what one attention call computes, split into what is compiled and what is passed; and
+`Dropout`, the dropout of one call.
 
-Every path -- prefill forward and backward, varlen, kvcache dense and paged, chunked prefill, and the
-KV-cache helpers and serving engine through them -- turns its public arguments into one frozen
-`AttnOptions` (`attn_options`, which validates them) and hands it down. No launcher lists an option
-by hand:
+Every path -- prefill forward and backward, varlen, kvcache dense and paged, chunked prefill, the
+primitives, the custom ops, and the cache classes through them -- gets one frozen `AttnOptions` from
+the api layer's one translation of flash-attn's arguments (`api.args.attention_call`, which validates
+them) and hands it down. No launcher lists an option by hand:
 
 - `options.constexprs`: the compiled part, a `tl.constexpr` of every attention kernel (head dim and
-  its power-of-two tile, causal). Another value compiles another kernel.
+  its power-of-two tile, causal, which variants are on). Another value compiles another kernel.
 - `options.runtime`: the runtime part, plain kernel arguments named like the kernel parameters
-  (softmax_scale). Another value never recompiles.
-- `options.compiled`: the compiled part as a hashable tuple. Launch caches (kernels/tritonattn/_launch.py) and
-  decode's replays (kernels/tritonattn/decode.py) key on it; a replay fills `options.runtime` into the recorded
+  (softmax_scale, the window sides, softcap). Another value never recompiles.
+- `options.compiled`: the compiled part as a hashable tuple. Launch caches (launch/fast.py) and
+  decode's replays (launch/replay.py) key on it; a replay fills `options.runtime` into the recorded
   launch by parameter name, so a call with another runtime value reuses the launch with its own value.
 
-Attention kernels take `**options.constexprs, **options.runtime`; helper kernels that do no attention
-(the backward's preprocessing, the cache append, the split combine) take `**options.tile`. A kernel
-that lacks a parameter for an option fails at its first launch (an unexpected keyword), never silently.
-
-Adding an option (the sliding window is one) -- see docs/design.md:
-1. a field here whose default means "off", validated in `attn_options`;
-2. its compiled part in `constexprs` (HAS_WINDOW) and its values in `runtime` (window_left,
-   window_right), so a new window size is a new argument, not a new kernel (the kernels list such
-   integers in `do_not_specialize`, so that not even Triton's divisibility specialisation recompiles);
-3. the parameters in every attention kernel and one place in kernels/tritonattn/_jit.py (the mask) that they call;
-4. the reference (kernels/tritonattn/reference.py) and the tests (tests/test_options.py checks every field).
+A per-call tensor (ALiBi slopes, sinks, seqused_k) is a compiled flag here (HAS_ALIBI, ...) and a kernel
+argument the translation validates (`AttnCall.tensors`). Attention kernels take `**options.constexprs,
+**options.runtime, **tensors`; helper kernels that do no attention (the backward's preprocessing, the
+cache append, the split combine) take `**options.tile`. A kernel that lacks a parameter for an option
+fails at its first launch (an unexpected keyword), never silently. The recipe for a new option, and
+the files it touches: docs/design.md.
 """
 
 from __future__ import annotations
@@ -33,7 +29,9 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
-from .errors import InputError, InputTypeError
+import torch
+
+from ..errors import InputError, InputTypeError
 
 
 def head_dim_tile(head_dim: int) -> int:
@@ -54,6 +52,8 @@ class AttnOptions:
     softcap: runtime, compiled as HAS_SOFTCAP (> 0): scaled scores s become softcap * tanh(s / softcap).
     alibi: compiled (HAS_ALIBI): the scores gain -slope * |d - j|, slopes passed per call (a tensor).
     sinks: compiled (HAS_SINKS): each row's softmax denominator gains exp(sink), per head (a tensor).
+    seqused_k: compiled (HAS_SEQUSED_K): packed sequence b attends to the first seqused_k[b] keys of its
+        cu_seqlens_k span (a tensor; bottom-right alignment counts those keys only).
     """
 
     head_dim: int
@@ -64,6 +64,7 @@ class AttnOptions:
     softcap: float = 0.0
     alibi: bool = False
     sinks: bool = False
+    seqused_k: bool = False
 
     @property
     def has_window(self) -> bool:
@@ -73,7 +74,8 @@ class AttnOptions:
     def constexprs(self) -> Dict[str, Any]:
         """The compiled part, by kernel parameter name."""
         return {**self.tile, "IS_CAUSAL": self.causal, "HAS_WINDOW": self.has_window,
-                "HAS_SOFTCAP": self.softcap > 0.0, "HAS_ALIBI": self.alibi, "HAS_SINKS": self.sinks}
+                "HAS_SOFTCAP": self.softcap > 0.0, "HAS_ALIBI": self.alibi, "HAS_SINKS": self.sinks,
+                "HAS_SEQUSED_K": self.seqused_k}
 
     @functools.cached_property
     def runtime(self) -> Dict[str, Any]:
@@ -95,13 +97,8 @@ class AttnOptions:
     def head_dim_pad(self) -> int:
         return self.tile["HEAD_DIM_PAD"]
 
-    @property
-    def has_variant(self) -> bool:
-        """A window, softcap, ALiBi or sinks: what only the prefill kernels implement."""
-        return self.has_window or self.softcap > 0.0 or self.alibi or self.sinks
 
-
-def _resolve_scale(softmax_scale, head_dim: int) -> float:
+def resolve_scale(softmax_scale, head_dim: int) -> float:
     if softmax_scale is None:
         return head_dim**-0.5
     try:
@@ -119,7 +116,7 @@ def _resolve_scale(softmax_scale, head_dim: int) -> float:
 
 @functools.lru_cache(maxsize=1024)
 def _cached_options(head_dim: int, softmax_scale: Optional[float], causal: bool, window: Tuple[int, int],
-                    softcap: float, alibi: bool, sinks: bool) -> AttnOptions:
+                    softcap: float, alibi: bool, sinks: bool, seqused_k: bool) -> AttnOptions:
     left, right = (max(w, -1) for w in window)  # any negative side is unbounded
     if causal:
         right = 0
@@ -127,11 +124,12 @@ def _cached_options(head_dim: int, softmax_scale: Optional[float], causal: bool,
         causal = True
     if causal and left == -1:
         right = -1  # plain causal: no window
-    return AttnOptions(head_dim, _resolve_scale(softmax_scale, head_dim), causal, left, right, softcap, alibi, sinks)
+    return AttnOptions(head_dim, resolve_scale(softmax_scale, head_dim), causal, left, right, softcap, alibi, sinks,
+                       seqused_k)
 
 
 def attn_options(head_dim: int, softmax_scale=None, causal=False, window=(-1, -1), softcap=0.0, alibi=False,
-                 sinks=False) -> AttnOptions:
+                 sinks=False, seqused_k=False) -> AttnOptions:
     """Validated `AttnOptions` (softmax_scale None: head_dim ** -0.5; it must be finite and positive).
 
     window (left, right) is normalised: a negative side is unbounded (-1), causal makes the right side
@@ -140,14 +138,14 @@ def attn_options(head_dim: int, softmax_scale=None, causal=False, window=(-1, -1
 
     Options are cached by value, so a decode loop builds each one once (a tensor softmax_scale is
     read when the options are built). The head dim itself is checked by the public functions
-    (kernels/tritonattn/_utils.py `_validate_head_dim`).
+    (api/validate.py `validate_head_dim`).
     """
     causal, head_dim = bool(causal), int(head_dim)
     if type(softmax_scale) not in (float, int, type(None)):  # a numpy scalar, a 0-d tensor: its value now
-        softmax_scale = _resolve_scale(softmax_scale, head_dim)
-    window = _window_pair(window) if type(window) is not tuple or window != (-1, -1) else window
+        softmax_scale = resolve_scale(softmax_scale, head_dim)
+    window = window_pair(window) if type(window) is not tuple or window != (-1, -1) else window
     return _cached_options(head_dim, softmax_scale, causal, window, _resolve_softcap(softcap), bool(alibi),
-                           bool(sinks))
+                           bool(sinks), bool(seqused_k))
 
 
 def _resolve_softcap(softcap) -> float:
@@ -160,7 +158,7 @@ def _resolve_softcap(softcap) -> float:
     return cap
 
 
-def _window_pair(window_size) -> Tuple[int, int]:
+def window_pair(window_size) -> Tuple[int, int]:
     """flash-attn's window_size: a pair of ints, or a 2-element tensor as its tests pass."""
     if hasattr(window_size, "tolist"):
         window_size = window_size.tolist()
@@ -173,40 +171,26 @@ def _window_pair(window_size) -> Tuple[int, int]:
     return int(left), int(right)
 
 
-def resolve_variants(window_size, softcap, causal: bool, seqlen_k: int) -> dict:
-    """flash-attn's window_size and softcap as `attn_options` keywords (causal, window, softcap),
-    checked before any launch.
+@dataclass(frozen=True)
+class Dropout:
+    """Dropout of the attention probabilities (see [Note] Dropout in kernels/tritonattn/jit/prefill_fwd.py).
 
-    flash-attn's rules: a negative side is unbounded, causal means right = 0, and a side reaching
-    seqlen_k or past it is unbounded, so (-1, -1) is no window and (-1, 0) is causal; softcap <= 0 is
-    off. For packed sequences seqlen_k is max_seqlen_k.
+    p: the probability of dropping, in (0, 1); a pair is kept when its 16-bit draw is below
+        keep_threshold = round((1 - p) * 2^16), and kept probabilities are scaled by 2^16 / keep_threshold
+        (1 / (1 - p) up to that rounding: the expectation stays exact).
+    rng_state: int64 (2,) on the inputs' device, (seed, salt) of the Philox bits; the forward draws it
+        (`dropout`), the backward and `dropout_probs` take the same one back.
     """
-    if type(window_size) is not tuple or window_size != (-1, -1):
-        left, right = _window_pair(window_size)
-        left = -1 if left < 0 or left >= seqlen_k else left
-        right = -1 if right < 0 or right >= seqlen_k else right
-        window_size = (left, right)
-    try:
-        softcap = max(float(softcap if softcap is not None else 0.0), 0.0)
-    except (TypeError, ValueError):
-        raise InputTypeError(f"Expected softcap to be a number, got {type(softcap).__name__}.") from None
-    return dict(causal=bool(causal), window=window_size, softcap=softcap)
 
+    p: float
+    rng_state: torch.Tensor
 
-def refuse_variants(options: AttnOptions, where: str) -> None:
-    """NotImplementedError, before any launch, for a variant that `where` does not implement."""
-    if options.has_variant:
-        asked = [name for name, on in (("a sliding window", options.has_window), ("softcap", options.softcap > 0),
-                                       ("ALiBi", options.alibi), ("sinks", options.sinks)) if on]
-        raise NotImplementedError(f"{where} does not implement {', '.join(asked)} yet; flash_attn_func and "
-                                  "flash_attn_varlen_func do.")
+    @property
+    def keep_threshold(self) -> int:
+        return round((1.0 - self.p) * 65536)
 
-
-def causal_without_variants(window_size, softcap, alibi_slopes, causal: bool, seqlen_k: int, where: str) -> bool:
-    """For a path without the variants: flash-attn's window_size / softcap / alibi_slopes resolved
-    (`resolve_variants`), NotImplementedError if they ask for a variant, else the causal flag they
-    leave ((-1, 0) is causal)."""
-    options = attn_options(16, None, alibi=alibi_slopes is not None, **resolve_variants(window_size, softcap, causal,
-                                                                                        seqlen_k))
-    refuse_variants(options, where)
-    return options.causal
+    @property
+    def kernel_args(self) -> dict:
+        """The forward's and backward's dropout arguments."""
+        return dict(Rng=self.rng_state, keep_threshold=self.keep_threshold, dropout_scale=65536 / self.keep_threshold,
+                    HAS_DROPOUT=True)

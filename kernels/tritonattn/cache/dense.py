@@ -1,0 +1,220 @@
+"""KV caches for generation on top of `flash_attn_with_kvcache` (api/kvcache.py).
+
+- `KVCache`: preallocated dense K/V buffers (batch, max_seqlen, nheads_k, head_dim) and lengths.
+- `PagedKVCache`: a pool of fixed-size pages shared by requests that come and go, with a free list
+  and a block table (PagedAttention, vLLM); `PoolExhaustedError` when the pool or the slots run out.
+
+Both keep their lengths twice: an int32 device tensor (what the kernels read, advanced in place, so a
+decode step never syncs with the host and can be captured in a CUDA graph) and a host mirror (what
+the overflow and allocation checks read).
+
+Their methods keep host state, so under torch.compile they run eagerly, outside the graph (a graph
+break; an error with fullgraph=True). A compiled decode step calls `flash_attn_with_kvcache` on the
+buffers with the device lengths (`seqlens_device`), which compiles whole.
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+from typing import Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from ..api.kvcache import flash_attn_with_kvcache
+from ..api.prefill import flash_attn_func
+from ..api.validate import SUPPORTED_DTYPES, validate_head_dim, validate_tensor
+from ..api.validate_cache import check_host_lengths
+from ..config.hardware import default_device
+from ..errors import InputError, InputTypeError
+from ..launch.operands import empty_aligned
+
+NO_WINDOW = (-1, -1)  # flash-attn's window_size for none
+
+
+def eager_only(method):
+    """`method` as is, except under torch.compile: run eagerly there (torch.compiler.disable) rather than
+    traced, since dynamo would specialise on the host mirror's values."""
+    disabled, is_compiling = torch.compiler.disable(method), torch.compiler.is_compiling
+
+    @functools.wraps(method)
+    def call(*args, **kwargs):
+        return disabled(*args, **kwargs) if is_compiling() else method(*args, **kwargs)
+
+    return call
+
+
+def check_one_key_per_query(q, k, v) -> None:
+    """A cache's decode step appends one key per query token: k and v carry q's seqlen_q tokens, which
+    is what the lengths advance by (flash_attn_with_kvcache itself allows fewer new keys than queries)."""
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[1] != q.shape[1]:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise InputError(f"Expected {name} with q's {q.shape[1]} new tokens, (batch, {q.shape[1]}, nheads_k, "
+                             f"head_dim), got {shape}.")
+
+
+# ============================================================================================
+# KV cache helper
+# ============================================================================================
+class KVCache:
+    """Preallocated K/V buffers plus per-request lengths, for batched autoregressive generation.
+
+    Owns k_cache / v_cache of shape (batch, max_seqlen, nheads_k, head_dim) (rows 16-byte aligned: for a
+    head dim that is not a multiple of 8 in fp16/bf16, views of wider buffers) and the lengths, kept
+    twice: an int32 device tensor (what the kernel reads; advanced in place, so a decode step never
+    syncs with the host and can be captured in a CUDA graph) and a host mirror (what the overflow
+    checks read). Every method raises ValueError before an append could pass max_seqlen.
+
+        cache = KVCache(batch, max_seqlen, nheads_k, head_dim, dtype=torch.float16, device="cuda")
+        out = cache.prefill(q_prompt, k_prompt, v_prompt)        # causal prompt attention, fills the cache
+        for step in range(n):
+            out = cache.decode(q_t, k_t, v_t)                    # append + attend, lengths += seqlen_q
+
+    CUDA graphs: a captured `decode` advances the device lengths on every replay but the host mirror
+    only once, at capture; call `refresh_host_seqlens()` (one host sync) after replaying.
+    """
+
+    def __init__(self, batch: int, max_seqlen: int, nheads_k: int, head_dim: int, *,
+                 dtype: torch.dtype = torch.float16, device: Union[str, torch.device, None] = None):
+        for name, value in (("batch", batch), ("max_seqlen", max_seqlen), ("nheads_k", nheads_k)):
+            if not isinstance(value, numbers.Integral) or value < 1:
+                raise InputError(f"Expected {name} to be a positive int, got {value!r}.")
+        validate_head_dim(head_dim)
+        if dtype not in SUPPORTED_DTYPES:
+            raise InputTypeError(f"Expected dtype float16, bfloat16 or float32, got {dtype}.")
+        device = default_device() if device is None else torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        shape = (int(batch), int(max_seqlen), int(nheads_k), int(head_dim))
+        self.k_cache = empty_aligned(shape, dtype, device, zero=True)
+        self.v_cache = empty_aligned(shape, dtype, device, zero=True)
+        self._seqlens = torch.zeros(int(batch), dtype=torch.int32, device=device)
+        self._host = np.zeros(int(batch), dtype=np.int64)
+        self.batch, self.max_seqlen, self.nheads_k, self.head_dim = shape
+        self.dtype, self.device = dtype, device
+
+    # -- lengths ---------------------------------------------------------------------------------
+    @property
+    def seqlens(self) -> list:
+        """Current length of each request (host mirror, a list of ints)."""
+        return self._host.tolist()
+
+    @property
+    def seqlens_device(self) -> torch.Tensor:
+        """Current lengths as the int32 (batch,) device tensor the kernel reads (do not modify)."""
+        return self._seqlens
+
+    @eager_only
+    def refresh_host_seqlens(self) -> list:
+        """Copy the device lengths to the host mirror (one sync), e.g. after CUDA-graph replays."""
+        self._host = self._seqlens.cpu().numpy().astype(np.int64)
+        return self.seqlens
+
+    def _indices(self, batch_idx) -> Union[slice, torch.Tensor]:
+        """batch_idx (None, int, sequence or 1-D tensor of ints) -> a slice or an index tensor."""
+        if batch_idx is None:
+            return slice(0, self.batch)
+        if isinstance(batch_idx, numbers.Integral) and not isinstance(batch_idx, bool):
+            idx = [int(batch_idx)]
+        elif isinstance(batch_idx, torch.Tensor):
+            if batch_idx.dim() != 1 or batch_idx.dtype.is_floating_point or batch_idx.dtype == torch.bool:
+                raise InputError(f"Expected batch_idx to be a 1-D integer tensor, got {batch_idx.dtype} "
+                                 f"of shape {tuple(batch_idx.shape)}.")
+            idx = [int(i) for i in batch_idx.tolist()]
+        elif isinstance(batch_idx, Sequence):
+            idx = [int(i) for i in batch_idx]
+        else:
+            raise InputTypeError(
+                f"Expected batch_idx to be None, an int or a sequence of ints, got {type(batch_idx).__name__}."
+            )
+        if not idx:
+            raise InputError("Expected batch_idx to name at least one request.")
+        for i in idx:
+            if not 0 <= i < self.batch:
+                raise InputError(f"Expected batch indices in [0, {self.batch}), got {i}.")
+        if len(set(idx)) != len(idx):
+            raise InputError(f"Expected distinct batch indices, got {idx}.")
+        if idx == list(range(idx[0], idx[0] + len(idx))):
+            return slice(idx[0], idx[0] + len(idx))
+        return torch.tensor(idx, dtype=torch.long, device=self.device)
+
+    def _host_index(self, index):
+        return index if isinstance(index, slice) else index.cpu().numpy()
+
+    @eager_only
+    def reset(self, batch_idx=None) -> None:
+        """Forget the contents of the given requests (all by default): their lengths become 0."""
+        index = self._indices(batch_idx)
+        self._host[self._host_index(index)] = 0
+        self._seqlens[index] = 0
+
+    # -- prefill and decode ----------------------------------------------------------------------
+    @eager_only
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+                softmax_scale: Optional[float] = None, batch_idx=None, window_size=NO_WINDOW, softcap: float = 0.0,
+                alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Attention over prompts of one length with the prefill kernel; stores k/v in the cache.
+
+        q: (n, seqlen, nheads, head_dim), k/v: (n, seqlen, nheads_k, head_dim) for the n requests
+        named by batch_idx (all by default), whose caches must be empty (reset them first). Returns
+        tritonattn.flash_attn_func(q, k, v, causal=causal, ...) with the variants given (window_size,
+        softcap, alibi_slopes, sinks, as flash_attn_func takes them) and sets those requests' lengths
+        to seqlen.
+        """
+        index = self._indices(batch_idx)
+        host_index = self._host_index(index)
+        count = len(self._host[host_index])
+        for name, t in (("k", k), ("v", v)):
+            validate_tensor(name, t, 4, "(n, seqlen, nheads_k, headdim)")
+            expected = (count, k.shape[1] if isinstance(k, torch.Tensor) else -1, self.nheads_k, self.head_dim)
+            if tuple(t.shape) != expected:
+                raise InputError(f"Expected {name} of shape (n, seqlen, nheads_k, head_dim) = {expected} for "
+                                 f"{count} requests, got {tuple(t.shape)}.")
+            if t.dtype != self.dtype or t.device != self.device:
+                raise InputError(f"Expected {name} as {self.dtype} on {self.device} (the cache's), got {t.dtype} "
+                                 f"on {t.device}.")
+        if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[0] != count or q.shape[1] != k.shape[1]:
+            raise InputError(f"Expected q of shape ({count}, {k.shape[1]}, nheads, {self.head_dim}), got "
+                             f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}.")
+        seqlen = k.shape[1]
+        busy = np.nonzero(self._host[host_index] != 0)[0]
+        if len(busy):
+            request = int(np.arange(self.batch)[host_index][busy[0]])
+            raise InputError(f"Expected empty caches for prefill, but request {request} holds "
+                             f"{int(self._host[request])} tokens; call reset() first.")
+        if seqlen > self.max_seqlen:
+            raise InputError(f"KV cache overflow: prompt of {seqlen} tokens > max_seqlen {self.max_seqlen}.")
+        out = flash_attn_func(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                              softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+        self.k_cache[index, :seqlen] = k
+        self.v_cache[index, :seqlen] = v
+        self._host[host_index] = seqlen
+        self._seqlens[index] = seqlen
+        return out
+
+    @eager_only
+    def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+               softmax_scale: Optional[float] = None, num_splits: int = 0, window_size=NO_WINDOW,
+               softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None,
+               sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """One decode step for the whole batch: append k/v (batch, seqlen_q, nheads_k, head_dim) at
+        each request's length, attend q (batch, seqlen_q, nheads, head_dim) over the cache (with the
+        variants given, as flash_attn_with_kvcache takes them), advance the lengths by seqlen_q
+        (device tensor in place, no host sync; host mirror). Returns out."""
+        if not isinstance(q, torch.Tensor) or q.dim() != 4:
+            raise InputError("Expected q of shape (batch, seqlen_q, nheads, head_dim).")
+        if k is None or v is None:
+            raise InputError("KVCache.decode appends: expected k and v (batch, seqlen_q, nheads_k, head_dim).")
+        check_one_key_per_query(q, k, v)
+        seqlen_q = q.shape[1]
+        if int(self._host.max()) + seqlen_q > self.max_seqlen:
+            check_host_lengths(self._host, seqlen_q, self.max_seqlen)
+        out = flash_attn_with_kvcache(q, self.k_cache, self.v_cache, k, v, cache_seqlens=self._seqlens,
+                                      softmax_scale=softmax_scale, causal=causal, num_splits=num_splits,
+                                      window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                                      sinks=sinks)
+        self._seqlens += seqlen_q
+        self._host += seqlen_q
+        return out

@@ -1,0 +1,1 @@
+"""torch.compile and SDPA: the custom ops dynamo traces (`ops`) and the SDPA flash provider (`sdpa`)."""

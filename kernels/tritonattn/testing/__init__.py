@@ -1,0 +1,32 @@
+"""What tests, notebooks and benchmarks check the kernels with: the eager references (`reference`: fp32 or
+fp64, any option), the error rule (`tolerance`), and the per-request reference of a batch of requests
+served from a cache (`requests`)."""
+
+from .reference import attention_padded_keys_ref, attention_ref, causal_mask, rotary_ref
+from .requests import per_request_references, references
+from .tolerance import (
+    AGREEMENT,
+    ATOL_FLOOR,
+    FP32_AGREEMENT,
+    FP32_GRAD_RTOL,
+    FP32_RTOL,
+    FWD_FACTOR,
+    GRAD_FACTOR,
+    LSE_ATOL,
+    LSE_FP32_GPU,
+    ZERO_RMS,
+    agreement_tolerance,
+    check_close,
+    check_dsinks,
+    check_lse,
+    error_bound,
+    lse_tolerance,
+    rel_err,
+)
+
+__all__ = [
+    "attention_ref", "attention_padded_keys_ref", "causal_mask", "rotary_ref", "references", "per_request_references",
+    "rel_err", "error_bound", "check_close",
+    "agreement_tolerance", "lse_tolerance", "check_lse", "check_dsinks", "FWD_FACTOR", "GRAD_FACTOR", "ATOL_FLOOR",
+    "FP32_RTOL", "FP32_GRAD_RTOL", "AGREEMENT", "FP32_AGREEMENT", "LSE_ATOL", "LSE_FP32_GPU", "ZERO_RMS",
+]
