@@ -50,6 +50,15 @@ def _sources() -> Dict[str, Path]:
     return {_module_name(p): p for p in files if "__pycache__" not in p.parts}
 
 
+def _from_target(node: ast.ImportFrom, package: str) -> str:
+    """The module a `from ... import` statement reads from, relative imports resolved against `package`."""
+    if not node.level:
+        return node.module or ""
+    base = package.split(".")
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def _imports(name: str, path: Path, known: Set[str]) -> Set[str]:
     """Every module `name` imports (first-party ones resolved to their module names, others by their
     top-level name)."""
@@ -59,12 +68,7 @@ def _imports(name: str, path: Path, known: Set[str]) -> Set[str]:
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - (node.level - 1)]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module
+            target = _from_target(node, package)
             found.add(target)
             found.update(f"{target}.{alias.name}" for alias in node.names if f"{target}.{alias.name}" in known)
     resolved = set()
@@ -246,12 +250,7 @@ def private_uses(name: str, source: str, known: Set[str], package: str) -> List[
                     modules[alias.asname or alias.name.split(".")[0]] = alias.name if alias.asname else (
                         alias.name.split(".")[0])
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - (node.level - 1)]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
+            target = _from_target(node, package)
             if target not in known and target.split(".")[0] not in {k.split(".")[0] for k in known}:
                 continue
             for alias in node.names:

@@ -15,7 +15,7 @@ import torch
 
 from ..config.hardware import is_interpreter
 from ..errors import InputError
-from ..launch.decode import VALIDATED_SIGNATURES, launch_kvcache, signature
+from ..launch.decode import launch_kvcache, signature
 from ..launch.fast import recording_active
 from ..launch.replay import REPLAYS, replay_key_of, run_replay
 from ..launch.rotary import rotate
@@ -33,6 +33,8 @@ from .validate_cache import (
 )
 
 _INTERPRET = is_interpreter()  # fixed when Triton decorated the kernels, at import
+# `signature`s of CUDA calls whose tensors passed validate_kvcache_inputs: a repeat skips the checks
+VALIDATED_SIGNATURES: set = set()
 
 
 def flash_attn_with_kvcache(

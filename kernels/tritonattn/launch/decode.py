@@ -49,12 +49,8 @@ split the keys and a small grid leaves SMs idle where the decode kernel splits. 
 where the two paths cross over on an H200 (benchmarks/tune_decode.py; docs/perf-notes.md, Chunked
 prefill, "Dispatch").
 
-[Note] Lengths on the device. cache_seqlens is read by the kernel, clamped to [0, N_CACHE]: a bad
-device length can give wrong results but never a read or write outside the buffers; appends past
-N_CACHE are dropped. Lengths known on the host (an int, a CPU tensor, KVCache, PagedKVCache) are
-checked before launch and overflow raises ValueError. cache_leftpad likewise: a device tensor is
-clamped to [0, cache_seqlens[b]] in the kernels, a CPU one checked on the host (`resolve_cache_leftpad`).
-
+[Note] Lengths on the device: see api/validate_cache.py (a device length is clamped by the kernels, a
+host-known one is checked before launch).
 """
 
 from __future__ import annotations
@@ -180,12 +176,6 @@ def one_loop(blocks_per_split: int, gathers: bool) -> bool:
     loop for short splits in jit/decode.py): splits of up to DECODE_ONE_LOOP_MAX_BLOCKS blocks, or of up to
     DECODE_ONE_LOOP_MAX_BLOCKS_GATHER when a key block gathers its rows from several pages."""
     return blocks_per_split <= (DECODE_ONE_LOOP_MAX_BLOCKS_GATHER if gathers else DECODE_ONE_LOOP_MAX_BLOCKS)
-
-
-VALIDATED_SIGNATURES: set = set()  # `signature`s of CUDA calls whose tensors passed validate_kvcache_inputs
-
-
-
 
 
 def signature(q, k_cache, v_cache, k, v, block_table) -> tuple:
