@@ -13,8 +13,6 @@ from ..config.hardware import bf16_unsupported, device_target, is_interpreter
 from ..errors import InputError, InputTypeError
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
 MIN_HEAD_DIM, MAX_HEAD_DIM = 1, 256  # any head dim: the tile is padded to a power of two and masked
 
 

@@ -68,8 +68,6 @@ HOPPER_FWD = {
 # slower at head dim 64 (an 82 KB program still holds an SM's registers alone). Hence: head dim 128, 2-byte
 # dtypes, dense, no dropout, at least 1024 keys (2048 causal).
 SM90_WS_FWD = AttnConfig(128, 128, 4, 2, True)
-
-
 SM90_WS_MIN_KEYS = {False: 1024, True: 2048}
 
 
@@ -126,8 +124,6 @@ SMALL_SMEM_FWD = {
     128: AttnConfig(128, 64, 8, 2),
     256: AttnConfig(64, 32, 4, 2),
 }
-
-
 # Turing (T4: 64 KB per block, no bf16): the largest tiles whose compile fits it.
 TINY_SMEM_FWD = {
     16: AttnConfig(128, 64, 4, 3),
@@ -136,8 +132,6 @@ TINY_SMEM_FWD = {
     128: AttnConfig(64, 32, 4, 2),
     256: AttnConfig(32, 16, 4, 1),
 }
-
-
 SMALL_SMEM = 96 * 1024  # a device with less smem per block than this (T4) gets the tiny tables
 
 
@@ -232,37 +226,21 @@ INTERPRETER_DECODE_CONFIG = DecodeConfig(block_n=32, num_warps=4, num_stages=1)
 
 
 INTERPRETER_SM_COUNT = 4  # what the split heuristic assumes when there is no GPU to ask
-
-
 DECODE_MIN_BLOCKS_PER_SPLIT = 1  # a split streams at least this many BLOCK_N blocks (see decode_num_splits)
-
-
 DECODE_MAX_SPLITS = 64
-
-
 DECODE_FULL_GRID = 0.8  # this many programs per SM or more: no split (flash-attn's rule)
-
-
 DECODE_PAGED_WAVES = 2  # a paged cache's splits fill this many programs per SM (see decode_num_splits)
-
-
 DECODE_PAGED_WAVE_MIN_BLOCKS = 4  # ... but the splits past one wave's count keep this many blocks each
-
-
 # A paged cache's decode runs at most this many pipeline stages (the dense config's 4 on Hopper): at 3 the
 # kernel's shared memory fits 3 programs per SM instead of 2, and it runs faster at split and one-wave
 # shapes; smaller key blocks (BLOCK_N 16 or 32 for P = 16) are slower than either. The dense cache keeps
 # 4: there 3 stages win at some shapes and lose at others (docs/perf-notes.md, Paged decode, "Plans").
 DECODE_PAGED_STAGES = 3
-
-
 # ... except in a deep grid: unsplit, with at least DECODE_DEEP_GRID programs per SM (more than one wave of
 # the capped kernel, see decode_paged_tiles), where a cache of at least DECODE_DEEP_MIN_BLOCKS key blocks per
 # request keeps the config's stages, and a key block that would gather more than DECODE_GATHER_MAX_PAGES
 # pages (P = 16 at BLOCK_N 128) halves BLOCK_N instead.
 DECODE_DEEP_GRID = 3
-
-
 DECODE_DEEP_MIN_BLOCKS = 32
 
 
@@ -275,11 +253,7 @@ DECODE_GATHER_MAX_PAGES = 4  # jit/common.py's physical_blocks looks up one entr
 # second count. Both counts are where one loop stops being faster on an H200 (docs/perf-notes.md, Decode,
 # "One loop for short splits").
 DECODE_ONE_LOOP_MAX_BLOCKS = 32
-
-
 DECODE_ONE_LOOP_MAX_BLOCKS_GATHER = 16
-
-
 DECODE_PDL = os.environ.get("TRITONATTN_PDL", "1") not in ("0", "")  # read once, at import (see decode_use_pdl)
 
 
@@ -293,8 +267,6 @@ HOPPER_DECODE = {
     128: DecodeConfig(64, 4, 4),
     256: DecodeConfig(64, 4, 3),
 }
-
-
 # ~100 KB smem per block (Ampere/Ada, Colab's L4): stages x 2 x BLOCK_N x D x 2 bytes stays < 99 KB.
 SMALL_SMEM_DECODE = {
     16: DecodeConfig(64, 4, 3),
@@ -318,8 +290,6 @@ def decode_config(head_dim_pad: int, dtype: torch.dtype, target: Optional[Target
 # Beyond its tiles the decode kernel stages a little for layout conversions: 4.5 KB at D = 256 on sm_89
 # and nothing on sm_90 by Triton's allocation (tests/test_config_fitness.py compiles every plan per card).
 DECODE_SMEM_SLACK = 8 * 1024
-
-
 DECODE_SMEM_SLACK_HOPPER = 1024
 
 
@@ -442,8 +412,6 @@ DECODE_REGISTERS_PER_SM = 65536  # 32-bit registers per SM from Volta to Hopper 
 
 
 DECODE_CAPPED_PROGRAMS_PER_SM = 3  # programs of a stage-capped paged plan that Hopper's shared memory holds
-
-
 DECODE_MIN_REGISTER_CAP = 128  # decode_max_registers caps no lower than this
 
 
@@ -483,18 +451,19 @@ def decode_use_pdl(target: Optional[Target]) -> bool:
 # kernel from this many new tokens per request on, when the prefill grid also fills this fraction of
 # the SMs (`chunked_prefill_pays`, see [Note] Chunked prefill).
 CHUNKED_PREFILL_MIN_SEQLEN_Q = 128
-
-
 CHUNKED_PREFILL_MIN_WAVE = 0.8
 
 
 SPLIT_SCRATCH_CACHE_BYTES = 64 * 2**20  # larger split scratch is allocated per call, not kept
 
 
-# Registers: three warpgroups (two consumers, the loader's) x 128 threads x MAXNREG = 64512 of the SM's
-# 65536. After setmaxnreg each consumer thread holds CONSUMER_REGS (its [64, 128] fp32 output and scores,
-# and the bf16 probabilities), the loader's 24; one program per SM (160 KB of shared memory at D = 128).
-MAXNREG = 168
+# Registers of Hopper's warp-specialized forward (jit/sm90.py): three warpgroups (two consumers, the
+# loader's) x 128 threads x SM90_MAXNREG = 64512 of the SM's 65536. After setmaxnreg each consumer thread
+# holds SM90_CONSUMER_REGS (its [64, 128] fp32 output and scores, and the bf16 probabilities), the loader's
+# SM90_LOADER_REGS; one program per SM (160 KB of shared memory at D = 128).
+SM90_MAXNREG = 168
+SM90_CONSUMER_REGS = 240
+SM90_LOADER_REGS = 24
 
 
 # --------------------------------------------------------------------------------------------

@@ -42,11 +42,7 @@ import triton
 import triton.language as tl
 
 LN2 = tl.constexpr(0.6931471805599453)  # ln(2): log(x) == log2(x) * LN2
-
-
 LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): exp(x) == exp2(x * LOG2E)
-
-
 INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")  # no PTX under the interpreter
 
 

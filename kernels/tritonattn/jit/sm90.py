@@ -33,20 +33,17 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from ..config.tables import SM90_CONSUMER_REGS, SM90_LOADER_REGS
 from .common import LOG2E, finalize, key_range, query_block, score_units, softmax_step, variant_scores, window_extent
 
 # The TMA copies under this Triton's names: async_load / async_store from Triton 3.8 (3.9 removed the old
 # names), async_copy_global_to_shared / async_copy_shared_to_global before; same arguments, same operations.
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-
-
 tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 
-CONSUMER_REGS = gl.constexpr(240)
-
-
-LOADER_REGS = gl.constexpr(24)
+CONSUMER_REGS = gl.constexpr(SM90_CONSUMER_REGS)  # register budgets after setmaxnreg (config/tables.py)
+LOADER_REGS = gl.constexpr(SM90_LOADER_REGS)
 
 
 @gluon.constexpr_function

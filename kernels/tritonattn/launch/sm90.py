@@ -8,7 +8,7 @@ import torch
 import triton
 
 from ..config.options import AttnOptions
-from ..config.tables import MAXNREG, AttnConfig
+from ..config.tables import SM90_MAXNREG, AttnConfig
 from ..jit.sm90 import fwd_kernel_sm90_ws
 from .fast import LaunchCache
 
@@ -27,4 +27,4 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
             nheads, seqlen_q, seqlen_k, nheads // nheads_k)
     kwargs = dict(**options.runtime, **options.constexprs, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                   NUM_STAGES=config.num_stages, **(tensors or {}))
-    _ws_launcher(None, grid, args, config.num_warps, 1, kwargs, q.device.index or 0, maxnreg=MAXNREG)
+    _ws_launcher(None, grid, args, config.num_warps, 1, kwargs, q.device.index or 0, maxnreg=SM90_MAXNREG)

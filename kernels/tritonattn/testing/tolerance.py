@@ -26,33 +26,19 @@ import torch
 from ..config.hardware import is_interpreter
 
 FWD_FACTOR, GRAD_FACTOR = 2.0, 3.0
-
-
 ATOL_FLOOR = {torch.float16: 1e-3, torch.bfloat16: 4e-3}
-
-
 # float32: (under the interpreter, on a GPU); gradients sum in another order than autograd's
 FP32_RTOL = (1e-5, 5e-3)
-
-
 FP32_GRAD_RTOL = (1e-5, 1e-2)
-
-
 # two kernel paths on the same data: (float16, bfloat16, float32 under the interpreter, float32 on a GPU)
 AGREEMENT = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
-
-
 FP32_AGREEMENT = (1e-5, 5e-3)
-
-
 # Natural-log LSE: kernel and reference both accumulate the scores in fp32 (exact products of
 # fp16/bf16 inputs), so they agree to fp32 rounding of the sum (~1e-6 under the interpreter). fp32
 # inputs on a GPU go through tf32, whose conversion truncates the mantissa to 10 bits: score errors
 # are biased and grow with |score|, so the LSE (dominated by the largest scores) gets a relative
 # term too (5.4e-3 at |lse| ~ 7 on an H200).
 LSE_ATOL = {torch.float16: 1e-3, torch.bfloat16: 1e-3, torch.float32: 1e-4}
-
-
 LSE_FP32_GPU = (5e-3, 2e-3)  # (atol, rtol)
 
 
