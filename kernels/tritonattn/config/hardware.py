@@ -31,6 +31,16 @@ def is_interpreter() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+# The switches a user sets in the environment (README, "Limits"): read here, nowhere else.
+FAST_LAUNCH = os.environ.get("TRITONATTN_FAST_LAUNCH", "1") not in ("0", "")  # at import: launch/fast.py
+PDL = os.environ.get("TRITONATTN_PDL", "1") not in ("0", "")  # at import: decode's combine launch
+
+
+def sm90_switch() -> bool:
+    """TRITONATTN_SM90 (read per call): "0" keeps the dense forward off Hopper's warp-specialized kernel."""
+    return os.environ.get("TRITONATTN_SM90", "1") != "0"
+
+
 def has_gpu() -> bool:
     """True when a CUDA device is usable by PyTorch."""
     return torch.cuda.is_available()

@@ -11,13 +11,12 @@ the interpreter one small config is used.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from .hardware import Target
+from .hardware import PDL, Target, has_tma, sm90_switch
 from .options import AttnOptions
 
 HOPPER_SMEM = 200 * 1024  # a device with at least this much smem per block gets the big-tile table
@@ -111,7 +110,7 @@ def prefill_fwd_sm90_config(options: AttnOptions, dtype: torch.dtype, seqlen_k: 
         return None
     if options.head_dim != 128 or options.head_dim_pad != 128 or dtype not in (torch.float16, torch.bfloat16):
         return None
-    if seqlen_k < SM90_WS_MIN_KEYS[options.causal] or os.environ.get("TRITONATTN_SM90", "1") == "0":
+    if seqlen_k < SM90_WS_MIN_KEYS[options.causal] or not sm90_switch():
         return None
     return SM90_WS_FWD if gluon_sm90_available() else None
 
@@ -254,7 +253,7 @@ DECODE_GATHER_MAX_PAGES = 4  # jit/common.py's physical_blocks looks up one entr
 # "One loop for short splits").
 DECODE_ONE_LOOP_MAX_BLOCKS = 32
 DECODE_ONE_LOOP_MAX_BLOCKS_GATHER = 16
-DECODE_PDL = os.environ.get("TRITONATTN_PDL", "1") not in ("0", "")  # read once, at import (see decode_use_pdl)
+DECODE_PDL = PDL  # TRITONATTN_PDL, read once at import (see decode_use_pdl)
 
 
 # Hopper (227 KB smem): K and V tiles of 2-byte dtypes, num_stages deep. key: head_dim_pad.
@@ -444,7 +443,7 @@ def decode_use_pdl(target: Optional[Target]) -> bool:
     kernel's programs start while the decode grid runs and wait in `griddepcontrol.wait` for its
     results, hiding the second launch's latency. Hopper and newer only (sm_90+: `griddepcontrol`);
     off under the interpreter and with TRITONATTN_PDL=0 in the environment at import (DECODE_PDL)."""
-    return target is not None and DECODE_PDL and target.capability[0] >= 9
+    return target is not None and DECODE_PDL and has_tma(target)  # PDL came with Hopper, as TMA did
 
 
 # With num_splits=0, flash_attn_with_kvcache runs the prefill kernel family instead of the decode

@@ -36,14 +36,14 @@ the LSE (backward: exp(s - lse) = 0; split merges: weight exp(lse_i - lse) = 0) 
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
+from ..config.hardware import is_interpreter
+
 LN2 = tl.constexpr(0.6931471805599453)  # ln(2): log(x) == log2(x) * LN2
 LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): exp(x) == exp2(x * LOG2E)
-INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")  # no PTX under the interpreter
+INTERPRET = tl.constexpr(is_interpreter())  # no PTX under the interpreter
 
 
 @triton.jit

@@ -17,14 +17,13 @@ import contextlib
 import functools
 import inspect
 import operator
-import os
 from typing import Any, Dict, Hashable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
-from ..config.hardware import Target, is_interpreter, planning_for
+from ..config.hardware import FAST_LAUNCH, Target, is_interpreter, planning_for
 
 
 def _hook_active(hook) -> bool:
@@ -69,7 +68,7 @@ class LaunchCache:
     and while Triton launch hooks are installed (profilers see every launch).
     """
 
-    enabled = os.environ.get("TRITONATTN_FAST_LAUNCH", "1") not in ("0", "") and not is_interpreter()
+    enabled = FAST_LAUNCH and not is_interpreter()
     max_entries = 1024
 
     def __init__(self, fn):
