@@ -14,7 +14,7 @@ import subprocess
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Union
 
-from tritonattn.config.hardware import env_summary, gpu_name
+from tritonattn import env_summary  # public names: the harness also runs against other trees (benchmarks.ab)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 Row = Dict[str, Any]  # one benchmark measurement: its fields plus the environment stamped by make_row
@@ -78,7 +78,7 @@ def write_csv(rows: Iterable[Mapping[str, Any]], name: str, results_dir: Union[s
     rows = [dict(r) for r in rows]
     if not rows:
         raise ValueError(f"Expected at least one row to write to {name}.csv, got none.")
-    gpus = {str(r.get("gpu") or gpu_name()) for r in rows}
+    gpus = {str(r.get("gpu") or env_summary()["gpu"]) for r in rows}
     if len(gpus) != 1:
         raise ValueError(f"Expected rows from one GPU per CSV, got {sorted(gpus)}; write each GPU's rows separately.")
     path = results_root(results_dir) / gpu_slug(gpus.pop()) / f"{name}.csv"
