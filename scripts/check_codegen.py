@@ -83,6 +83,27 @@ DENSE_VALUES = {
     "stride_vblk": None,
     "IS_KVCACHE": False,
     "KV_APPEND": False,
+    # the options at their defaults (no variant, no dropout, no seqused_k), as AttnOptions passes them
+    "window_left": -1,
+    "window_right": -1,
+    "softcap": 0.0,
+    "HAS_WINDOW": False,
+    "HAS_SOFTCAP": False,
+    "HAS_ALIBI": False,
+    "HAS_SINKS": False,
+    "HAS_SEQUSED_K": False,
+    "Alibi": None,
+    "stride_alibi_b": None,
+    "Sinks": None,
+    "Seqused_k": None,
+    "Rng": None,
+    "keep_threshold": None,
+    "dropout_scale": None,
+    "HAS_DROPOUT": False,
+    "WIDE_PAGES": False,
+    "N_NEW": None,
+    "Cache_leftpad": None,
+    "HAS_LEFTPAD": False,
 }
 # Constexprs a spec gives that older trees' kernels may not have yet (dropped for those): EARLY_NEW,
 # the decode kernel's early load of the new rows, which the dense launcher sets to APPEND, and ONE_LOOP,
@@ -290,7 +311,7 @@ def worker(pkg_root: Path, out: Path, shard: int, shards: int, archs, kernel_fil
     try:  # the layered layout's tables, else an older tree's flat module
         configs = importlib.import_module("tritonattn.config.tables")
     except ModuleNotFoundError:
-        configs = importlib.import_module("tritonattn.config.tables")
+        configs = importlib.import_module("tritonattn._configs")
     if pkg_root.resolve() not in Path(configs.__file__).resolve().parents:
         raise RuntimeError(f"imported {configs.__file__}, not the package under {pkg_root}")
     out.mkdir(parents=True, exist_ok=True)
@@ -365,9 +386,11 @@ def materialise(rev: str, dest: Path) -> str:
     pkg.mkdir(parents=True)
     if rev == WORKTREE:
         src = REPO / "kernels" / "tritonattn"
-        for f in sorted(src.iterdir()):
-            if f.is_file():
-                shutil.copy2(f, pkg / f.name)
+        for f in sorted(src.rglob("*.py")):  # the layers' folders too
+            if "__pycache__" not in f.parts:
+                target = pkg / f.relative_to(src)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(f, target)
         dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", "kernels"],
                                capture_output=True, text=True).stdout.split("\n")
         n = len([d for d in dirty if d])
