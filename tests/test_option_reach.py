@@ -17,7 +17,7 @@ import dataclasses
 import pytest
 import torch
 
-from helpers import DEVICE, INTERPRET, ON_GPU, assert_close_to_ref
+from helpers import DEVICE, ON_GPU, assert_close_to_ref
 from tritonattn import (
     KVCache,
     PagedKVCache,
@@ -273,7 +273,3 @@ def test_untaken_options_are_refused(entry, option):
     torch.manual_seed(0)
     with pytest.raises((TypeError, RuntimeError)):
         ENTRIES[entry](_base(OPTIONS[option]()))
-
-
-if INTERPRET:  # the interpreter runs each kernel slowly: the compiled entries' dynamo traces dominate
-    pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
