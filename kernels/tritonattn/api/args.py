@@ -22,8 +22,8 @@ from typing import Any, Dict, NamedTuple, Optional
 
 import torch
 
-from ..config.options import AttnOptions, Dropout, attn_options, window_pair
-from ..errors import InputError, InputTypeError
+from ..config.options import AttnOptions, Dropout, attn_options, softcap_number, window_pair
+from ..errors import InputError
 from .validate import validate_alibi_slopes, validate_dropout, validate_seqused_k, validate_sinks
 
 
@@ -88,11 +88,7 @@ def resolve_variants(window_size, softcap, causal: bool, seqlen_k: int) -> dict:
         left = -1 if left < 0 or left >= seqlen_k else left
         right = -1 if right < 0 or right >= seqlen_k else right
         window_size = (left, right)
-    try:
-        softcap = max(float(softcap if softcap is not None else 0.0), 0.0)
-    except (TypeError, ValueError):
-        raise InputTypeError(f"Expected softcap to be a number, got {type(softcap).__name__}.") from None
-    return dict(causal=bool(causal), window=window_size, softcap=softcap)
+    return dict(causal=bool(causal), window=window_size, softcap=max(softcap_number(softcap), 0.0))
 
 
 def dropout(p: float, device: torch.device, rng_state: Optional[torch.Tensor] = None) -> Optional[Dropout]:

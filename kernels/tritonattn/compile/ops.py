@@ -46,8 +46,8 @@ from ..api.args import attention_call, draw_rng_state
 from ..api.kvcache import flash_attn_with_kvcache
 from ..api.prefill import PAGED_VARLEN_NO_BACKWARD, TRACED, results, varlen_paged
 from ..api.validate import validate_dropout, validate_qkv, validate_varlen
-from ..config.options import window_pair
-from ..errors import InputError, InputTypeError
+from ..config.options import softcap_number, window_pair
+from ..errors import InputError
 from ..launch.backward import launch_backward, launch_varlen_backward
 from ..launch.prefill import launch_prefill, launch_varlen
 from ..launch.replay import uncached_scratch
@@ -180,11 +180,7 @@ def _scalars(window_size, softcap, softmax_scale):
     `args.attention_call`): (softmax_scale or None, window_left, window_right, softcap). Checked here,
     where dynamo traces, so that a bad value fails at the call, not inside the graph."""
     left, right = window_pair(window_size)
-    try:
-        cap = float(softcap if softcap is not None else 0.0)
-    except (TypeError, ValueError):
-        raise InputTypeError(f"Expected softcap to be a number, got {type(softcap).__name__}.") from None
-    return (None if softmax_scale is None else float(softmax_scale)), left, right, cap
+    return (None if softmax_scale is None else float(softmax_scale)), left, right, softcap_number(softcap)
 
 
 def rng_input(dropout_p, device) -> Optional[Tensor]:

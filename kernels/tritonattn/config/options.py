@@ -148,11 +148,17 @@ def attn_options(head_dim: int, softmax_scale=None, causal=False, window=(-1, -1
                            bool(sinks), bool(seqused_k))
 
 
-def _resolve_softcap(softcap) -> float:
+def softcap_number(softcap) -> float:
+    """softcap as a float (None: 0.0), or InputTypeError for what is not a number; its range is the caller's
+    rule (flash-attn's arguments: <= 0 is off; `attn_options`: finite and >= 0)."""
     try:
-        cap = float(softcap if softcap is not None else 0.0)
+        return float(softcap if softcap is not None else 0.0)
     except (TypeError, ValueError):
         raise InputTypeError(f"Expected softcap to be a number, got {type(softcap).__name__}.") from None
+
+
+def _resolve_softcap(softcap) -> float:
+    cap = softcap_number(softcap)
     if not (cap >= 0.0 and math.isfinite(cap)):
         raise InputError(f"Expected softcap to be finite and >= 0 (0: off), got {softcap}.")
     return cap
