@@ -90,14 +90,27 @@ def _pip_calls(tmp_path: Path):
 @pytest.mark.parametrize("hide_triton", [False, True], ids=["gpu-image-has-triton", "cpu-runtime-without-triton"])
 def test_first_cell_on_colab_clones_installs_and_never_touches_torch(tmp_path, bare_repo, hide_triton):
     """Clone, requirements.txt, the no-GPU line, the interpreter; pip never asked for torch, nor for Triton
-    when one is present; a re-run is idempotent (one clone, same root)."""
+    when one is present; a re-run is idempotent (one clone, same root). Where this machine's numpy is one
+    its Triton's interpreter fails with, the cell must stop at the import with the library's message."""
+    import numpy
     import torch
+    import triton
 
+    from tritonattn import _versions
+
+    try:  # what a CPU runtime with this machine's Triton and numpy meets at `import tritonattn`
+        _versions.check(triton.__version__, numpy.__version__, interpreting=True)
+        refused = None
+    except ImportError as exc:
+        refused = str(exc)
     run = _colab(tmp_path, bare_repo, hide_triton, runs=2)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     clone = tmp_path / "content" / "tritonattn"
-    roots = [line for line in run.stdout.splitlines() if line.startswith("ROOT ")]
-    assert roots == [f"ROOT {clone} False"] * 2, run.stdout
+    if refused:  # the cell stops at the import with the library's one-line fix, after cloning and installing
+        assert run.returncode != 0 and refused in run.stderr, run.stdout[-2000:] + run.stderr[-3000:]
+    else:
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+        roots = [line for line in run.stdout.splitlines() if line.startswith("ROOT ")]
+        assert roots == [f"ROOT {clone} False"] * 2, run.stdout
     assert "No GPU in this runtime: choose Runtime > Change runtime type > L4" in run.stdout
     assert (clone / "kernels" / "tritonattn" / "__init__.py").is_file()
     calls = _pip_calls(tmp_path)
