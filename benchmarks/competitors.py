@@ -9,55 +9,9 @@ from typing import Optional, Tuple
 
 import torch
 
-from tritonattn.testing import causal_mask
+from tritonattn.testing import attention_sdpa, causal_mask, sdpa_supports_enable_gqa
 
-_SDPA_GQA: dict = {}
-
-
-def sdpa_supports_enable_gqa() -> bool:
-    """True when this torch's scaled_dot_product_attention takes enable_gqa=True (torch >= 2.5); cached."""
-    if "ok" not in _SDPA_GQA:
-        q, kv = torch.zeros(1, 2, 1, 8), torch.zeros(1, 1, 1, 8)
-        try:
-            torch.nn.functional.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
-            _SDPA_GQA["ok"] = True
-        except (TypeError, RuntimeError):
-            _SDPA_GQA["ok"] = False
-    return _SDPA_GQA["ok"]
-
-
-def attention_sdpa(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    softmax_scale: Optional[float] = None,
-    causal: bool = False,
-) -> torch.Tensor:
-    """torch's scaled_dot_product_attention on our (batch, seqlen, heads, headdim) tensors.
-
-    Computes in the inputs' dtype (pass float32 tensors for an fp32 result) and returns (b, s, h, d).
-    GQA/MQA go through enable_gqa=True where this torch has it, else K/V are expanded with
-    repeat_interleave. SDPA's is_causal is aligned to the top-left corner, ours to the bottom-right:
-    the two agree only when seqlen_q == seqlen_k, so causal with seqlen_q != seqlen_k raises ValueError.
-    """
-    seqlen_q, nheads = q.shape[1], q.shape[2]
-    seqlen_k, nheads_k = k.shape[1], k.shape[2]
-    if causal and seqlen_q != seqlen_k:
-        raise ValueError(
-            f"SDPA's causal mask is aligned top-left and ours bottom-right; they agree only when seqlen_q == "
-            f"seqlen_k, got seqlen_q={seqlen_q}, seqlen_k={seqlen_k}. Use attention_ref instead."
-        )
-    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    if nheads != nheads_k:
-        if sdpa_supports_enable_gqa():
-            out = sdpa(qt, kt, vt, is_causal=causal, scale=softmax_scale, enable_gqa=True)
-            return out.transpose(1, 2)
-        group = nheads // nheads_k
-        kt, vt = kt.repeat_interleave(group, dim=1), vt.repeat_interleave(group, dim=1)
-    return sdpa(qt, kt, vt, is_causal=causal, scale=softmax_scale).transpose(1, 2)
-
+__all__ = ["attention_sdpa", "sdpa_supports_enable_gqa", "attention_eager", "decode_eager_slice", "decode_eager_cat"]
 
 # --------------------------------------------------------------------------------------------
 # The seed's two eager decode baselines (benchmark competitors, not ground truth)

@@ -1,8 +1,16 @@
 """What tests, notebooks and benchmarks check the kernels with: the eager references (`reference`: fp32 or
-fp64, any option), the error rule (`tolerance`), and the per-request reference of a batch of requests
-served from a cache (`requests`)."""
+fp64, any option; SDPA on the same layout), the error rule (`tolerance`), the per-request reference of a
+batch of requests served from a cache (`requests`), and check tables over lists of problems (`checks`, imported
+as `tritonattn.testing.checks`: it runs the public API, which this package's import does not need)."""
 
-from .reference import attention_padded_keys_ref, attention_ref, causal_mask, rotary_ref
+from .reference import (
+    attention_padded_keys_ref,
+    attention_ref,
+    attention_sdpa,
+    causal_mask,
+    rotary_ref,
+    sdpa_supports_enable_gqa,
+)
 from .requests import per_request_references, references
 from .tolerance import (
     AGREEMENT,
@@ -25,7 +33,8 @@ from .tolerance import (
 )
 
 __all__ = [
-    "attention_ref", "attention_padded_keys_ref", "causal_mask", "rotary_ref", "references", "per_request_references",
+    "attention_ref", "attention_padded_keys_ref", "attention_sdpa", "sdpa_supports_enable_gqa", "causal_mask",
+    "rotary_ref", "references", "per_request_references",
     "rel_err", "error_bound", "check_close",
     "agreement_tolerance", "lse_tolerance", "check_lse", "check_dsinks", "FWD_FACTOR", "GRAD_FACTOR", "ATOL_FLOOR",
     "FP32_RTOL", "FP32_GRAD_RTOL", "AGREEMENT", "FP32_AGREEMENT", "LSE_ATOL", "LSE_FP32_GPU", "ZERO_RMS",
