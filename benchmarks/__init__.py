@@ -6,6 +6,8 @@
 - benchmarks/suite.py    peers (SDPA backends, FlexAttention, eager), correctness checks, runners
 - benchmarks/report.py   tables, the README headline and the figures in figures/<gpu>/
 - benchmarks/__main__.py the command line
+- benchmarks/seed_method.py, seed_table.py: the seed document's measurement method, its prefill table, L4 floors
+- benchmarks/views.py, decode_views.py, variant_views.py: the notebooks' tables and plots of result rows
 - benchmarks/tune_prefill.py, tune_decode.py, paged_locality.py: tuning and investigation scripts
 
 tritonattn never imports this package. Importing it puts this checkout's source root (kernels/) first on

@@ -4,8 +4,12 @@ Needs no GPU: the notebooks plot committed results with it on a CPU.
     load_suite(suite, results_dir, gpu)   rows of results/<gpu>/bench_<suite>.csv, normalized (latest per key)
     headline_table(...), headline_markdown(table)   ours / best peer per shape, and its README rendering
     value_table(df, suite), memory_table(df, suite), roofline_table(df, suite, ceilings), load_ceilings(...)
-    decode_splits_table(df)
+    decode_splits_table(df), decode_grid(df, value)
     plot_prefill, plot_decode, plot_decode_splits, plot_chunked, plot_roofline, plot_all   -> figures/<gpu>/bench_*.png
+    plot_ratios(frames, ...)   ours / each peer against length, prefill and decode, with the 1.0 line
+    plot_seed_prefill(rows, title)   the seed's prefill table (benchmarks.seed_table) against seqlen
+
+Implementation colours come from benchmarks.grids.COLORS only (an implementation missing there is grey).
 
 Every figure is titled with the GPU the rows came from, its torch/triton versions and dates.
 """
@@ -368,9 +372,12 @@ def _log_y(ax) -> None:
     ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
 
 
+LENGTH_STYLES = ("-", "--", ":", "-.")  # lines of one implementation at several lengths (or batches)
+
+
 def _line_style(impl: str, page_size: int = 0) -> Dict[str, Any]:
     ours = str(impl).startswith("ours")
-    return {"color": COLORS.get(impl, None), "linestyle": PAGE_STYLES.get(int(page_size), "-"),
+    return {"color": COLORS.get(impl, "0.5"), "linestyle": PAGE_STYLES.get(int(page_size), "-"),
             "marker": "o" if ours else "s", "linewidth": 2.4 if ours else 1.4, "markersize": 4}
 
 
@@ -477,17 +484,19 @@ def plot_decode_splits(df, figures_dir: PathLike = "figures", log: Callable[[str
         fig, ax = plt.subplots(figsize=(8, 5))
         ours = sub[(sub["impl"] == "ours") & (sub["num_splits"] > 0)]
         for i, (cache_len, line) in enumerate(ours.groupby("cache_len", sort=True)):
-            color = f"C{i}"
+            style = LENGTH_STYLES[i % len(LENGTH_STYLES)]
             line = line.sort_values("num_splits")
-            ax.plot(line["num_splits"], line["gbps"], marker="o", color=color, label=f"ours, cache {cache_len}")
+            ax.plot(line["num_splits"], line["gbps"], marker="o", color=COLORS["ours"], linestyle=style,
+                    label=f"ours, cache {cache_len}")
             heur = sub[(sub["impl"] == "ours") & (sub["num_splits"] == 0) & (sub["cache_len"] == cache_len)]
             if len(heur):
                 used = heur["splits_used"].iloc[-1]
-                ax.plot([used], [heur["gbps"].iloc[-1]], marker="*", markersize=16, color=color, linestyle="none",
+                ax.plot([used], [heur["gbps"].iloc[-1]], marker="*", markersize=16, color=COLORS["ours"],
+                        linestyle="none", markeredgecolor="black",
                         label=f"heuristic ({used:.0f} splits), cache {cache_len}")
             sdpa = sub[(sub["impl"] == "sdpa") & (sub["cache_len"] == cache_len)]
             if len(sdpa):
-                ax.axhline(sdpa["gbps"].iloc[-1], color=color, linestyle="--", linewidth=1,
+                ax.axhline(sdpa["gbps"].iloc[-1], color=COLORS["sdpa"], linestyle=style, linewidth=1,
                            label=f"{LABELS['sdpa']}, cache {cache_len}")
         if "bandwidth_gbps" in sub and sub["bandwidth_gbps"].notna().any():
             ax.axhline(sub["bandwidth_gbps"].median(), color="black", linestyle=":", linewidth=1,
@@ -572,6 +581,7 @@ def plot_roofline(frames: Mapping[str, Any], figures_dir: PathLike = "figures",
                 ax.plot(line[x], line["fraction"], label=line["label"].iloc[0], **_line_style(impl, page))
             if len(df):
                 log2_axis(ax, df[x])
+            ax.axhline(1.0, color="black", linestyle="--", linewidth=1)
             ax.set_ylim(0, max(1.05, 1.05 * float(df["fraction"].max())) if len(df) else 1.05)
             ax.set_xlabel(x)
             if len(df):
@@ -585,6 +595,116 @@ def plot_roofline(frames: Mapping[str, Any], figures_dir: PathLike = "figures",
         fig.tight_layout()
         saved.append(save_figure(fig, figures_dir, gpu, "bench_roofline", log))
     return saved
+
+
+def decode_grid(df, value: str = "ratio", head_dim: int = 128, versus: str = "sdpa"):
+    """Decode steps of the issue grid at `head_dim` (dense cache, graph or eager timing as the suite chose):
+    batch (rows) x cache length (columns) of ours' K+V GB/s over `versus`'s (value="ratio"), or of ours' GB/s
+    (value="ours"); None without rows of both."""
+    df = _ok(normalize(df, "decode"))
+    df = df[(df["metric"] == "step") & (df["grid"] == "issue") & (df["head_dim"] == head_dim)
+            & (df["page_size"] == 0)]
+    ours = df[df["impl"] == "ours"].set_index(["dtype", "batch", "cache_len"])["gbps"]
+    if value == "ours":
+        table = ours
+    else:
+        theirs = df[df["impl"] == versus].set_index(["dtype", "batch", "cache_len"])["gbps"]
+        table = (ours / theirs).dropna()
+    if len(table) == 0:
+        return None
+    return table.unstack("cache_len")
+
+
+def _ratio_lines(ax, df, suite: str, peers: Sequence[str]) -> None:
+    """ours / peer TFLOP/s against seqlen, per peer: the median over heads and masks, the range shaded."""
+    shape = ["nheads_k", "causal", "seqlen"]
+    ours = df[df["impl"] == "ours"].set_index(shape)["tflops"]
+    for peer in peers:
+        ratio = (ours / df[df["impl"] == peer].set_index(shape)["tflops"]).dropna()
+        if len(ratio) == 0:
+            continue
+        by_len = ratio.groupby(level="seqlen").agg(["median", "min", "max"])
+        ax.plot(by_len.index, by_len["median"], marker="o", color=COLORS.get(peer, "0.5"),
+                label=f"ours / {LABELS.get(peer, peer)}")
+        ax.fill_between(by_len.index, by_len["min"], by_len["max"], color=COLORS.get(peer, "0.5"), alpha=0.15)
+    if len(ours):
+        log2_axis(ax, ours.index.get_level_values("seqlen"))
+    ax.set_xlabel("seqlen (batch x seqlen = 16384)")
+    ax.set_title(f"{'forward' if suite == 'prefill_fwd' else 'forward + backward'}: TFLOP/s ratio", fontsize=10)
+
+
+def plot_ratios(frames: Mapping[str, Any], dtype: str = "fp16", head_dim: int = 128,
+                peers: Sequence[str] = ("sdpa_cudnn", "sdpa_flash", "flex"), path: Optional[PathLike] = None,
+                log: Callable[[str], None] = print) -> None:
+    """One figure of speed ratios (above 1: ours faster), each panel with the 1.0 line: prefill forward and
+    forward + backward at `dtype` and `head_dim` (ours / each peer against seqlen: the median over MHA / GQA
+    and causal or not, their range shaded, in the peer's colour), and decode (ours / SDPA K+V GB/s against
+    cache length, one line style per batch). Shown; saved to `path` when given."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    gpus = set()
+    for ax, suite in zip(axes, ("prefill_fwd", "prefill_fwd_bwd")):
+        if frames.get(suite) is not None:
+            df = _ok(normalize(frames[suite], suite))
+            df = df[(df["grid"] == "issue") & (df["dtype"] == dtype) & (df["head_dim"] == head_dim)]
+            gpus |= set(df["gpu"])
+            _ratio_lines(ax, df, suite, peers)
+        ax.set_title(ax.get_title() or suite, fontsize=10)
+    axes[0].set_ylabel(f"ours / peer ({dtype}, D={head_dim}; above 1: ours faster)")
+    grid = decode_grid(frames["decode"], head_dim=head_dim) if frames.get("decode") is not None else None
+    if grid is not None:
+        gpus |= set(_ok(normalize(frames["decode"], "decode"))["gpu"])
+        for i, ((ddtype, batch), line) in enumerate(grid.iterrows()):
+            line = line.dropna()
+            axes[2].plot(line.index, line.values, marker="s", color=COLORS["sdpa"],
+                         linestyle=LENGTH_STYLES[i % len(LENGTH_STYLES)], label=f"batch {batch} ({ddtype})")
+        log2_axis(axes[2], grid.columns)
+        axes[2].set_xlabel("cache length (keys per request)")
+    axes[2].set_title(f"decode step: ours / {LABELS['sdpa']} K+V GB/s", fontsize=10)
+    for ax in axes:
+        ax.axhline(1.0, color="black", linestyle="--", linewidth=1)
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        if ax.get_lines():
+            ax.legend(fontsize=7)
+    fig.suptitle(f"Ours against the peers on {', '.join(sorted(gpus)) or '-'} (committed results)", fontsize=11)
+    fig.tight_layout()
+    write_figure(fig, path, log)
+
+
+def plot_seed_prefill(rows: Sequence[Mapping[str, Any]], title: str, names: Optional[Mapping[str, str]] = None,
+                      path: Optional[PathLike] = None, log: Callable[[str], None] = print) -> None:
+    """The seed's prefill table (rows of benchmarks.seed_table.measure_seed_prefill): median ms (error bars:
+    one standard deviation) and incremental peak MiB against seqlen, per implementation (solid: no mask,
+    dashed: causal; labelled by `names`), the output tensor's size dotted; an OOM row is left out. Shown;
+    saved to `path` when given."""
+    import matplotlib.pyplot as plt
+
+    fig, (t_ax, m_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
+    ok = [r for r in rows if r["status"] == "ok"]
+    impls = list(dict.fromkeys(r["impl"] for r in ok))  # in the rows' order
+    keys = sorted({(r["impl"], r["mask"]) for r in ok}, key=lambda k: (impls.index(k[0]), k[1] == "causal"))
+    for impl, mask in keys:
+        line = sorted((r for r in ok if r["impl"] == impl and r["mask"] == mask), key=lambda r: r["seqlen"])
+        style = dict(color=COLORS.get(impl, "0.5"), linestyle="--" if mask == "causal" else "-", marker="o",
+                     label=f"{(names or {}).get(impl, impl)}, {'causal' if mask == 'causal' else 'no mask'}")
+        x = [r["seqlen"] for r in line]
+        t_ax.errorbar(x, [r["median_ms"] for r in line], yerr=[r["std_ms"] or 0.0 for r in line], capsize=3, **style)
+        if all(r["peak_mib"] is not None for r in line):
+            m_ax.plot(x, [r["peak_mib"] for r in line], **style)
+    lengths = sorted({r["seqlen"] for r in rows})
+    outputs = {r["seqlen"]: r["out_mib"] for r in rows}
+    m_ax.plot(lengths, [outputs[n] for n in lengths], color="black", linestyle=":", label="output tensor")
+    for ax, ylabel in ((t_ax, "median ms of synchronized calls"), (m_ax, "incremental peak MiB of one call")):
+        log2_axis(ax, lengths)
+        _log_y(ax)
+        ax.set_xlabel("seqlen")
+        ax.set_ylabel(ylabel)
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    write_figure(fig, path, log)
 
 
 def plot_all(results_dir: PathLike = "results", figures_dir: PathLike = "figures", gpu: Optional[str] = None,

@@ -41,23 +41,32 @@ cached: the gap to the pool is paging's internal fragmentation, less than one pa
 
 Notation: H q heads, H_KV KV heads, D head dim, P page size, bytes per token = 2 (K and V) * H_KV *
 D * element size.
+
+Around the engine: `engine_from_sizes` (an engine from a notebook's sizes), `make_workload`, `summary` and
+`summary_lines` (a run's totals), `save_stats` / `load_stats` (results/<gpu>/serving_steps.csv),
+`plot_serving` (a run over its steps) and `plot_request_memory` (each request's K/V against its length).
 """
 
 from __future__ import annotations
 
 import bisect
+import datetime
 import itertools
 import math
 import numbers
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 
 from tritonattn import InputError, InputTypeError, PagedKVCache, is_interpreter
 from tritonattn.testing import check_close, references
+
+from . import report, results
+from .grids import COLORS
 
 VERIFY_MODES = ("all", "sample", "none")
 
@@ -96,6 +105,7 @@ class _Active:
     generated: int = 0  # decode steps done
     prefill_done_step: Optional[int] = None
     out: Optional[torch.Tensor] = None  # (total_len, H, D) when keep_outputs
+    pages_held: int = 0  # the most pages it held at the end of a step
 
     @property
     def cached(self) -> int:
@@ -367,6 +377,8 @@ class ServingEngine:
                 if not a.in_prefill:
                     a.prefill_done_step = self.clock
         pages_in_use = self.cache.num_blocks - self.cache.num_free_blocks
+        for a in self._running.values():
+            a.pages_held = max(a.pages_held, len(self.cache.pages(a.slot)))
         live_tokens = sum(a.cached for a in self._running.values())
         running = len(self._running)
         finished = [a for a in self._running.values() if a.finished]
@@ -428,7 +440,7 @@ class ServingEngine:
             "arrival_step": a.request.arrival_step, "admitted_step": a.admitted_step,
             "prefill_done_step": a.prefill_done_step, "finished_step": self.clock,
             "queued_steps": a.admitted_step - a.request.arrival_step,
-            "pages": self.peak_pages(a.request),
+            "pages": self.peak_pages(a.request), "pages_held": a.pages_held,
         }
 
     def run(self, max_steps: int = 100_000) -> List[Dict[str, Any]]:
@@ -453,7 +465,8 @@ class ServingEngine:
         return pd.DataFrame(self.checks, columns=["step", "rid", "kind", "start", "end", "keys", "err", "bound", "ok"])
 
     def requests_frame(self):
-        """One row per finished request: lengths, arrival, admission, end of prefill and finish steps."""
+        """One row per finished request: lengths, arrival, admission, end of prefill and finish steps, the
+        pages admission counted for it (`pages`, see `peak_pages`) and the most it held (`pages_held`)."""
         import pandas as pd
 
         return pd.DataFrame([self.request_log[rid] for rid in sorted(self.request_log)])
@@ -479,3 +492,184 @@ def make_workload(num_requests: int, prompt_range: Tuple[int, int], new_tokens_r
     arrivals = np.sort(rng.integers(0, arrival_span, num_requests))
     arrivals[0] = 0
     return [Request(int(p), int(g), int(t)) for p, g, t in zip(prompts, new_tokens, arrivals)]
+
+
+# ============================================================================================
+# Construction from a notebook's sizes, run summaries, results, plots
+# ============================================================================================
+ENGINE_KEYS = ("nheads", "nheads_k", "head_dim", "page_size", "num_blocks", "max_batch", "max_seqlen", "chunk_size",
+               "token_budget", "dtype", "seed", "verify", "strict", "keep_outputs", "num_splits", "sliding_window")
+
+
+def engine_from_sizes(sizes: Union[Mapping[str, Any], Any], device=None, **overrides) -> ServingEngine:
+    """A ServingEngine from the engine keywords (`ENGINE_KEYS`) found in `sizes`, a mapping or a namespace
+    (a notebook's sizes: its other fields, e.g. the workload's, are ignored); keyword overrides win."""
+    fields = dict(sizes) if isinstance(sizes, Mapping) else vars(sizes)
+    kwargs = {key: fields[key] for key in ENGINE_KEYS if key in fields}
+    kwargs.update(overrides)
+    return ServingEngine(device=device, **kwargs)
+
+
+def _frame(stats):
+    import pandas as pd
+
+    return stats if isinstance(stats, pd.DataFrame) else pd.DataFrame(stats)
+
+
+def summary(stats) -> Dict[str, float]:
+    """Totals of a run from its per-step stats (a list of dicts or a DataFrame): steps, tokens (prefill,
+    decode), attention seconds, tokens/s over all steps, over decode-only steps and over steps with prefill
+    chunks (nan where there is no such step), the most requests running, and the peak K/V MiB (one layer):
+    pool in use, whole pool, live K/V, dense reservations of the running requests, a dense cache for
+    max_batch requests."""
+    df = _frame(stats)
+    wall_s = df["wall_ms"].sum() / 1e3
+    decode_only = df[(df["prefill_tokens"] == 0) & (df["decode_tokens"] > 0)]
+    with_prefill = df[df["prefill_tokens"] > 0]
+
+    def rate(part) -> float:
+        seconds = part["wall_ms"].sum() / 1e3
+        return float(part["tokens"].sum() / seconds) if len(part) and seconds > 0 else math.nan
+
+    return {
+        "steps": int(len(df)), "tokens": int(df["tokens"].sum()), "prefill_tokens": int(df["prefill_tokens"].sum()),
+        "decode_tokens": int(df["decode_tokens"].sum()), "attention_s": float(wall_s),
+        "tokens_per_s": rate(df), "tokens_per_s_decode_only_steps": rate(decode_only),
+        "tokens_per_s_prefill_steps": rate(with_prefill),
+        "max_running": int(df["running"].max()),
+        "peak_pool_in_use_mib": float(df["pool_in_use_mib"].max()), "pool_mib": float(df["pool_mib"].max()),
+        "peak_live_kv_mib": float(df["live_kv_mib"].max()),
+        "peak_dense_running_mib": float(df["dense_running_mib"].max()),
+        "dense_max_batch_mib": float(df["dense_max_batch_mib"].max()),
+    }
+
+
+def _rate(value: float) -> str:
+    return "-" if value is None or math.isnan(value) else f"{value:,.0f}"
+
+
+def summary_lines(totals: Mapping[str, float]) -> List[str]:
+    """`summary`'s totals as three sentences (a rate that could not be measured reads "-")."""
+    t = totals
+    return [
+        f"{t['steps']} steps, {t['tokens']:,} tokens ({t['prefill_tokens']:,} prefill, {t['decode_tokens']:,} decode), "
+        f"at most {t['max_running']} requests running",
+        f"tokens/s: {_rate(t['tokens_per_s'])} overall, {_rate(t['tokens_per_s_prefill_steps'])} in steps with "
+        f"prefill chunks, {_rate(t['tokens_per_s_decode_only_steps'])} in decode-only steps",
+        f"peak K/V, one layer: pages in use {t['peak_pool_in_use_mib']:.3g} MiB of a {t['pool_mib']:.3g} MiB pool "
+        f"(live K/V {t['peak_live_kv_mib']:.3g}); dense: {t['peak_dense_running_mib']:.3g} MiB for the running "
+        f"requests, {t['dense_max_batch_mib']:.3g} MiB for max_batch",
+    ]
+
+
+def save_stats(stats: Sequence[Mapping[str, Any]], config: Mapping[str, Any], name: str = "serving_steps",
+               results_dir: Union[str, Path] = "results") -> Path:
+    """Append a run's stats rows, tagged with the config's plain values (numbers, strings, dtypes; tuples
+    and the like are left out), a run id and the environment (`results.make_row`), to
+    results/<gpu>/<name>.csv; returns its path."""
+    run = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S.%f")  # sorts by time
+    config = {key: (str(value).replace("torch.", "") if isinstance(value, torch.dtype) else value)
+              for key, value in config.items() if isinstance(value, (numbers.Number, str, torch.dtype))}
+    rows = [results.make_row(**{**config, **row, "run": run}) for row in stats]
+    return results.write_csv(rows, name, results_dir=results_dir)
+
+
+def load_stats(name: str = "serving_steps", results_dir: Union[str, Path] = "results"):
+    """The latest run per GPU of results/<gpu>/<name>.csv as a DataFrame, or None when there is none."""
+    try:
+        df = results.read_csv(name, results_dir=results_dir)
+    except FileNotFoundError:
+        return None
+    latest = df.groupby("gpu")["run"].transform("max")
+    return df[df["run"] == latest].reset_index(drop=True)
+
+
+def _memory_unit(largest_mib: float) -> Tuple[str, float]:
+    return ("MiB", 1.0) if largest_mib >= 1 else ("KiB", 1024.0)
+
+
+def plot_serving(stats, *, title: str, path: Optional[Union[str, Path]] = None):
+    """Four panels over the engine steps: tokens per step (decode, prefill), tokens/s of each step (with
+    prefill chunks, decode only; log), K/V memory (pages in use and live K/V against the whole pool and the
+    dense reservations), requests running and waiting. Saved to `path` when given; shown in a notebook;
+    returns the figure (closed). Our kernels' series take `grids.COLORS["ours_paged"]`, the rest greys."""
+    import matplotlib
+    import matplotlib.pyplot as plt
+
+    df = _frame(stats)
+    x, ours = df["step"], COLORS["ours_paged"]
+    fig, axes = plt.subplots(2, 2, figsize=(13, 8), sharex=True)
+    ax = axes[0, 0]
+    ax.bar(x, df["decode_tokens"], width=1.0, label="decode tokens", color="0.25")
+    ax.bar(x, df["prefill_tokens"], width=1.0, bottom=df["decode_tokens"], label="prefill tokens", color="0.7")
+    ax.set_ylabel("tokens per step")
+    ax.set_title("what each step computes", fontsize=10)
+    ax = axes[0, 1]
+    mixed = df["prefill_tokens"] > 0
+    ax.scatter(x[mixed], df["tokens_per_s"][mixed], s=12, marker="o", color=ours, label="steps with prefill chunks")
+    ax.scatter(x[~mixed], df["tokens_per_s"][~mixed], s=12, marker="x", color=ours, alpha=0.5,
+               label="decode-only steps")
+    ax.set_yscale("log")
+    ax.set_ylabel("tokens / s (attention time)")
+    ax.set_title("throughput of each step", fontsize=10)
+    ax = axes[1, 0]
+    unit, scale = _memory_unit(df["dense_max_batch_mib"].max())
+    ax.plot(x, df["pool_in_use_mib"] * scale, color=ours, linewidth=2, label="paged: pages in use")
+    ax.axhline(df["pool_mib"].max() * scale, color=ours, linestyle=":", label="paged: the whole pool")
+    ax.plot(x, df["live_kv_mib"] * scale, color="black", linewidth=1, linestyle="--", label="live K/V (tokens cached)")
+    ax.plot(x, df["dense_running_mib"] * scale, color="0.5", label="dense: max_seqlen per running request")
+    ax.axhline(df["dense_max_batch_mib"].max() * scale, color="0.5", linestyle=":", label="dense: max_batch up front")
+    ax.set_ylabel(f"K/V memory, one layer ({unit})")
+    ax.set_ylim(bottom=0)
+    ax.set_title("K/V memory per step", fontsize=10)
+    ax = axes[1, 1]
+    ax.step(x, df["running"], where="mid", color="black", label="running")
+    ax.step(x, df["waiting"], where="mid", color="0.6", label="arrived, waiting for admission")
+    ax.set_ylabel("requests")
+    ax.yaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax.set_title("requests", fontsize=10)
+    for ax in axes.flat:
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+    for ax in axes[1]:
+        ax.set_xlabel("engine step")
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    report.write_figure(fig, path)
+    return fig
+
+
+def plot_request_memory(runs: Mapping[str, Any], *, bytes_per_token: int, page_size: int,
+                        max_seqlen: Optional[int] = None, title: str, path: Optional[Union[str, Path]] = None):
+    """K/V memory of one request (one layer) against its length (prompt + new tokens): for each run
+    ({label: its `requests_frame()`}), the most pages each request held, as memory; the live K/V of a
+    request of that length (length x bytes_per_token); and, given max_seqlen, what a dense cache reserves
+    per request whatever its length. Linear axes. Saved to `path` when given; returns the figure (closed)."""
+    import matplotlib.pyplot as plt
+
+    longest = max(int(df["prompt_len"].max() + df["max_new_tokens"].max()) for df in runs.values())
+    top = max(longest, max_seqlen or 0) * bytes_per_token / 2**20
+    unit, scale = _memory_unit(top)
+    mib = bytes_per_token / 2**20 * scale
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    markers = ["o", "s", "^", "D"]
+    for i, (label, df) in enumerate(runs.items()):
+        length = df["prompt_len"] + df["max_new_tokens"]
+        ours = COLORS["ours_paged"]
+        ax.scatter(length, df["pages_held"] * page_size * mib, marker=markers[i % 4], s=28, edgecolors=ours,
+                   facecolors="none" if i % 2 else ours, label=f"{label}: pages held")
+    lengths = [0, max(longest, max_seqlen or 0)]
+    ax.plot(lengths, [n * mib for n in lengths], color="black", linestyle="--", linewidth=1,
+            label="live K/V of the request")
+    if max_seqlen is not None:
+        ax.axhline(max_seqlen * mib, color="0.5", linestyle=":", label="dense: max_seqlen reserved per request")
+    ax.set_xlabel("request length: prompt + new tokens")
+    ax.set_ylabel(f"K/V of one request, one layer ({unit})")
+    ax.set_xlim(left=0)
+    ax.set_ylim(0, 1.15 * top * scale)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    report.write_figure(fig, path)
+    return fig

@@ -23,7 +23,7 @@ import torch
 import torch._dynamo
 
 from tritonattn import attention_ref, flash_attn_func
-from tritonattn.testing import rel_err
+from tritonattn.testing import rel_err, variant_checks
 
 from .measure import peak_memory_delta, table_bench_args, time_fn
 from .results import make_row, write_csv
@@ -42,8 +42,9 @@ CASES = {  # name: flash_attn_func keywords beyond causal=True (tensors made per
 
 
 def alibi_slopes(nheads: int, device="cuda") -> torch.Tensor:
-    """ALiBi's geometric slopes 2^(-8 (h + 1) / nheads) (Press et al.), float32."""
-    return torch.tensor([2 ** (-8 * (h + 1) / nheads) for h in range(nheads)], dtype=torch.float32, device=device)
+    """ALiBi's geometric slopes 2^(-8 (h + 1) / nheads) (Press et al.), float32: the checks' own
+    (`tritonattn.testing.variant_checks.alibi_slopes`), on the GPU by default."""
+    return variant_checks.alibi_slopes(nheads, device)
 
 
 def pairs(seqlen: int, window: int) -> int:
