@@ -1,8 +1,8 @@
 """What every notebook's first code cell calls once it has found (or, on Colab, cloned) the repository:
 install what the runtime lacks, pick the device, import this repository's `tritonattn`, print the environment.
 
-Kept apart from nbutils.py because it must run before anything imports `tritonattn`: without a GPU the
-kernels run under the Triton interpreter, and TRITON_INTERPRET must be set before Triton decorates them.
+It runs before anything imports `tritonattn`: without a GPU the kernels run under the Triton interpreter,
+and TRITON_INTERPRET must be set before Triton decorates them.
 
 What it installs, and only on Colab (elsewhere it says what to run): `requirements.txt` (numpy, matplotlib,
 pandas, tqdm), and Triton where the runtime has none (Colab's CPU runtime), the release paired with the
