@@ -21,11 +21,10 @@ from tritonattn.testing import check_close, references
 from . import measure
 from .competitors import decode_eager_cat, decode_eager_slice
 from .grids import COLORS, LABELS
-from .seed_method import REPS, WARMUP, seeded
+from .seed_method import OOM, REPS, WARMUP, seeded
 from .seed_method import measure as seed_measure
 
 IMPLS = ("eager_slice", "eager_cat", "ours")
-_OOM = {"median_ms": None, "std_ms": None, "peak_mib": None, "status": "OOM"}
 Row = Dict[str, Any]
 
 
@@ -95,6 +94,7 @@ def seed_decode_rows(batch: int, nheads: int, nheads_k: int, head_dim: int, dtyp
     reference over the same keys (error rule of tritonattn.testing): err, bound, ok in the row; a step that
     runs out of memory gives status "OOM" and no numbers.
     """
+    on_cuda = torch.device(device).type == "cuda"
     seeded()
     rows_max = max(cache_lens) + 1
     q = torch.randn(batch, 1, nheads, head_dim, device=device, dtype=dtype)
@@ -111,10 +111,16 @@ def seed_decode_rows(batch: int, nheads: int, nheads_k: int, head_dim: int, dtyp
                 try:
                     ok, err, bound = check_close(fn(), ref, same)
                 except torch.cuda.OutOfMemoryError:
-                    torch.cuda.empty_cache()
-                    rows.append({"impl": impl, "cache_len": n, **_OOM, "err": None, "bound": None, "ok": True})
+                    ok = None
+                if ok is None:
+                    # Out of memory: an OOM row, not a wrong answer. The cache is emptied here, after the except
+                    # clause, whose traceback held the failed call's tensors.
+                    if on_cuda:
+                        torch.cuda.empty_cache()
+                    rows.append({"impl": impl, "cache_len": n, **OOM, "err": None, "bound": None, "ok": True})
                     continue
-                rows.append({"impl": impl, "cache_len": n, **seed_measure(fn, warmup=warmup, reps=reps),
+                rows.append({"impl": impl, "cache_len": n,
+                             **seed_measure(fn, warmup=warmup, reps=reps, device=device),
                              "err": err, "bound": bound, "ok": bool(ok)})
     return rows
 

@@ -504,6 +504,8 @@ ENGINE_KEYS = ("nheads", "nheads_k", "head_dim", "page_size", "num_blocks", "max
 def engine_from_sizes(sizes: Union[Mapping[str, Any], Any], device=None, **overrides) -> ServingEngine:
     """A ServingEngine from the engine keywords (`ENGINE_KEYS`) found in `sizes`, a mapping or a namespace
     (a notebook's sizes: its other fields, e.g. the workload's, are ignored); keyword overrides win."""
+    if not isinstance(sizes, Mapping) and not hasattr(sizes, "__dict__"):
+        raise TypeError(f"Expected sizes as a mapping or a namespace of engine keywords, got {type(sizes).__name__}.")
     fields = dict(sizes) if isinstance(sizes, Mapping) else vars(sizes)
     kwargs = {key: fields[key] for key in ENGINE_KEYS if key in fields}
     kwargs.update(overrides)

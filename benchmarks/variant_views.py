@@ -15,17 +15,15 @@ memory of a workload served with and without a sliding window. Needs a GPU only 
 from __future__ import annotations
 
 import math
-from pathlib import Path
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from tritonattn.testing import causal_mask
+from tritonattn.testing import causal_mask, window_mask
 
 from . import decode_variants, report, results, variants
-from .grids import COLORS
+from .grids import COLORS, PathLike
 
-PathLike = Union[str, Path]
 PREFILL_CASES = ("causal", "window_1024", "softcap_50", "alibi", "sinks")
 PATHS = {"fwd": "forward", "fwd_bwd": "forward + backward"}
 
@@ -38,18 +36,6 @@ def dashed(df):
 # ============================================================================================
 # Pictures
 # ============================================================================================
-def _band(m: int, n: int, left: int, right: int, causal: bool) -> torch.Tensor:
-    """(m, n) bool: which keys each of m queries (the last m positions of n, bottom-right) sees."""
-    i = torch.arange(m)[:, None] + (n - m)
-    j = torch.arange(n)[None, :]
-    seen = torch.ones(m, n, dtype=torch.bool)
-    if left >= 0:
-        seen &= j >= i - left
-    if right >= 0 or causal:
-        seen &= j <= i + (0 if causal else right)
-    return seen
-
-
 def plot_masks(path: Optional[PathLike] = None, n: int = 12, window: int = 4) -> None:
     """Four masks on an n x n problem (blue: the keys a query sees): causal; causal with a window of `window`
     keys; a window on both sides, not causal; 4 new queries over n keys, bottom-right aligned (a decode
@@ -58,10 +44,11 @@ def plot_masks(path: Optional[PathLike] = None, n: int = 12, window: int = 4) ->
 
     masks = [
         ("causal", causal_mask(n, n)),
-        (f"causal + window of {window} keys\nwindow_size=({window - 1}, 0)", _band(n, n, window - 1, 0, True)),
-        ("window_size=(3, 2), not causal", _band(n, n, 3, 2, False)),
+        (f"causal + window of {window} keys\nwindow_size=({window - 1}, 0)",
+         window_mask(n, n, (window - 1, 0), causal=True)),
+        ("window_size=(3, 2), not causal", window_mask(n, n, (3, 2))),
         (f"4 new queries over {n} keys (bottom-right:\na decode chunk), window of {window}",
-         _band(4, n, window - 1, 0, True)),
+         window_mask(4, n, (window - 1, 0), causal=True)),
     ]
     fig, axes = plt.subplots(2, 2, figsize=(9, 8))
     for ax, (title, mask) in zip(axes.flat, masks):
@@ -226,35 +213,38 @@ def plot_speed(prefill, decode, *, title: str, shape: Optional[str] = None, path
     for offset, (path_name, name), alpha in zip((-0.2, 0.2), PATHS.items(), (0.45, 1.0)):
         ratio = sub[sub["path"] == path_name].set_index("variant")["ours_over_plain"].reindex(variants_)
         ax.bar(x + offset, ratio, width=0.4, color=COLORS["ours"], alpha=alpha, label=name)
-    ax.axhline(1.0, color="black", linewidth=1)
-    ax.set_xticks(x, variants_, rotation=20, fontsize=8)
-    ax.set_ylabel("ours / plain causal (TFLOP/s)")
-    ax.set_ylim(0, max(1.3, 1.15 * sub["ours_over_plain"].max()))
-    ax.set_title(f"prefill: what a variant costs, {shape}", fontsize=10)
-    ax.legend(fontsize=8, loc="upper right")
+    _ratio_panel(ax, x, variants_, sub["ours_over_plain"], ylabel="ours / plain causal (TFLOP/s)",
+                 title=f"prefill: what a variant costs, {shape}", rotation=20, fontsize=8)
     ax = axes[1, 1]
     judged = decode[decode["vs_plain"].notna()]
-    labels = list(dict.fromkeys(f"{r.variant}\n{r.shape.split('x')[1]} keys" for r in judged.itertuples()))
+    judged = judged.assign(label=[f"{r.variant}\n{r.shape.split('x')[1]} keys" for r in judged.itertuples()])
+    labels = list(dict.fromkeys(judged["label"]))
     x = np.arange(len(labels))
     pages = sorted(judged["page_size"].unique())
     width = 0.8 / len(pages)
     hatches = iter(["//", "xx", ".."])
     for k, page in enumerate(pages):
-        rows = judged[judged["page_size"] == page]
-        ax.bar(x - 0.4 + width * (k + 0.5), rows["vs_plain"], width=width,
+        ratios = judged[judged["page_size"] == page].set_index("label")["vs_plain"].reindex(labels)  # one per tick
+        ax.bar(x - 0.4 + width * (k + 0.5), ratios, width=width,
                color=COLORS["ours_paged" if page else "ours"], alpha=1.0 if page else 0.45,
                hatch=next(hatches) if page else None, label=f"paged, pages of {page}" if page else "dense")
-    ax.axhline(1.0, color="black", linewidth=1)
-    ax.set_xticks(x, labels, rotation=30, fontsize=7)
-    ax.set_ylabel("K/V TB/s over plain decode's")
-    ax.set_ylim(0, max(1.3, 1.15 * judged["vs_plain"].max()))
-    ax.set_title(f"decode, batch {decode['shape'].iloc[0].split('x')[0]}", fontsize=10)
-    ax.legend(fontsize=8, loc="upper right")
+    _ratio_panel(ax, x, labels, judged["vs_plain"], ylabel="K/V TB/s over plain decode's",
+                 title=f"decode, batch {decode['shape'].iloc[0].split('x')[0]}", rotation=30, fontsize=7)
     for a in axes.flat:
         a.grid(True, axis="y", alpha=0.3)
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     report.write_figure(fig, path)
+
+
+def _ratio_panel(ax, x, ticks, ratios, *, ylabel: str, title: str, rotation: int, fontsize: int) -> None:
+    """A panel of ratios to a baseline: the 1.0 line, the ticks, a y axis from 0 above the largest ratio."""
+    ax.axhline(1.0, color="black", linewidth=1)
+    ax.set_xticks(x, ticks, rotation=rotation, fontsize=fontsize)
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(0, max(1.3, 1.15 * float(ratios.max())))
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, loc="upper right")
 
 
 def speed_targets(prefill, decode) -> Dict[str, float]:

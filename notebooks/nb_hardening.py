@@ -52,9 +52,12 @@ def delta_assuming_contiguous(out: torch.Tensor, dout: torch.Tensor, block_m: in
     their storage (as a transposed (b, h, s, d) buffer is), so that the wrong offsets stay inside it.
     """
     b, m, h, d = out.shape
+    if out.shape != dout.shape:
+        raise ValueError(f"Expected out and dout of one shape, got {tuple(out.shape)} and {tuple(dout.shape)}.")
     for t in (out, dout):
         if t.untyped_storage().nbytes() < t.numel() * t.element_size():
-            raise ValueError("delta_assuming_contiguous reads numel() elements from each tensor's storage")
+            raise ValueError(f"delta_assuming_contiguous reads numel() = {t.numel()} elements from each tensor's "
+                             f"storage; a view of {tuple(t.shape)} has a smaller one: pass a dense permutation.")
     delta = torch.empty(b, h, m, device=out.device, dtype=torch.float32)
     _delta_contiguous_kernel[(triton.cdiv(m, block_m), b * h)](out, dout, delta, m, h, HEAD_DIM=d, BLOCK_M=block_m)
     return delta
@@ -100,8 +103,10 @@ def forward_unmasked_tail(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blo
     as tritonattn.testing.attention_padded_keys_ref emulates. d must be a power of two >= 16.
     """
     b, m, h, d = q.shape
-    if not all(t.is_contiguous() for t in (q, k, v)) or k.shape[2] != h:
-        raise ValueError("forward_unmasked_tail takes contiguous MHA tensors")
+    if not all(t.is_contiguous() for t in (q, k, v)) or k.shape != v.shape or k.shape[2] != h:
+        raise ValueError(f"forward_unmasked_tail takes contiguous MHA tensors (as many KV heads as query heads), "
+                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, contiguous "
+                         f"{[t.is_contiguous() for t in (q, k, v)]}.")
     out = torch.empty_like(q)
     grid = (triton.cdiv(m, block_m), b * h)
     _fwd_kernel[grid](q, k, v, out, m, k.shape[1], h, d**-0.5, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
@@ -150,7 +155,9 @@ def dv_unmasked_tail(q: torch.Tensor, k: torch.Tensor, dout: torch.Tensor, lse: 
     """
     b, m, h, d = q.shape
     if dout.stride() != q.stride() or not k.is_contiguous() or lse.stride(-1) != 1:
-        raise ValueError("dv_unmasked_tail takes q and dout of equal strides, a contiguous k, lse rows of stride 1")
+        raise ValueError(f"dv_unmasked_tail takes q and dout of equal strides, a contiguous k, lse rows of stride 1; "
+                         f"got strides q {q.stride()}, dout {dout.stride()}, lse {lse.stride()}, k contiguous "
+                         f"{k.is_contiguous()}.")
     rows_read = triton.cdiv(m, block_m) * block_m
     if not mask_rows and not all(_holds(t, dim, rows_read) for t, dim in ((q, 1), (dout, 1), (lse, 2))):
         raise ValueError(f"without the row mask the inputs need guard rows up to row {rows_read} in their buffers")
@@ -212,7 +219,11 @@ def jit_source_lines(fn, *spans: Tuple[str, str]) -> str:
     lines = inspect.getsource(getattr(fn, "fn", fn)).splitlines()
     parts = []
     for first, last in spans:
-        i = next(n for n, line in enumerate(lines) if first in line)
-        j = next(n for n in range(i, len(lines)) if last in lines[n])
+        i = next((n for n, line in enumerate(lines) if first in line), None)
+        j = None if i is None else next((n for n in range(i, len(lines)) if last in lines[n]), None)
+        if j is None:
+            missing = first if i is None else last
+            raise ValueError(f"Expected {missing!r} in the source of {getattr(fn, '__name__', fn)} (span {first!r} "
+                             f"to {last!r}); the source changed: update the span.")
         parts.append(textwrap.dedent("\n".join(lines[i:j + 1])))
     return "\n...\n".join(parts)

@@ -74,9 +74,24 @@ def test_chunked_prefill_table():
         dc.chunked_prefill_table([2, 0], nheads=H, nheads_k=HK, head_dim=D, page_size=4, dtype=DT)
 
 
-def test_assert_table_ok_flags_a_bad_row():
-    rows = dc.decode_split_table(lengths=(4,), seqlen_cache=8, nheads=H, nheads_k=HK, head_dim=D, dtype=DT,
-                                 device=DEVICE, seqlen_q_values=(1,), num_splits_values=(1,))
-    rows[0]["ok"] = False
-    with pytest.raises(AssertionError, match="1 of 1 rows"):
-        assert_table_ok(rows, "split")
+def test_tables_flag_a_kernel_that_reads_and_writes_one_row_late(monkeypatch):
+    """A kernel off by one cache row (it appends at row L + 1 and attends over a stale row) fails the
+    equivalence, ragged and append tables: they catch what they exist to catch."""
+    real = dc.flash_attn_with_kvcache
+
+    def one_row_late(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, **kwargs):
+        return real(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens + 1, **kwargs)
+
+    monkeypatch.setattr(dc, "flash_attn_with_kvcache", one_row_late)
+    equivalence = dc.decode_equivalence_table(batch=1, nheads=H, nheads_k_values=(HK,), head_dim=D, lengths=(5,),
+                                              dtype=DT, device=DEVICE)
+    assert not equivalence[0]["ok"] and not equivalence[0]["cache_written"]
+    ragged = dc.decode_ragged_table(lengths=(1, 6), seqlen_cache=10, nheads=H, nheads_k=HK, head_dim=D, dtype=DT,
+                                    device=DEVICE, num_splits_values=(1,))
+    assert not any(r["ok"] for r in ragged if r["append"]), ragged
+    assert all(r["err_fp32"] > r["bound"] for r in ragged), "every request attends over one stale row"
+    append = dc.decode_append_table(lengths=(0, 3), seqlen_cache=8, seqlen_q=2, nheads=H, nheads_k=HK, head_dim=12,
+                                    dtype=DT, device=DEVICE, num_splits=1)
+    assert [r["rows_written_k"] for r in append] == ["1-2", "4-5"] and not any(r["ok"] for r in append)
+    with pytest.raises(AssertionError, match="2 of 2 rows break the rule"):
+        assert_table_ok(append, "append")

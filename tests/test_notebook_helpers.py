@@ -44,6 +44,8 @@ def test_engine_from_sizes_takes_the_engine_fields_and_overrides():
     assert serving.engine_from_sizes(vars(sizes), DEVICE).verify == "all", "a mapping works too"
     with pytest.raises(ValueError, match="token_budget"):
         serving.engine_from_sizes(sizes, DEVICE, token_budget=3)
+    with pytest.raises(TypeError, match="mapping or a namespace"):
+        serving.engine_from_sizes([("nheads", 4)], DEVICE)
 
 
 def test_requests_record_the_pages_they_held():

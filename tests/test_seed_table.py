@@ -1,5 +1,6 @@
-"""CPU tests of benchmarks/seed_table.py (the seed's prefill table and the predicted floors) and of the report
-figures notebook 03 draws from it (benchmarks.report.plot_seed_prefill, plot_ratios, decode_grid)."""
+"""Tests of benchmarks/seed_method.py (the seed's measurement method), benchmarks/seed_table.py (the seed's
+prefill table and the predicted floors) and of the report figures notebook 03 draws from it
+(benchmarks.report.plot_seed_prefill, plot_ratios, decode_grid). CPU, except the one CUDA memory test."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import math
 import pytest
 import torch
 
-from benchmarks import grids, measure, report, seed_table
+from benchmarks import grids, measure, report, seed_method, seed_table
+from helpers import DEVICE, ON_GPU
 
 SEED = dict(batch=2, nheads=32, nheads_k=8, head_dim=128)
 
@@ -56,7 +58,8 @@ def test_peaks_from_ceilings():
 
 def row(n, mask, impl, ms, status="ok", peak=None):
     return dict(seqlen=n, mask=mask, impl=impl, median_ms=ms if status == "ok" else None,
-                std_ms=ms / 10 if status == "ok" else None, peak_mib=peak, status=status, out_mib=32.0, max_diff=None)
+                std_ms=ms / 10 if status == "ok" else None, peak_mib=peak, status=status, out_mib=32.0, err=None,
+                bound=None, ok=None)
 
 
 def test_tables_print_oom_and_ratios():
@@ -82,19 +85,49 @@ def test_floor_fractions():
     assert line["bound"] == "compute" and line["floor_ms"] == pytest.approx(floor)
 
 
-def test_measure_seed_prefill_on_the_cpu(monkeypatch):
+def test_seed_method_measure_times_counts_and_reports_oom():
+    """measure: reps synchronized samples after the warm-ups, median and std; an OOM is a status, not a crash;
+    memory only on a CUDA device; bad counts are rejected."""
+    calls = []
+    result = seed_method.measure(lambda: calls.append(1), warmup=3, reps=4, device="cpu")
+    assert len(calls) == 3 + 4 and result["status"] == "ok" and result["peak_mib"] is None
+    assert result["median_ms"] >= 0 and result["std_ms"] >= 0
+    assert seed_method.cell(result).endswith(" ms") and " +- " in seed_method.cell(result)
+
+    def out_of_memory():
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
+
+    oom = seed_method.measure(out_of_memory, warmup=0, reps=2, device="cpu")
+    assert oom == seed_method.OOM and oom is not seed_method.OOM and seed_method.cell(oom) == "OOM"
+    for bad in (dict(reps=1), dict(warmup=-1), dict(reps=2.5)):
+        with pytest.raises(ValueError, match="reps >= 2"):
+            seed_method.measure(lambda: None, device="cpu", **bad)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA memory")
+def test_seed_method_measure_counts_what_the_call_allocates():
+    """peak_mib is the call's own allocation (its 4 MiB output here), not the resident input."""
+    x = torch.empty(2**20, device="cuda")
+    result = seed_method.measure(lambda: x * 2, warmup=1, reps=2)
+    assert result["peak_mib"] == pytest.approx(4.0, abs=0.01)
+
+
+def test_measure_seed_prefill_reports_an_oom_row(monkeypatch):
     def out_of_memory(q, k, v, causal):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
 
     monkeypatch.setitem(seed_table.IMPLS, "eager", out_of_memory)
     rows = seed_table.measure_seed_prefill((32,), (False, True), batch=1, nheads=4, nheads_k=2, head_dim=16,
-                                           device="cpu", warmup=0, reps=2)
+                                           device=DEVICE, warmup=0, reps=2)
     assert [(r["mask"], r["impl"], r["status"]) for r in rows] == [
         (m, i, "OOM" if i == "eager" else "ok") for m in ("none", "causal") for i in ("ours", "sdpa", "eager")]
     ours = [r for r in rows if r["impl"] == "ours"]
-    assert all(r["max_diff"] < 2e-3 and r["peak_mib"] is None and r["median_ms"] > 0 for r in ours)
+    assert all(r["ok"] and r["err"] <= r["bound"] for r in ours)
+    assert all((r["peak_mib"] is None) != ON_GPU and r["median_ms"] > 0 for r in ours)
     assert rows[0]["out_mib"] == pytest.approx(32 * 4 * 16 * 2 / 2**20)
     assert [t["eager"] for t in seed_table.seed_table(rows)] == ["OOM", "OOM"]
+    with pytest.raises(ValueError, match="impls"):
+        seed_table.measure_seed_prefill((32,), impls=("ours", "flash"), device=DEVICE)
 
 
 def test_committed_seed_rows_read_the_h200_run():

@@ -28,6 +28,33 @@ def test_variant_kwargs_and_slopes():
     assert variant_checks.variant_kwargs("causal", nheads=4, window=6, softcap=5.0) == {"causal": True}
     with pytest.raises(ValueError, match="variant"):
         variant_checks.variant_kwargs("dropout", nheads=4, window=6, softcap=5.0)
+    with pytest.raises(ValueError, match="window"):
+        variant_checks.variant_kwargs("window", nheads=4, window=0, softcap=5.0)
+
+
+def test_sinks_come_from_the_tables_seed():
+    """The sink logits are drawn from the generator given, so a table is a function of its seed."""
+    sinks = [variant_checks.variant_kwargs("sinks", nheads=4, window=6, softcap=5.0, device=DEVICE,
+                                           gen=checks.generator(DEVICE, 3))["sinks"] for _ in range(2)]
+    assert torch.equal(*sinks) and sinks[0].dtype == torch.float32
+    rows = [variant_checks.decode_check_table(lengths=(3, 9), capacity=16, page_size=16, dtype=torch.float16,
+                                              device=DEVICE, variants=("sinks",), num_splits=(1,), seed=5,
+                                              caches=("dense",), **SIZES) for _ in range(2)]
+    assert rows[0] == rows[1]
+
+
+def test_window_mask_is_the_references_mask():
+    """window_mask draws the keys attention_ref lets each query see (bottom-right aligned)."""
+    from tritonattn.testing import attention_ref, causal_mask, window_mask
+
+    assert torch.equal(window_mask(5, 9, causal=True), causal_mask(5, 9))
+    assert window_mask(3, 3).all()
+    band = window_mask(4, 6, (1, 1))  # query i sits at key i + 2
+    assert band.tolist()[0] == [False, True, True, True, False, False]
+    q, k, v = (torch.randn(1, n, 1, 16) for n in (4, 6, 6))
+    ref, _ = attention_ref(q, k, v, window_size=(1, 1))
+    masked = torch.softmax((q[0, :, 0] @ k[0, :, 0].T * 16**-0.5).masked_fill(~band, float("-inf")), -1)
+    assert torch.allclose(ref[0, :, 0], masked @ v[0, :, 0], atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -10,6 +10,7 @@ from .reference import (
     causal_mask,
     rotary_ref,
     sdpa_supports_enable_gqa,
+    window_mask,
 )
 from .requests import per_request_references, references
 from .tolerance import (
@@ -34,6 +35,7 @@ from .tolerance import (
 
 __all__ = [
     "attention_ref", "attention_padded_keys_ref", "attention_sdpa", "sdpa_supports_enable_gqa", "causal_mask",
+    "window_mask",
     "rotary_ref", "references", "per_request_references",
     "rel_err", "error_bound", "check_close",
     "agreement_tolerance", "lse_tolerance", "check_lse", "check_dsinks", "FWD_FACTOR", "GRAD_FACTOR", "ATOL_FLOOR",

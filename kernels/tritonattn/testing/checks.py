@@ -2,7 +2,8 @@
 error rule of `tolerance` (what the notebooks show and `assert_table_ok` asserts).
 
 - `Case`, `grid`, `make_inputs`: attention problems and their seeded inputs (contiguous, head-major
-  views, or NaN-poisoned padding past head_dim).
+  views, or NaN-poisoned padding past head_dim); `generator` and `randn`, the seeded draws every check
+  table of this package makes (decode_checks and variant_checks too).
 - `forward_error_table`, `grad_error_table`: flash_attn_func and its gradients against the fp32 eager
   reference, the same-dtype eager one and SDPA.
 - `padded_keys_table`: the kernel against an emulated kernel that lets zero-padded keys into the softmax.
@@ -28,10 +29,12 @@ from ..config.hardware import device_target
 from ..config.options import head_dim_tile
 from ..config.tables import prefill_fwd_config
 from .reference import attention_padded_keys_ref, attention_ref, attention_sdpa
+from .requests import references
 from .tolerance import agreement_tolerance, check_lse, error_bound, rel_err
 
 __all__ = [
-    "Case", "grid", "make_inputs", "LAYOUTS", "dtype_name", "kernel_block_n", "copies_during",
+    "Case", "grid", "make_inputs", "generator", "randn", "all_finite", "LAYOUTS", "dtype_name", "kernel_block_n",
+    "copies_during",
     "forward_error_table", "grad_error_table", "padded_keys_table", "gqa_group_sum_table", "assert_table_ok",
     "summarize", "check_errors",
 ]
@@ -40,6 +43,24 @@ __all__ = [
 def dtype_name(dtype: torch.dtype) -> str:
     """'float16' for torch.float16 (CSV- and table-friendly)."""
     return str(dtype).replace("torch.", "")
+
+
+def generator(device, seed: int) -> torch.Generator:
+    """A torch.Generator on `device` seeded with `seed`: a table's draws depend on its seed alone."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return gen
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """No NaN or inf in t: a check that passes needs it whatever its error says."""
+    return bool(torch.isfinite(t).all().item())
+
+
+def randn(shape: Sequence[int], dtype: torch.dtype, device, gen: torch.Generator) -> torch.Tensor:
+    """Standard-normal values of `shape` drawn in float32 from `gen`, then cast to `dtype`: one seed gives
+    the same values (up to rounding) in every dtype."""
+    return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
 
 
 @dataclass(frozen=True)
@@ -101,16 +122,15 @@ def make_inputs(
     """
     if layout not in LAYOUTS:
         raise ValueError(f"Expected layout to be one of {LAYOUTS}, got {layout!r}.")
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
+    gen = generator(device, seed)
 
-    def randn(seqlen, heads):
+    def draw(seqlen, heads):
         d = case.head_dim
         if layout == "bhsd":
             shape = (case.batch, heads, seqlen, d)
         else:
             shape = (case.batch, seqlen, heads, d + (8 if layout == "nan_padded" else 0))
-        t = torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(case.dtype)
+        t = randn(shape, case.dtype, device, gen)
         if layout == "bhsd":
             return t.transpose(1, 2)
         if layout == "nan_padded":
@@ -118,10 +138,16 @@ def make_inputs(
             return t[..., :d]
         return t
 
-    q = randn(case.seqlen_q, case.nheads)
-    k = randn(case.seqlen_k, case.nheads_k)
-    v = randn(case.seqlen_k, case.nheads_k)
+    q = draw(case.seqlen_q, case.nheads)
+    k = draw(case.seqlen_k, case.nheads_k)
+    v = draw(case.seqlen_k, case.nheads_k)
     return q, k, v
+
+
+def _inputs_and_dout(case: Case, device, seed: int, dout_seed: int):
+    """make_inputs(case, device, seed) and an output gradient dout drawn from its own seed."""
+    q, k, v = make_inputs(case, device, seed)
+    return q, k, v, randn(q.shape, case.dtype, device, generator(device, dout_seed))
 
 
 def kernel_block_n(head_dim: int, dtype: torch.dtype, device, causal: bool = False) -> int:
@@ -162,10 +188,6 @@ def _ratio(err: float, eager_err: float) -> float:
     return err / eager_err if eager_err > 0 else math.nan
 
 
-def _finite(t: torch.Tensor) -> bool:
-    return bool(torch.isfinite(t).all().item())
-
-
 def padded_keys_table(cases: Sequence[Case], device, block_n: int, *, seed: int = 0):
     """Our kernel vs an emulated kernel WITHOUT the key-length mask, both against the fp32 reference.
 
@@ -179,15 +201,14 @@ def padded_keys_table(cases: Sequence[Case], device, block_n: int, *, seed: int 
         q, k, v = make_inputs(case, device, seed + i)
         with torch.no_grad():
             out = flash_attn_func(q, k, v, causal=case.causal)
-            ref, _ = attention_ref(q.float(), k.float(), v.float(), causal=case.causal)
-            same = ref if case.dtype == torch.float32 else attention_ref(q, k, v, causal=case.causal, upcast=False)[0]
+            ref, _, same = references(q, k, v, causal=case.causal)
             unmasked, _ = attention_padded_keys_ref(q.float(), k.float(), v.float(), block_n, causal=case.causal)
         err, eager_err = rel_err(out, ref), rel_err(same, ref)
         bound = error_bound(case.dtype, eager_err)
         rows.append({
             **case.fields(), "block_n": block_n, "padded_keys": -(-case.seqlen_k // block_n) * block_n - case.seqlen_k,
             "err_kernel": err, "err_unmasked": rel_err(unmasked, ref), "eager_err": eager_err, "bound": bound,
-            "ok": bool(_finite(out) and err <= bound),
+            "ok": bool(all_finite(out) and err <= bound),
         })
     return rows
 
@@ -213,11 +234,7 @@ def forward_error_table(
         q, k, v = make_inputs(case, device, seed + i, layout)
         with torch.no_grad():
             out, lse = flash_attn_func(q, k, v, causal=case.causal, return_softmax_lse=True)
-            ref, lse_ref = attention_ref(q.float(), k.float(), v.float(), causal=case.causal)
-            if case.dtype == torch.float32:
-                same = ref
-            else:
-                same, _ = attention_ref(q, k, v, causal=case.causal, upcast=False)
+            ref, lse_ref, same = references(q, k, v, causal=case.causal)
             err_sdpa = sdpa_err = math.nan
             if case.sdpa_agrees:
                 sdpa32 = attention_sdpa(q.float(), k.float(), v.float(), causal=case.causal)
@@ -227,7 +244,7 @@ def forward_error_table(
         err, eager_err = rel_err(out, ref), rel_err(same, ref)
         bound = error_bound(case.dtype, eager_err)
         lse_ok, lse_diff = check_lse(lse, lse_ref, case.dtype)
-        ok = _finite(out) and err <= bound and lse_ok
+        ok = all_finite(out) and err <= bound and lse_ok
         rows.append({
             **case.fields(),
             "err_fp32": err, "eager_err": eager_err, "ratio": _ratio(err, eager_err),
@@ -255,10 +272,7 @@ def grad_error_table(cases: Sequence[Case], device, *, seed: int = 0):
     """
     rows = []
     for i, case in enumerate(cases):
-        q, k, v = make_inputs(case, device, seed + i)
-        gen = torch.Generator(device=device)
-        gen.manual_seed(10_000 + seed + i)
-        dout = torch.randn(q.shape, generator=gen, device=device, dtype=torch.float32).to(case.dtype)
+        q, k, v, dout = _inputs_and_dout(case, device, seed + i, 10_000 + seed + i)
         c = case.causal
         g_ker = _grads(lambda a, b, d: flash_attn_func(a, b, d, causal=c), (q, k, v), dout)
         f32 = [t.float() for t in (q, k, v)]
@@ -281,7 +295,7 @@ def grad_error_table(cases: Sequence[Case], device, *, seed: int = 0):
                 "err_eager": rel_err(gk, gs),
                 "err_sdpa": rel_err(gk, s32) if s32 is not None else math.nan,
                 "sdpa_err": rel_err(ss, gr) if ss is not None else math.nan,
-                "bound": bound, "ok": bool(_finite(gk) and err <= bound),
+                "bound": bound, "ok": bool(all_finite(gk) and err <= bound),
             })
     return rows
 
@@ -346,10 +360,7 @@ def gqa_group_sum_table(cases: Sequence[Case], device, *, seed: int = 0):
     """
     rows = []
     for i, case in enumerate(cases):
-        q, k, v = make_inputs(case, device, seed + i)
-        gen = torch.Generator(device=device)
-        gen.manual_seed(20_000 + seed + i)
-        dout = torch.randn(q.shape, generator=gen, device=device, dtype=torch.float32).to(case.dtype)
+        q, k, v, dout = _inputs_and_dout(case, device, seed + i, 20_000 + seed + i)
         g, c = case.group, case.causal
         out_g = flash_attn_func(q, k, v, causal=c)
         dq_g, dk_g, dv_g = _grads(lambda a, b, d: flash_attn_func(a, b, d, causal=c), (q, k, v), dout)
@@ -365,7 +376,7 @@ def gqa_group_sum_table(cases: Sequence[Case], device, *, seed: int = 0):
             "err_out": rel_err(out_g, out_e), "err_dq": rel_err(dq_g, dq_e),
             "err_dk": rel_err(dk_g, dk_sum), "err_dv": rel_err(dv_g, dv_sum),
         }
-        finite = all(_finite(t) for t in (out_g, dq_g, dk_g, dv_g))
+        finite = all(all_finite(t) for t in (out_g, dq_g, dk_g, dv_g))
         rows.append({**case.fields(), "group": g, **errs, "bound": bound,
                      "ok": bool(finite and max(errs.values()) <= bound)})
     return rows

@@ -26,8 +26,7 @@ from ..api.kvcache import flash_attn_with_kvcache
 from ..api.prefill import flash_attn_func
 from ..cache import KVCache, PagedKVCache
 from ..config.hardware import default_device
-from .checks import Case, dtype_name, make_inputs
-from .reference import attention_ref
+from .checks import Case, all_finite, dtype_name, generator, make_inputs, randn
 from .requests import per_request_references, references
 from .tolerance import agreement_tolerance, check_close, check_lse, error_bound, rel_err
 
@@ -44,20 +43,6 @@ def head_kind(nheads: int, nheads_k: int) -> str:
     return "MHA" if nheads == nheads_k else ("MQA" if nheads_k == 1 else "GQA")
 
 
-def _generator(device, seed: int) -> torch.Generator:
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
-    return gen
-
-
-def _randn(shape, dtype: torch.dtype, device, gen: torch.Generator) -> torch.Tensor:
-    return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
-
-
-def _finite(t: torch.Tensor) -> bool:
-    return bool(torch.isfinite(t).all().item())
-
-
 def decode_inputs(batch: int, seqlen_cache: int, seqlen_q: int, nheads: int, nheads_k: int, head_dim: int,
                   dtype: torch.dtype, device, *, seed: int = 0):
     """Seeded (q, k_cache, v_cache, k, v) for a decode step.
@@ -66,12 +51,12 @@ def decode_inputs(batch: int, seqlen_cache: int, seqlen_q: int, nheads: int, nhe
     random in every row, also past the lengths a call uses: stale rows that must never be read;
     k, v (batch, seqlen_q, nheads_k, head_dim): the new tokens.
     """
-    gen = _generator(device, seed)
-    q = _randn((batch, seqlen_q, nheads, head_dim), dtype, device, gen)
-    k_cache = _randn((batch, seqlen_cache, nheads_k, head_dim), dtype, device, gen)
-    v_cache = _randn((batch, seqlen_cache, nheads_k, head_dim), dtype, device, gen)
-    k = _randn((batch, seqlen_q, nheads_k, head_dim), dtype, device, gen)
-    v = _randn((batch, seqlen_q, nheads_k, head_dim), dtype, device, gen)
+    gen = generator(device, seed)
+    q = randn((batch, seqlen_q, nheads, head_dim), dtype, device, gen)
+    k_cache = randn((batch, seqlen_cache, nheads_k, head_dim), dtype, device, gen)
+    v_cache = randn((batch, seqlen_cache, nheads_k, head_dim), dtype, device, gen)
+    k = randn((batch, seqlen_q, nheads_k, head_dim), dtype, device, gen)
+    v = randn((batch, seqlen_q, nheads_k, head_dim), dtype, device, gen)
     return q, k_cache, v_cache, k, v
 
 
@@ -91,9 +76,9 @@ def decode_equivalence_table(*, batch: int, nheads: int, nheads_k_values: Sequen
     for i, (hk, n) in enumerate(itertools.product(nheads_k_values, lengths)):
         case = Case(batch, n, n, nheads, hk, head_dim, dtype, causal=True)
         q, k, v = make_inputs(case, device, seed + i)
-        gen = _generator(device, 1000 + seed + i)
-        k_cache = _randn((batch, seqlen_cache, hk, head_dim), dtype, device, gen)  # stale rows, never read
-        v_cache = _randn((batch, seqlen_cache, hk, head_dim), dtype, device, gen)
+        gen = generator(device, 1000 + seed + i)
+        k_cache = randn((batch, seqlen_cache, hk, head_dim), dtype, device, gen)  # stale rows, never read
+        v_cache = randn((batch, seqlen_cache, hk, head_dim), dtype, device, gen)
         with torch.no_grad():
             out_prefill = flash_attn_func(q, k, v, causal=True)
             outs = [flash_attn_with_kvcache(q[:, t: t + 1], k_cache, v_cache, k[:, t: t + 1], v[:, t: t + 1],
@@ -104,7 +89,7 @@ def decode_equivalence_table(*, batch: int, nheads: int, nheads_k_values: Sequen
         bound = error_bound(dtype, eager_err)
         agree, tol = rel_err(out_decode, out_prefill), agreement_tolerance(dtype)
         written = torch.equal(k_cache[:, :n], k) and torch.equal(v_cache[:, :n], v)
-        ok = _finite(out_decode) and err_dec <= bound and err_pre <= bound and agree <= tol and written
+        ok = all_finite(out_decode) and err_dec <= bound and err_pre <= bound and agree <= tol and written
         rows.append({
             "kind": head_kind(nheads, hk), "nheads": nheads, "nheads_k": hk, "group": nheads // hk, "seqlen": n,
             "dtype": dtype_name(dtype), "err_decode": err_dec, "err_prefill": err_pre, "eager_err": eager_err,
@@ -142,9 +127,7 @@ def decode_ragged_table(*, lengths: Sequence[int], seqlen_cache: int, nheads: in
                 k_exp[b, n: n + 1], v_exp[b, n: n + 1] = k_new[b], v_new[b]
         cache_ok = torch.equal(k_cache, k_exp) and torch.equal(v_cache, v_exp)
         keys_seen = seqlens.long() + (1 if append else 0)
-        ref, lse_ref = attention_ref(q.float(), k_exp.float(), v_exp.float(), key_padding_lengths=keys_seen)
-        same = ref if dtype == torch.float32 else attention_ref(q, k_exp, v_exp, key_padding_lengths=keys_seen,
-                                                                upcast=False)[0]
+        ref, lse_ref, same = references(q, k_exp, v_exp, causal=False, key_padding_lengths=keys_seen)
         for b, n in enumerate(lengths):
             err, eager_err = rel_err(out[b], ref[b]), rel_err(same[b], ref[b])
             bound = error_bound(dtype, eager_err)
@@ -153,7 +136,7 @@ def decode_ragged_table(*, lengths: Sequence[int], seqlen_cache: int, nheads: in
                 "append": append, "num_splits": num_splits, "request": b, "cache_len": n,
                 "keys_seen": int(keys_seen[b]), "err_fp32": err, "eager_err": eager_err, "bound": bound,
                 "lse_diff": lse_diff, "cache_ok": cache_ok,
-                "ok": bool(_finite(out[b]) and err <= bound and lse_ok and cache_ok),
+                "ok": bool(all_finite(out[b]) and err <= bound and lse_ok and cache_ok),
             })
     return rows
 
@@ -188,7 +171,7 @@ def decode_split_table(*, lengths: Sequence[int], seqlen_cache: int, nheads: int
             rows.append({
                 "seqlen_q": m, "num_splits": ns, "err_fp32": err, "eager_err": eager_err, "bound": bound,
                 "diff_vs_unsplit": diff, "agree_tol": tol, "lse_diff_vs_unsplit": lse_diff,
-                "ok": bool(_finite(out) and err <= bound and diff <= tol and lse_ok),
+                "ok": bool(all_finite(out) and err <= bound and diff <= tol and lse_ok),
             })
     return rows
 
@@ -222,15 +205,15 @@ def decode_append_table(*, lengths: Sequence[int], seqlen_cache: int, seqlen_q: 
     (the output vs the reference), ok.
     """
     batch = len(lengths)
-    gen = _generator(device, seed)
-    bufs = [_randn((batch, seqlen_cache, nheads_k, head_dim + 8), dtype, device, gen) for _ in range(2)]
+    gen = generator(device, seed)
+    bufs = [randn((batch, seqlen_cache, nheads_k, head_dim + 8), dtype, device, gen) for _ in range(2)]
     for buf in bufs:
         buf[..., head_dim:] = float("nan")  # poison
     k_buf, v_buf = bufs
     k_cache, v_cache = k_buf[..., :head_dim], v_buf[..., :head_dim]
-    q = _randn((batch, seqlen_q, nheads, head_dim), dtype, device, gen)
-    k = _randn((batch, seqlen_q, nheads_k, head_dim), dtype, device, gen)
-    v = _randn((batch, seqlen_q, nheads_k, head_dim), dtype, device, gen)
+    q = randn((batch, seqlen_q, nheads, head_dim), dtype, device, gen)
+    k = randn((batch, seqlen_q, nheads_k, head_dim), dtype, device, gen)
+    v = randn((batch, seqlen_q, nheads_k, head_dim), dtype, device, gen)
     k_before, v_before = k_buf.clone(), v_buf.clone()
     ref, _, same = per_request_references(q, k_cache.clone(), v_cache.clone(), k, v, lengths, causal=True)
     with torch.no_grad():
@@ -254,7 +237,7 @@ def decode_append_table(*, lengths: Sequence[int], seqlen_cache: int, seqlen_q: 
             "rows_written_k": _row_ranges(written_k), "rows_written_v": _row_ranges(written_v),
             "new_rows_equal": new_equal, "others_untouched": untouched, "padding_untouched": padding_ok,
             "err_fp32": err, "bound": bound,
-            "ok": bool(untouched and new_equal and padding_ok and err <= bound and _finite(out[b])),
+            "ok": bool(untouched and new_equal and padding_ok and err <= bound and all_finite(out[b])),
         })
     return rows
 
@@ -276,9 +259,8 @@ def kvcache_round_trip_table(*, batch: int, prompt: int, steps: Sequence[int], n
         checks.append({"check": name, "detail": detail, "ok": bool(ok)})
 
     def close(out, r, s) -> Tuple[bool, str]:
-        err, eager_err = rel_err(out, r), rel_err(s, r)
-        bound = error_bound(dtype, eager_err)
-        return _finite(out) and err <= bound, f"rel err {err:.2e} <= bound {bound:.2e}"
+        ok, err, bound = check_close(out, r, s)
+        return ok, f"rel err {err:.2e} <= bound {bound:.2e}"
 
     total = prompt + sum(steps)
     case = Case(batch, total, total, nheads, nheads_k, head_dim, dtype, causal=True)
@@ -350,10 +332,10 @@ def chunked_prefill_table(chunks: Sequence[int], *, nheads: int, nheads_k: int, 
     if not chunks or any(not isinstance(c, numbers.Integral) or isinstance(c, bool) or c < 1 for c in chunks):
         raise ValueError(f"Expected chunks to be positive ints, got {chunks!r}.")
     total = sum(chunks)
-    gen = _generator(device, seed)
-    q = _randn((1, total, nheads, head_dim), dtype, device, gen)
-    k = _randn((1, total, nheads_k, head_dim), dtype, device, gen)
-    v = _randn((1, total, nheads_k, head_dim), dtype, device, gen)
+    gen = generator(device, seed)
+    q = randn((1, total, nheads, head_dim), dtype, device, gen)
+    k = randn((1, total, nheads_k, head_dim), dtype, device, gen)
+    v = randn((1, total, nheads_k, head_dim), dtype, device, gen)
     with torch.no_grad():
         one_shot = flash_attn_func(q, k, v, causal=True)
     k_dense = torch.full((1, total + 7, nheads_k, head_dim), float("nan"), dtype=dtype, device=device)

@@ -22,6 +22,23 @@ def causal_mask(seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
     return j <= i + (seqlen_k - seqlen_q)
 
 
+def window_mask(seqlen_q: int, seqlen_k: int, window_size: Tuple[int, int] = (-1, -1), causal: bool = False,
+                device=None) -> torch.Tensor:
+    """Bool [seqlen_q, seqlen_k], True where query i sees key j under a sliding window: with d_i = i +
+    seqlen_k - seqlen_q (bottom-right aligned), d_i - left <= j <= d_i + right, -1 unbounded on that side;
+    causal makes right 0. The mask attention_ref applies (before key padding)."""
+    left, right = (int(x) for x in window_size)
+    right = 0 if causal else right
+    rows = torch.arange(seqlen_q, device=device)[:, None] + (seqlen_k - seqlen_q)  # d_i
+    cols = torch.arange(seqlen_k, device=device)[None, :]
+    visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if right >= 0:
+        visible = visible & (cols <= rows + right)
+    if left >= 0:
+        visible = visible & (cols >= rows - left)
+    return visible
+
+
 def attention_ref(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -81,13 +98,7 @@ def attention_ref(
     if alibi_slopes is not None:
         slopes = alibi_slopes.to(device=q.device, dtype=scores.dtype).reshape(-1, nheads, 1, 1)
         scores = scores - slopes * (rows - cols).abs().to(scores.dtype)
-    left, right = (int(x) for x in window_size)
-    right = 0 if causal else right
-    visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device)
-    if right >= 0:
-        visible = visible & (cols <= rows + right)
-    if left >= 0:
-        visible = visible & (cols >= rows - left)
+    visible = window_mask(seqlen_q, seqlen_k, window_size, causal, q.device)
     visible = visible[None, None].expand(batch, 1, seqlen_q, seqlen_k)
     if key_padding_lengths is not None:
         lengths = key_padding_lengths.to(q.device).view(batch, 1, 1, 1)

@@ -19,7 +19,9 @@ import torch
 from ..api.kvcache import flash_attn_with_kvcache
 from ..api.prefill import flash_attn_func
 from ..config.hardware import default_device
+from .checks import generator, randn
 from .reference import attention_ref
+from .requests import per_request_references
 from .tolerance import check_close, check_dsinks, check_lse
 
 __all__ = ["VARIANTS", "alibi_slopes", "variant_kwargs", "prefill_check_table", "decode_check_table", "worst"]
@@ -33,18 +35,22 @@ def alibi_slopes(nheads: int, device=None) -> torch.Tensor:
 
 
 def variant_kwargs(name: str, *, nheads: int, window: int, softcap: float, device=None,
-                   sinks_grad: bool = False) -> Dict[str, Any]:
+                   sinks_grad: bool = False, gen: Optional[torch.Generator] = None) -> Dict[str, Any]:
     """flash_attn keywords of variant `name` (one of VARIANTS), always causal: "window" is a window of
     `window` keys (the query's own and window - 1 before it: window_size=(window - 1, 0)), "softcap" caps the
-    scores at `softcap`, "alibi" adds ALiBi's bias with `alibi_slopes(nheads)`, "sinks" adds fresh N(0, 1)
-    sink logits (a leaf that requires grad when sinks_grad), "all" all four."""
+    scores at `softcap`, "alibi" adds ALiBi's bias with `alibi_slopes(nheads)`, "sinks" adds N(0, 1) float32
+    sink logits drawn from `gen` (torch's global generator when None; a leaf that requires grad when
+    sinks_grad), "all" all four."""
     if name not in VARIANTS:
         raise ValueError(f"Expected a variant in {VARIANTS}, got {name!r}.")
+    if int(window) != window or window < 1:
+        raise ValueError(f"Expected window to be a positive number of keys, got {window!r}.")
+    sinks = torch.randn(nheads, device=device, generator=gen, dtype=torch.float32)
     parts = {
-        "window": dict(window_size=(window - 1, 0)),
+        "window": dict(window_size=(int(window) - 1, 0)),
         "softcap": dict(softcap=float(softcap)),
         "alibi": dict(alibi_slopes=alibi_slopes(nheads, device)),
-        "sinks": dict(sinks=torch.randn(nheads, device=device).requires_grad_(sinks_grad)),
+        "sinks": dict(sinks=sinks.requires_grad_(sinks_grad)),
     }
     if name == "causal":
         chosen: Dict[str, Any] = {}
@@ -53,15 +59,6 @@ def variant_kwargs(name: str, *, nheads: int, window: int, softcap: float, devic
     else:
         chosen = parts[name]
     return dict(causal=True, **chosen)
-
-
-def _randn(shape, dtype: torch.dtype, device, gen: torch.Generator) -> torch.Tensor:
-    return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
-
-
-def _same_dtype(kw: Dict[str, Any], dtype: torch.dtype) -> Dict[str, Any]:
-    """The reference's keywords for PyTorch's own same-dtype run: the sinks in `dtype` too."""
-    return {**kw, "sinks": kw["sinks"].to(dtype)} if "sinks" in kw else kw
 
 
 def _device(device) -> torch.device:
@@ -80,21 +77,25 @@ def prefill_check_table(*, batch: int, seqlen: int, nheads: int, nheads_k: int, 
     out_bound, lse_diff, dq_err, dq_bound, dk_err, dk_bound, dv_err, dv_bound, with sinks also dsinks_err
     and dsinks_bound, and ok. device None: `default_device()`."""
     device = _device(device)
-    gen = torch.Generator(device=device).manual_seed(seed)
+    gen = generator(device, seed)
     rows = []
     for name in variants:
-        q = _randn((batch, seqlen, nheads, head_dim), dtype, device, gen)
-        k, v = (_randn((batch, seqlen, nheads_k, head_dim), dtype, device, gen) for _ in range(2))
-        dout = _randn((batch, seqlen, nheads, head_dim), dtype, device, gen)
-        kw = variant_kwargs(name, nheads=nheads, window=window, softcap=softcap, device=device, sinks_grad=True)
-        leaves = [t.requires_grad_() for t in (q, k, v)] + ([kw["sinks"]] if "sinks" in kw else [])
+        q = randn((batch, seqlen, nheads, head_dim), dtype, device, gen)
+        k, v = (randn((batch, seqlen, nheads_k, head_dim), dtype, device, gen) for _ in range(2))
+        dout = randn((batch, seqlen, nheads, head_dim), dtype, device, gen)
+        kw = variant_kwargs(name, nheads=nheads, window=window, softcap=softcap, device=device, sinks_grad=True,
+                            gen=gen)
+        sinks = [kw["sinks"]] if "sinks" in kw else []
+        leaves = [t.requires_grad_() for t in (q, k, v)] + sinks
         out, lse = flash_attn_func(q, k, v, return_softmax_lse=True, **kw)
         grads = torch.autograd.grad(out, leaves, dout)
-        ref, lse_ref = attention_ref(*(t.float() for t in (q, k, v)), **kw)
-        ref_grads = torch.autograd.grad(ref, leaves, dout.float())
-        same, _ = attention_ref(q, k, v, upcast=False, **_same_dtype(kw, dtype))
+        # the ground truth and its gradients stay in float32: fp32 leaves of their own, never rounded to dtype
+        leaves32 = [t.detach().float().requires_grad_() for t in (q, k, v)] + sinks
+        ref, lse_ref = attention_ref(*leaves32[:3], **kw)
+        ref_grads = torch.autograd.grad(ref, leaves32, dout.float())
+        same, _ = attention_ref(q, k, v, upcast=False, **kw)  # the sinks and slopes enter in q's dtype
         same_grads = torch.autograd.grad(same, leaves, dout)
-        ok, err, bound = check_close(out, ref.to(dtype), same)
+        ok, err, bound = check_close(out, ref, same)
         lse_ok, lse_diff = check_lse(lse, lse_ref, dtype)
         row: Dict[str, Any] = {"variant": name, "out_err": err, "out_bound": bound, "lse_diff": lse_diff}
         all_ok = ok and lse_ok
@@ -102,7 +103,7 @@ def prefill_check_table(*, batch: int, seqlen: int, nheads: int, nheads_k: int, 
             if label == "dsinks":
                 g_ok, g_err, g_bound, _ = check_dsinks(g, g_ref, g_same, out, lse, dout, kw["sinks"], dtype)
             else:
-                g_ok, g_err, g_bound = check_close(g, g_ref.to(g.dtype), g_same, grad=True)
+                g_ok, g_err, g_bound = check_close(g, g_ref, g_same, grad=True)
             row.update({f"{label}_err": g_err, f"{label}_bound": g_bound})
             all_ok = all_ok and g_ok
         row["ok"] = bool(all_ok)
@@ -123,10 +124,13 @@ def decode_check_table(*, lengths: Sequence[int], capacity: int, page_size: int,
 
     One row per (variant, cache, num_splits): err, bound, ok. device None: `default_device()`."""
     device = _device(device)
+    if not lengths or any(c not in ("dense", "paged") for c in caches):
+        raise ValueError(f"Expected at least one length and caches among ('dense', 'paged'), got lengths "
+                         f"{list(lengths)}, caches {list(caches)}.")
     if capacity % page_size or max(lengths) >= capacity:
         raise ValueError(f"Expected capacity ({capacity}) a multiple of page_size ({page_size}) and above every "
                          f"length (largest {max(lengths)}), one row being appended.")
-    gen = torch.Generator(device=device).manual_seed(seed)
+    gen = generator(device, seed)
     lengths = [int(n) for n in lengths]
     batch, pages = len(lengths), capacity // page_size
     perm = torch.randperm(batch * pages, generator=torch.Generator().manual_seed(seed)).to(device)
@@ -134,17 +138,12 @@ def decode_check_table(*, lengths: Sequence[int], capacity: int, page_size: int,
     lens = torch.tensor(lengths, dtype=torch.int32, device=device)
     rows = []
     for name in variants:
-        kw = variant_kwargs(name, nheads=nheads, window=window, softcap=softcap, device=device)
-        q = _randn((batch, 1, nheads, head_dim), dtype, device, gen)
-        k, v = (_randn((batch, 1, nheads_k, head_dim), dtype, device, gen) for _ in range(2))
-        k_cache, v_cache = (_randn((batch, capacity, nheads_k, head_dim), dtype, device, gen) for _ in range(2))
-        refs, sames = [], []
-        for b, n in enumerate(lengths):
-            kk = torch.cat([k_cache[b : b + 1, :n], k[b : b + 1]], 1)
-            vv = torch.cat([v_cache[b : b + 1, :n], v[b : b + 1]], 1)
-            refs.append(attention_ref(q[b : b + 1].float(), kk.float(), vv.float(), **kw)[0])
-            sames.append(attention_ref(q[b : b + 1], kk, vv, upcast=False, **_same_dtype(kw, dtype))[0])
-        ref, same = torch.cat(refs), torch.cat(sames)
+        kw = variant_kwargs(name, nheads=nheads, window=window, softcap=softcap, device=device, gen=gen)
+        q = randn((batch, 1, nheads, head_dim), dtype, device, gen)
+        k, v = (randn((batch, 1, nheads_k, head_dim), dtype, device, gen) for _ in range(2))
+        k_cache, v_cache = (randn((batch, capacity, nheads_k, head_dim), dtype, device, gen) for _ in range(2))
+        variant = {key: value for key, value in kw.items() if key != "causal"}
+        ref, _, same = per_request_references(q, k_cache, v_cache, k, v, lengths, causal=kw["causal"], **variant)
         for cache in caches:
             for splits in num_splits:
                 extra: Dict[str, Any] = {}
@@ -157,7 +156,7 @@ def decode_check_table(*, lengths: Sequence[int], capacity: int, page_size: int,
                     vc[perm] = v_cache.reshape(-1, page_size, nheads_k, head_dim)
                     extra["block_table"] = block_table
                 out = flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens, num_splits=splits, **kw, **extra)
-                ok, err, bound = check_close(out, ref.to(dtype), same)
+                ok, err, bound = check_close(out, ref, same)
                 rows.append({"variant": name, "cache": cache, "num_splits": splits, "err": err, "bound": bound,
                              "ok": bool(ok)})
     return rows
