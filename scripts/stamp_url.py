@@ -53,7 +53,8 @@ README_BADGE = re.compile(r"\[!\[Open In Colab\]\([^)]*\)\]\([^)]*\)")
 PLACEHOLDER = re.compile(r"OWNER/REPO|<owner>|<repo>|example\.com", re.I)
 # GitHub repositories the prose cites (credits, peers), never the project's own URL.
 ALLOWED_OWNERS = {"Dao-AILab", "hkproj", "triton-lang", "pytorch", "huggingface", "flashinfer-ai",
-                  "zhuzilin", "googlecolab"}
+                  "zhuzilin", "googlecolab",
+                  "zzc0721"}  # a public L4 fp16 matmul measurement (notebook 03, benchmarks/seed_table.py)
 
 
 def repository_url() -> str:
