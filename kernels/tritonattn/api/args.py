@@ -6,8 +6,8 @@ it), flash-attn's primitives (`_flash_attn_forward`, ...), and the custom ops to
 SDPA provider runs their bodies). It returns an `AttnCall`:
 
 - `options`: the frozen `AttnOptions` (config/options.py): what is compiled, what is passed;
-- `tensors`: the kernel arguments of the call's per-call tensors (ALiBi slopes, sinks, seqused_k), each
-  validated here; {} without them;
+- `tensors`: the kernel arguments of the call's per-call tensors (ALiBi slopes, sinks, seqused_k, an FP8
+  cache's descales), each validated here; {} without them;
 - `drop`: the `Dropout` (probability and the Philox (seed, salt)), None without dropout.
 
 flash-attn's rules live here and only here: a window side that is negative or reaches seqlen_k is
@@ -24,7 +24,7 @@ import torch
 
 from ..config.options import AttnOptions, Dropout, attn_options, softcap_number, window_pair
 from ..errors import InputError
-from .validate import validate_alibi_slopes, validate_dropout, validate_seqused_k, validate_sinks
+from .validate import validate_alibi_slopes, validate_descale, validate_dropout, validate_seqused_k, validate_sinks
 
 
 class AttnCall(NamedTuple):
@@ -54,18 +54,25 @@ def plain_call(head_dim: int, softmax_scale=None, causal=False) -> AttnCall:
 def attention_call(head_dim: int, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                    alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None,
                    seqused_k: Optional[torch.Tensor] = None, dropout_p=0.0, rng_state: Optional[torch.Tensor] = None,
-                   *, seqlen_k: int, batch: int, nheads: int, device: torch.device) -> AttnCall:
+                   *, seqlen_k: int, batch: int, nheads: int, device: torch.device, kv_fp8: bool = False,
+                   k_descale=None, v_descale=None, nheads_k: int = 0) -> AttnCall:
     """flash-attn's arguments (and ours: sinks, seqused_k) as an `AttnCall`, everything checked before any
     launch. seqlen_k decides which window sides are unbounded (packed sequences: max_seqlen_k; a cache:
     its capacity); batch, nheads and device are what the per-call tensors must match. rng_state: the
-    forward's (seed, salt) for a backward or a replay of its dropout, None for a fresh draw."""
-    if (alibi_slopes is None and sinks is None and seqused_k is None and type(softmax_scale) in _PLAIN
+    forward's (seed, salt) for a backward or a replay of its dropout, None for a fresh draw. kv_fp8: the
+    KV cache is FP8, k_descale / v_descale its descales (`validate_descale`, per (batch, nheads_k) or
+    per tensor; None is 1.0); descales without an FP8 cache are refused."""
+    if not kv_fp8 and (k_descale is not None or v_descale is not None):
+        raise InputError("Expected k_descale / v_descale only with an FP8 KV cache (float8_e4m3fn k_cache and "
+                         "v_cache); a 16-bit cache holds its values unscaled.")
+    if (not kv_fp8 and alibi_slopes is None and sinks is None and seqused_k is None and type(softmax_scale) in _PLAIN
             and type(window_size) is tuple and window_size == (-1, -1) and type(softcap) in _PLAIN and not softcap
             and type(dropout_p) in (float, int) and dropout_p == 0):
         return _plain_call(int(head_dim), softmax_scale, bool(causal))
     dropout_p = validate_dropout(dropout_p)
     options = attn_options(head_dim, softmax_scale, alibi=alibi_slopes is not None, sinks=sinks is not None,
-                           seqused_k=seqused_k is not None, **resolve_variants(window_size, softcap, causal, seqlen_k))
+                           seqused_k=seqused_k is not None, kv_fp8=kv_fp8,
+                           **resolve_variants(window_size, softcap, causal, seqlen_k))
     tensors = {}
     if options.alibi:
         slopes = validate_alibi_slopes(alibi_slopes, batch, nheads, device)
@@ -75,6 +82,11 @@ def attention_call(head_dim: int, softmax_scale=None, causal=False, window_size=
         tensors["Sinks"] = sinks.detach().to(torch.float32).contiguous()
     if options.seqused_k:
         tensors["Seqused_k"] = validate_seqused_k(seqused_k, batch, device)
+    if kv_fp8:  # (batch, nheads_k) float32 views; a per-tensor scalar has strides 0
+        k_scales = validate_descale("k_descale", k_descale, batch, nheads_k, device)
+        v_scales = validate_descale("v_descale", v_descale, batch, nheads_k, device)
+        tensors.update(K_descale=k_scales, stride_kds=k_scales.stride(0), stride_kdh=k_scales.stride(1),
+                       V_descale=v_scales, stride_vds=v_scales.stride(0), stride_vdh=v_scales.stride(1))
     return AttnCall(options, tensors, dropout(dropout_p, device, rng_state))
 
 

@@ -59,6 +59,8 @@ def flash_attn_with_kvcache(
     return_softmax_lse: bool = False,
     *,
     sinks: Optional[torch.Tensor] = None,
+    k_descale: Optional[Union[float, torch.Tensor]] = None,
+    v_descale: Optional[Union[float, torch.Tensor]] = None,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Decode attention over a KV cache, dense or paged, with an optional in-place append, in one
     launch (flash-attn 2's `flash_attn_with_kvcache`, same signature).
@@ -66,7 +68,8 @@ def flash_attn_with_kvcache(
     Args:
         q: (batch, seqlen_q, nheads, headdim), float16, bfloat16 or float32, any headdim in [1, 256];
             seqlen_q >= 1 (1 for plain decoding, a few for speculative-decoding verification).
-        k_cache, v_cache: same dtype and device as q, any strides with a contiguous last dim; no
+        k_cache, v_cache: q's dtype (or both torch.float8_e4m3fn: an FP8 cache, see k_descale) and device,
+            any strides with a contiguous last dim; no
             copies are made; beyond 2^31 elements is fine. Query head h reads KV head
             h // (nheads // nheads_k) (MHA, GQA, MQA).
             Dense (block_table None): (batch, seqlen_cache, nheads_k, headdim), e.g. also a
@@ -150,6 +153,16 @@ def flash_attn_with_kvcache(
         sinks: optional float32 (nheads,): a learnable sink logit per head (gpt-oss), as in
             flash_attn_func: each row's softmax denominator gains exp(sinks[h]) (added once, also when
             the cache is split), and the LSE includes it.
+        k_descale, v_descale: an FP8 cache's descales (FlashAttention-3's names): float32 (batch, nheads_k),
+            on q's device, or one number per tensor (a Python float or a one-element float32 tensor); None
+            is 1.0, as in FlashAttention-3. Key j of KV head h of request b is k_cache[..] * k_descale[b, h]
+            (dequantized on load inside the kernels, K's descale folded into the score scale, V's into the
+            epilogue). Only with float8_e4m3fn caches, where q, the new k / v and the output are float16 or
+            bfloat16 (an e4m3 or float32 q is refused) and the card is sm_89 or newer. An append stores
+            clamp(value / descale, -448, 448) rounded to e4m3 (to nearest even; never NaN for finite
+            values) and attends over the stored rows, as a later step reads them. Host-known descales
+            must be finite and > 0; device ones are not checked. Calls with an FP8 cache are not
+            replayed (the descales are per-call tensors) and are refused under torch.compile.
 
     Returns:
         out: (batch, seqlen_q, nheads, headdim), dtype of q (on Hopper, when the chunked-prefill path
@@ -169,7 +182,11 @@ def flash_attn_with_kvcache(
     buffers; otherwise inductor skips CUDA graphs for the step (it logs "mutated inputs"). Lengths that
     change then recompile nothing.
     """
+    kv_fp8 = isinstance(k_cache, torch.Tensor) and k_cache.dtype.is_floating_point and k_cache.dtype.itemsize == 1
     if torch.compiler.is_compiling():  # one graph node, see compile/ops.py
+        if kv_fp8 or k_descale is not None or v_descale is not None:
+            raise NotImplementedError("An FP8 KV cache (k_descale / v_descale) is not supported under torch.compile "
+                                      "yet; call flash_attn_with_kvcache eagerly.")
         return TRACED["flash_attn_with_kvcache"](
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
             block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
@@ -186,12 +203,14 @@ def flash_attn_with_kvcache(
         block_table = batch_idx_as_table(cache_batch_idx, block_table, q, k_cache)
     call = rotary = None
     if cache_seqlens is None or type(window_size) is not tuple or window_size != (-1, -1) or softcap or (
-            alibi_slopes is not None or sinks is not None or rotary_cos is not None or rotary_sin is not None):
-        validate_kvcache_inputs(q, k_cache, v_cache, k, v, block_table is not None)
+            alibi_slopes is not None or sinks is not None or rotary_cos is not None or rotary_sin is not None
+            or kv_fp8 or k_descale is not None or v_descale is not None):
+        kv_fp8 = validate_kvcache_inputs(q, k_cache, v_cache, k, v, block_table is not None)
         capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
         cache_seqlens = capacity if cache_seqlens is None else cache_seqlens
         call = attention_call(q.shape[3], softmax_scale, causal, window_size, softcap, alibi_slopes, sinks,
-                              seqlen_k=capacity, batch=q.shape[0], nheads=q.shape[2], device=q.device)
+                              seqlen_k=capacity, batch=q.shape[0], nheads=q.shape[2], device=q.device, kv_fp8=kv_fp8,
+                              k_descale=k_descale, v_descale=v_descale, nheads_k=k_cache.shape[2])
         if rotary_cos is not None or rotary_sin is not None:
             rotary = validate_rotary(q, k, v, rotary_cos, rotary_sin, capacity, rotary_interleaved)
     return kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, num_splits,
@@ -205,7 +224,8 @@ def kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_
     """flash_attn_with_kvcache's body, shared with the cache classes. validated=True: the caller has run
     `validate_kvcache_inputs` on these tensors; cache_leftpad: None or `resolve_cache_leftpad`'s tensor;
     call: the call's `attention_call` (None: softmax_scale and causal alone, the translation's cached
-    plain call); rotary: `validate_rotary`'s, applied to q and k once everything is validated. A call
+    plain call; an FP8 cache needs the call built with kv_fp8 and its descales, else NotImplementedError);
+    rotary: `validate_rotary`'s, applied to q and k once everything is validated. A call
     that repeats a validated one replays its launches (launch/replay.py); calls with left padding, rotary
     or per-call tensors (ALiBi slopes, sinks) never do: the replays carry no pointer for them."""
     try:
@@ -236,6 +256,10 @@ def kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_
     if call is None:  # not built by the replay attempt above
         call = plain_call(q.shape[3], softmax_scale, causal)
     options = call.options
+    fp8 = k_cache.dtype.itemsize == 1
+    if options.kv_fp8 != fp8:  # a caller that built no FP8 call (or one for a 16-bit cache)
+        raise NotImplementedError(f"A {k_cache.dtype} KV cache needs a call built for it (attention_call with "
+                                  f"kv_fp8={fp8} and its descales); got kv_fp8={options.kv_fp8}.")
     seqlen_new = k.shape[1] if k is not None else 0
     if block_table is None:
         seqlens, table = resolve_cache_seqlens(cache_seqlens, q.shape[0], seqlen_new, k_cache.shape[1], q.device), None

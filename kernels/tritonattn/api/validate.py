@@ -4,15 +4,18 @@ is allocated or launched."""
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Optional, Tuple
 
 import torch
 
-from ..config.hardware import bf16_unsupported, device_target, is_interpreter
+from ..config.hardware import bf16_unsupported, device_target, fp8_unsupported, is_interpreter
+from ..config.options import KV_FP8_DTYPES
 from ..errors import InputError, InputTypeError
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8_QUERY_DTYPES = (torch.float16, torch.bfloat16)  # q (and new k/v, the output) over an FP8 KV cache
 MIN_HEAD_DIM, MAX_HEAD_DIM = 1, 256  # any head dim: the tile is padded to a power of two and masked
 
 
@@ -55,6 +58,74 @@ def validate_dtypes(**tensors: Optional[torch.Tensor]) -> torch.dtype:
         if reason is not None:
             raise NotImplementedError(f"bfloat16 {reason}. Use float16 there.")
     return first.dtype
+
+
+def validate_kv_dtypes(q, k_cache, v_cache, k=None, v=None) -> bool:
+    """The dtypes of a KV-cache call; returns whether the cache is FP8 (KV_FP8_DTYPES). Without an FP8 cache
+    every tensor shares one dtype (`validate_dtypes`). With one: k_cache and v_cache both float8_e4m3fn,
+    q in float16 / bfloat16, the new k / v in q's dtype (the append quantizes them), and a card that
+    converts e4m3 (`fp8_unsupported`). Tensors must already be tensors (`validate_tensor`)."""
+    fp8 = [name for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v))
+           if t is not None and t.dtype.is_floating_point and t.dtype.itemsize == 1]
+    if not fp8:
+        validate_dtypes(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v)
+        return False
+    if "q" in fp8:
+        raise NotImplementedError(
+            f"q in {q.dtype} is not supported: the FP8 KV cache computes q.k and p.v in q's 16-bit dtype (e4m3 q "
+            f"with q_descale, FlashAttention-3's all-FP8 decode, is not implemented); pass q in float16 or bfloat16.")
+    for name in ("k", "v"):
+        if name in fp8:
+            raise InputTypeError(
+                f"Expected the new {name} in q's dtype ({q.dtype}), got {(k if name == 'k' else v).dtype}: the "
+                f"append quantizes the new rows itself with k_descale / v_descale; pass them unquantized.")
+    if k_cache.dtype != v_cache.dtype:
+        raise InputTypeError(f"Expected k_cache and v_cache of one dtype, got {k_cache.dtype} and {v_cache.dtype}.")
+    if k_cache.dtype not in KV_FP8_DTYPES:
+        raise NotImplementedError(f"A KV cache in {k_cache.dtype} is not supported; the FP8 cache is "
+                                  f"torch.float8_e4m3fn (e5m2 has too few mantissa bits for keys).")
+    if q.dtype not in FP8_QUERY_DTYPES:
+        raise NotImplementedError(f"q in {q.dtype} over an FP8 KV cache is not supported: q, the new k / v and the "
+                                  f"output are float16 or bfloat16 there.")
+    validate_dtypes(q=q, k=k, v=v)  # one 16-bit dtype, and bf16 where the card (or the interpreter) can run it
+    target = device_target(q.device)
+    reason = fp8_unsupported(target) if target is not None else None
+    if reason is not None:
+        raise NotImplementedError(f"An FP8 KV cache {reason}. Use a float16 / bfloat16 cache there.")
+    return True
+
+
+def validate_descale(name: str, descale, batch: int, nheads_k: int, device: torch.device) -> torch.Tensor:
+    """An FP8 cache's k_descale / v_descale (FlashAttention-3's names): float32 (batch, nheads_k) on q's
+    device, or a per-tensor scalar (a Python number, or a float32 tensor of one element on q's device or
+    the CPU); None is 1.0, as in FlashAttention-3. Returned as a float32 (batch, nheads_k) view (a scalar
+    broadcast with strides 0) whose elements multiply the stored values. A host-known value must be finite
+    and > 0; a device tensor is not read on the host (a bad value gives wrong results, never a fault)."""
+    if descale is None:
+        descale = 1.0
+    if isinstance(descale, bool) or not isinstance(descale, (numbers.Real, torch.Tensor)):
+        raise InputTypeError(f"Expected {name} to be a float32 tensor of shape ({batch}, {nheads_k}) (batch, "
+                             f"nheads_k) or a number, got {type(descale).__name__}.")
+    if isinstance(descale, torch.Tensor):
+        if descale.dtype != torch.float32:
+            raise InputTypeError(f"Expected {name} of dtype float32 (FlashAttention-3's), got {descale.dtype}; use "
+                                 f"{name}.float().")
+        if descale.numel() == 1 and tuple(descale.shape) != (batch, nheads_k):  # a per-tensor scalar
+            if descale.device.type == "cpu":
+                descale = float(descale.reshape(()))
+            elif descale.device != device:
+                raise InputError(f"Expected {name} on {device} (or on the CPU), got it on {descale.device}.")
+            else:
+                return descale.reshape(1, 1).expand(batch, nheads_k)
+        elif tuple(descale.shape) != (batch, nheads_k) or descale.device != device:
+            raise InputError(f"Expected {name} of shape (batch, nheads_k) = ({batch}, {nheads_k}) on {device}, or one "
+                             f"element (per tensor), got {tuple(descale.shape)} on {descale.device}.")
+        else:
+            return descale
+    value = float(descale)
+    if not (value > 0.0 and math.isfinite(value)):
+        raise InputError(f"Expected {name} to be finite and > 0 (stored value * {name} = the value), got {value}.")
+    return torch.full((1, 1), value, dtype=torch.float32, device=device).expand(batch, nheads_k)
 
 
 def validate_devices(**tensors: Optional[torch.Tensor]) -> torch.device:

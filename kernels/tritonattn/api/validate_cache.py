@@ -22,9 +22,9 @@ from ..launch.rotary import Rotary
 from .validate import (
     check_block_table_entries,
     validate_devices,
-    validate_dtypes,
     validate_head_dim,
     validate_heads,
+    validate_kv_dtypes,
     validate_tensor,
 )
 
@@ -197,7 +197,9 @@ def resolve_paging(block_table, cache_seqlens, batch: int, seqlen_new: int, k_ca
     return seqlens, block_table
 
 
-def validate_kvcache_inputs(q, k_cache, v_cache, k, v, paged: bool = False) -> None:
+def validate_kvcache_inputs(q, k_cache, v_cache, k, v, paged: bool = False) -> bool:
+    """The tensors of a KV-cache call (shapes, strides, dtypes, devices); returns whether the cache is FP8
+    (`validate_kv_dtypes`)."""
     validate_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
     layout = "(num_blocks, page_size, nheads_k, headdim)" if paged else "(batch, seqlen_cache, nheads_k, headdim)"
     validate_tensor("k_cache", k_cache, 4, layout)
@@ -208,7 +210,7 @@ def validate_kvcache_inputs(q, k_cache, v_cache, k, v, paged: bool = False) -> N
         layout = "(batch, seqlen_new, nheads_k, headdim)"
         validate_tensor("k", k, 4, layout)
         validate_tensor("v", v, 4, layout)
-    validate_dtypes(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v)
+    kv_fp8 = validate_kv_dtypes(q, k_cache, v_cache, k, v)
     validate_devices(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v)
     batch, seqlen_q, nheads, head_dim = q.shape
     if k_cache.shape != v_cache.shape:
@@ -238,6 +240,7 @@ def validate_kvcache_inputs(q, k_cache, v_cache, k, v, paged: bool = False) -> N
                 f"1 <= seqlen_new <= seqlen_q={seqlen_q}, nheads_k={k_cache.shape[2]}, headdim={head_dim}), got "
                 f"{tuple(k.shape)}."
             )
+    return kv_fp8
 
 
 def batch_idx_as_table(cache_batch_idx, block_table, q, k_cache) -> torch.Tensor:

@@ -141,6 +141,15 @@ def bf16_unsupported(target: Target) -> Optional[str]:
     return None
 
 
+def fp8_unsupported(target: Target) -> Optional[str]:
+    """Why a float8_e4m3fn KV cache cannot run on the card, or None: Triton converts e4m3 (its
+    float8e4nv) only on sm_89 (Ada) and newer; older cards have no such conversion instructions."""
+    if target.capability < (8, 9):
+        return (f"needs a GPU of compute capability 8.9 or newer (Ada, Hopper): Triton has no e4m3 conversion "
+                f"before sm_89, and {target.name} is {target.capability[0]}.{target.capability[1]}")
+    return None
+
+
 def gpu_name() -> str:
     """Name of the present GPU, or 'cpu-interpreter' / 'cpu' without one."""
     if has_gpu():

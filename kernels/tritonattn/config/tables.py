@@ -293,15 +293,18 @@ DECODE_SMEM_SLACK_HOPPER = 1024
 
 
 def decode_smem_bytes(head_dim_pad: int, itemsize: int, block_h: int, block_n: int, num_stages: int,
-                      block_new: int, target: Target) -> int:
+                      block_new: int, target: Target, q_itemsize: int = 0) -> int:
     """Shared memory a decode program needs on `target`: its query tile (BLOCK_H rows), `num_stages` K and
-    V tiles of BLOCK_N keys, the new rows' K and V tiles (BLOCK_NEW; 0 without an append), plus slack."""
+    V tiles of BLOCK_N keys, the new rows' K and V tiles (BLOCK_NEW; 0 without an append), plus slack.
+    itemsize: the cache's bytes per element (the K/V tiles); q_itemsize: q's (the query and new-row
+    tiles; 0: the same), 2 over an FP8 cache."""
     slack = DECODE_SMEM_SLACK_HOPPER if target.capability[0] >= 9 else DECODE_SMEM_SLACK
-    return itemsize * head_dim_pad * (block_h + 2 * num_stages * block_n + 2 * block_new) + slack
+    q_itemsize = q_itemsize or itemsize
+    return head_dim_pad * (q_itemsize * (block_h + 2 * block_new) + itemsize * 2 * num_stages * block_n) + slack
 
 
 def decode_fit(head_dim_pad: int, itemsize: int, block_h: int, block_n: int, num_stages: int, block_new: int,
-               target: Optional[Target]) -> tuple[int, int, int, int]:
+               target: Optional[Target], q_itemsize: int = 0) -> tuple[int, int, int, int]:
     """(BLOCK_H, BLOCK_N, stages, BLOCK_NEW) shrunk until `decode_smem_bytes` fits the target's shared
     memory per block: first the stages (down to 2), then the new rows' tile, then the query rows per
     program (more row blocks), then the key block. Many query rows (speculative verification over a big
@@ -309,7 +312,7 @@ def decode_fit(head_dim_pad: int, itemsize: int, block_h: int, block_n: int, num
     tiles on every card with 99 KB per block or more (a T4's 64 KB takes fewer stages or keys)."""
     if target is None:
         return block_h, block_n, num_stages, block_new
-    while (decode_smem_bytes(head_dim_pad, itemsize, block_h, block_n, num_stages, block_new, target)
+    while (decode_smem_bytes(head_dim_pad, itemsize, block_h, block_n, num_stages, block_new, target, q_itemsize)
            > target.smem_per_block):
         if num_stages > 2:
             num_stages -= 1
@@ -326,11 +329,13 @@ def decode_fit(head_dim_pad: int, itemsize: int, block_h: int, block_n: int, num
     return block_h, block_n, num_stages, block_new
 
 
-def decode_unsupported(head_dim_pad: int, itemsize: int, append: bool, target: Optional[Target]) -> Optional[str]:
-    """Why no decode tile fits the target's shared memory (even 16 rows, 16 keys, one stage), or None."""
+def decode_unsupported(head_dim_pad: int, itemsize: int, append: bool, target: Optional[Target],
+                       q_itemsize: int = 0) -> Optional[str]:
+    """Why no decode tile fits the target's shared memory (even 16 rows, 16 keys, one stage), or None;
+    itemsize, q_itemsize as in `decode_smem_bytes`."""
     if target is None:
         return None
-    least = decode_smem_bytes(head_dim_pad, itemsize, 16, 16, 1, 16 if append else 0, target)
+    least = decode_smem_bytes(head_dim_pad, itemsize, 16, 16, 1, 16 if append else 0, target, q_itemsize)
     if least <= target.smem_per_block:
         return None
     what = f"{8 * itemsize}-bit decode at head dim {head_dim_pad}" + (" with an append" if append else "")

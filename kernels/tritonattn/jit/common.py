@@ -16,6 +16,9 @@ Written once so their semantics cannot drift between kernels:
   (decode and chunked prefill read caches through them; `wide_pages` is their host-side check).
 - `left_padding`: where a left-padded request's keys start (cache_leftpad), clamped the one way the
   decode kernel and the cache-mode forward agree on.
+- `kv_descales`, `quantize_e4m3`: an FP8 cache's descales for one (request, KV head), and the
+  quantization of appended rows (see [Note] FP8 KV cache); a K/V tile is dequantized by `.to(q.dtype)`
+  right after its load, exact for e4m3 in fp16 and bf16.
 - `dropout_keep`: which attention probabilities dropout keeps (forward, backward and the S_dmask
   kernel draw the same bits for the same (batch, head, query, key)).
 
@@ -32,6 +35,14 @@ never visited (`key_range`), so a window costs what its width costs, not what N 
 with MASKED=True subtracts 0 instead of -inf, so no `-inf - -inf = NaN` appears; `finalize` turns
 l_i = 0 into an output of zeros and an LSE of +inf (flash-attn's convention), so every consumer of
 the LSE (backward: exp(s - lse) = 0; split merges: weight exp(lse_i - lse) = 0) gives zeros too.
+
+[Note] FP8 KV cache. With KV_FP8 the cache holds float8_e4m3fn values; value = stored * descale, with one
+descale per (request, KV head) (`kv_descales`; a per-tensor scale is the same number everywhere). A
+program reads one (request, KV head), so its descales are two scalars: a K/V tile is converted to q's
+16-bit dtype on load (exact), K's descale multiplies softmax_scale before `score_units` (so softcap,
+ALiBi and the base-2 logits all see the true scores), and V's multiplies the normalised output (before a
+split's partial is stored, so the combine merges true values). New rows are quantized
+(`quantize_e4m3`), stored, and attended over as stored, so a step sees what the next step will read.
 """
 
 from __future__ import annotations
@@ -40,10 +51,12 @@ import triton
 import triton.language as tl
 
 from ..config.hardware import is_interpreter
+from ..config.options import FP8_E4M3_MAX
 
 LN2 = tl.constexpr(0.6931471805599453)  # ln(2): log(x) == log2(x) * LN2
 LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): exp(x) == exp2(x * LOG2E)
 INTERPRET = tl.constexpr(is_interpreter())  # no PTX under the interpreter
+E4M3_MAX = tl.constexpr(FP8_E4M3_MAX)
 
 
 @triton.jit
@@ -437,3 +450,36 @@ def dropout_keep(seed, salt, bh, rows, start_n, BLOCK_N: tl.constexpr, keep_thre
     draws = tl.join(tl.join(w0, w1), tl.join(w2, w3))  # [R, BLOCK_N // 8, 2, 2, 2]
     draws = tl.reshape(draws, (rows.shape[0], BLOCK_N))
     return draws < tl.cast(keep_threshold, tl.uint32)
+
+
+@triton.jit
+def kv_descales(K_descale, V_descale, off_b, off_hk, stride_kds, stride_kdh, stride_vds, stride_vdh,
+                KV_FP8: tl.constexpr):
+    """(k_scale, v_scale), fp32: an FP8 cache's descales of request off_b, KV head off_hk (float32 (B, H_KV)
+    tensors, strides 0 for a per-tensor scale); 1.0 and 1.0 for a 16-bit cache. See [Note] FP8 KV cache."""
+    if KV_FP8:
+        k_scale = tl.load(K_descale + off_b * stride_kds + off_hk * stride_kdh)
+        v_scale = tl.load(V_descale + off_b * stride_vds + off_hk * stride_vdh)
+    else:
+        k_scale = 1.0
+        v_scale = 1.0
+    return k_scale, v_scale
+
+
+@triton.jit
+def quantize_e4m3(x, descale):
+    """x (any float tile) as float8_e4m3fn with x ~ result * descale: x / descale (IEEE division), clamped
+    to +-E4M3_MAX (an unclamped cast of 1000 gives no 448), rounded to nearest even in fp32 arithmetic and
+    then cast, which is then exact. Bit for bit torch's
+    (x.float() / descale).clamp(-448, 448).to(torch.float8_e4m3fn) for finite x, on the GPU and under the
+    interpreter (whose own cast rounds wrongly where the mantissa carries, 126.1 -> 64, and on ties); never
+    NaN for finite x. The rounding adds and subtracts 1.5 * 2^23 times the e4m3 spacing at |y|'s exponent
+    (2^(e - 3), subnormals 2^-9), the sign put back bitwise so -0.0 stays -0.0."""
+    y = tl.math.div_rn(x.to(tl.float32), descale)
+    y = tl.minimum(tl.maximum(y, -E4M3_MAX), E4M3_MAX)
+    bits = y.to(tl.uint32, bitcast=True)
+    step = tl.maximum(((bits >> 23) & 0xFF).to(tl.int32) - 127, -6) - 3  # log2 of the e4m3 spacing
+    magic = (((step + 150) << 23) | 0x400000).to(tl.float32, bitcast=True)  # 1.5 * 2^(23 + step)
+    mag = (bits & 0x7FFFFFFF).to(tl.float32, bitcast=True)
+    rounded = ((mag + magic) - magic).to(tl.uint32, bitcast=True) | (bits & 0x80000000)
+    return rounded.to(tl.float32, bitcast=True).to(tl.float8e4nv)

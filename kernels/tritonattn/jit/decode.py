@@ -212,6 +212,7 @@ from .common import (
     finalize,
     gqa_q_head,
     kv_block_offsets,
+    kv_descales,
     kv_row_offsets,
     left_padding,
     load_rows,
@@ -219,6 +220,7 @@ from .common import (
     merge_sink,
     online_softmax,
     physical_blocks,
+    quantize_e4m3,
     score_units,
     store_rows,
     variant_scores,
@@ -273,9 +275,12 @@ def append_kernel(
     Block_table, stride_btb, NUM_BLOCKS,  # paged only; None (compiled out) for a dense cache
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, WIDE_PAGES: tl.constexpr,
+    KV_FP8: tl.constexpr = False, K_descale=None, stride_kds=None, stride_kdh=None, V_descale=None, stride_vds=None,
+    stride_vdh=None,
 ):
     """Append BLOCK of the M new tokens of one (request, KV head) to the cache (chunked prefill's
-    first launch; the decode kernel fuses its appends instead, see [Note] Chunked prefill)."""
+    first launch; the decode kernel fuses its appends instead, see [Note] Chunked prefill); an FP8
+    cache's rows quantized with its descales (`quantize_e4m3`)."""
     pid_u = tl.program_id(0)
     pid_bh = tl.program_id(1)
     off_b = (pid_bh // H_KV).to(tl.int64)
@@ -288,6 +293,11 @@ def append_kernel(
                    + offs_d[None, :], us, M, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
     vn = load_rows(V_new + off_b * stride_vnb + off_hk * stride_vnh + us[:, None].to(tl.int64) * stride_vnm
                    + offs_d[None, :], us, M, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+    if KV_FP8:
+        k_scale, v_scale = kv_descales(K_descale, V_descale, off_b, off_hk, stride_kds, stride_kdh, stride_vds,
+                                       stride_vdh, KV_FP8)
+        kn = quantize_e4m3(kn, k_scale)
+        vn = quantize_e4m3(vn, v_scale)
     if PAGED:
         table = Block_table + off_b * stride_btb
     else:
@@ -318,11 +328,11 @@ def decode_kernel(
     HAS_WINDOW: tl.constexpr = False, HAS_SOFTCAP: tl.constexpr = False, HAS_ALIBI: tl.constexpr = False,
     HAS_SINKS: tl.constexpr = False, Alibi=None, stride_alibi_b=None, Sinks=None,
     HAS_SEQUSED_K: tl.constexpr = False, Seqused_k=None,  # packed sequences only: never on here
+    KV_FP8: tl.constexpr = False, K_descale=None, stride_kds=None, stride_kdh=None, V_descale=None, stride_vds=None,
+    stride_vdh=None,  # an FP8 cache's descales, see [Note] FP8 KV cache in jit/common.py
 ):
     tl.static_assert(not HAS_SEQUSED_K, "seqused_k counts packed keys; a cache has cache_seqlens")
     tl.static_assert(BLOCK_H >= 16 and BLOCK_N >= 16 and BLOCK_NEW >= 16, "tl.dot needs tiles of at least 16")
-    unit, cap_scale = score_units(softmax_scale, softcap, HAS_SOFTCAP)
-    qk_scale = unit * LOG2E  # scores (in units of `unit`) to base-2 logits
     if USE_PDL:  # let the combine launch now; it waits for this grid to finish, see [Note] Combine launch
         tl.extra.cuda.gdc_launch_dependents()
     # -- which (request, KV head, row block) and which split -------------------------------------
@@ -336,6 +346,10 @@ def decode_kernel(
     off_b = (pid_bh // H_KV).to(tl.int64)
     off_hk = (pid_bh % H_KV).to(tl.int64)
     H = H_KV * GROUP
+    k_scale, v_scale = kv_descales(K_descale, V_descale, off_b, off_hk, stride_kds, stride_kdh, stride_vds, stride_vdh,
+                                   KV_FP8)  # 1.0 and 1.0 for a 16-bit cache
+    unit, cap_scale = score_units(softmax_scale * k_scale, softcap, HAS_SOFTCAP)  # K's descale folded in
+    qk_scale = unit * LOG2E  # scores (in units of `unit`) to base-2 logits
 
     # -- query rows: r -> (q head off_hk * G + r // M, token r % M) --------------------------------
     offs_r = pid_rb * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
@@ -407,6 +421,9 @@ def decode_kernel(
             vn0 = load_rows(vn_head + offs_u[:, None].to(tl.int64) * stride_vnm + offs_d[None, :],
                             offs_u, m_early, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
             pages0 = new_row_pages(table, seqlen, offs_u, tl.minimum(m_early, n_write), PAGED, PAGE_SIZE)
+            if KV_FP8:  # stored and attended over as stored
+                kn0 = quantize_e4m3(kn0, k_scale)
+                vn0 = quantize_e4m3(vn0, v_scale)
 
     row_ok = offs_r < rows_total
     if HAS_ALIBI:  # each row's q head's slope, in score units, as a column against the keys
@@ -434,14 +451,14 @@ def decode_kernel(
                                       BLOCK_N)
             in_rows = tl.where(rows >= band_lo, rows, hi)  # rows before the band: not loaded (zeros)
             k = load_rows(k_head + k_offs[:, None] + offs_d[None, :], in_rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD,
-                          True)
+                          True).to(q.dtype)
             qk = variant_scores(tl.dot(q, tl.trans(k)), offs_t, rows, hi, diag, left, right, cap_scale, slope, True,
                                 IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
             p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, True)
             v_offs = kv_block_offsets(blocks, start_n, offs_n, stride_vb, stride_vn, PAGE_SIZE, PAGED, WIDE_PAGES,
                                       BLOCK_N)
             v = load_rows(v_head + v_offs[:, None] + offs_d[None, :], in_rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD,
-                          True)
+                          True).to(q.dtype)
             acc = tl.dot(p.to(v.dtype), v, acc)
     if not ONE_LOOP:  # stage 1: whole blocks every row sees, no mask
         for start_n in tl.range(edge_end, full_end, BLOCK_N):
@@ -455,13 +472,14 @@ def decode_kernel(
             k_offs = kv_block_offsets(blocks, start_n, offs_n, stride_kb, stride_kn, PAGE_SIZE, PAGED, WIDE_PAGES,
                                       BLOCK_N)
             k = load_rows(k_head + k_offs[:, None] + offs_d[None, :], rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD,
-                          False)  # [BLOCK_N, D_PAD]
+                          False).to(q.dtype)  # [BLOCK_N, D_PAD], an FP8 tile dequantized (its scale: unit)
             qk = variant_scores(tl.dot(q, tl.trans(k)), offs_t, rows, hi, diag, left, right, cap_scale, slope, False,
                                 IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)  # [BLOCK_H, BLOCK_N]
             p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, False)
             v_offs = kv_block_offsets(blocks, start_n, offs_n, stride_vb, stride_vn, PAGE_SIZE, PAGED, WIDE_PAGES,
                                       BLOCK_N)
-            v = load_rows(v_head + v_offs[:, None] + offs_d[None, :], rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD, False)
+            v = load_rows(v_head + v_offs[:, None] + offs_d[None, :], rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD,
+                          False).to(q.dtype)
             acc = tl.dot(p.to(v.dtype), v, acc)
     # stage 2: the ragged tail of the split (and, without an append, the causal band), masked; with
     # ONE_LOOP all of the split's blocks
@@ -478,23 +496,25 @@ def decode_kernel(
         else:
             in_rows = rows
         k_offs = kv_block_offsets(blocks, start_n, offs_n, stride_kb, stride_kn, PAGE_SIZE, PAGED, WIDE_PAGES, BLOCK_N)
-        k = load_rows(k_head + k_offs[:, None] + offs_d[None, :], in_rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+        k = load_rows(k_head + k_offs[:, None] + offs_d[None, :], in_rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD,
+                      True).to(q.dtype)
         qk = variant_scores(tl.dot(q, tl.trans(k)), offs_t, rows, hi, diag, left, right, cap_scale, slope, True,
                             IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
         p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, True)
         v_offs = kv_block_offsets(blocks, start_n, offs_n, stride_vb, stride_vn, PAGE_SIZE, PAGED, WIDE_PAGES, BLOCK_N)
-        v = load_rows(v_head + v_offs[:, None] + offs_d[None, :], in_rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+        v = load_rows(v_head + v_offs[:, None] + offs_d[None, :], in_rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD,
+                      True).to(q.dtype)
         acc = tl.dot(p.to(v.dtype), v, acc)
 
     # stage 3: the new keys, read from k/v and written to the cache, see [Note] Fused append
     if APPEND:
         if split == num_splits - 1:
             if EARLY_NEW:  # the first chunk, loaded at the start
-                qk = variant_scores(tl.dot(q, tl.trans(kn0)), offs_t, seqlen + offs_u, n_total, diag, left, right,
-                                    cap_scale, slope, True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
+                qk = variant_scores(tl.dot(q, tl.trans(kn0.to(q.dtype))), offs_t, seqlen + offs_u, n_total, diag, left,
+                                    right, cap_scale, slope, True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
                                     HAS_ALIBI)  # [BLOCK_H, BLOCK_NEW]
                 p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, True)
-                acc = tl.dot(p.to(vn0.dtype), vn0, acc)
+                acc = tl.dot(p.to(q.dtype), vn0.to(q.dtype), acc)
                 if pid_rb == 0:  # one row block writes the cache
                     store_new_rows(k_head, v_head, kn0, vn0, offs_u, pages0, seqlen, M_NEW, n_write, NUM_BLOCKS, off_b,
                                     stride_kb, stride_kn, stride_vb, stride_vn, offs_d,
@@ -503,13 +523,17 @@ def decode_kernel(
                 us = start_u + offs_u
                 kn = load_rows(kn_head + us[:, None].to(tl.int64) * stride_knm + offs_d[None, :],
                                us, M_NEW, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)  # [BLOCK_NEW, D_PAD]
-                qk = variant_scores(tl.dot(q, tl.trans(kn)), offs_t, seqlen + us, n_total, diag, left, right,
-                                    cap_scale, slope, True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
+                if KV_FP8:  # stored and attended over as stored
+                    kn = quantize_e4m3(kn, k_scale)
+                qk = variant_scores(tl.dot(q, tl.trans(kn.to(q.dtype))), offs_t, seqlen + us, n_total, diag, left,
+                                    right, cap_scale, slope, True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
                                     HAS_ALIBI)  # [BLOCK_H, BLOCK_NEW]
                 p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, True)
                 vn = load_rows(vn_head + us[:, None].to(tl.int64) * stride_vnm + offs_d[None, :],
                                us, M_NEW, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
-                acc = tl.dot(p.to(vn.dtype), vn, acc)
+                if KV_FP8:
+                    vn = quantize_e4m3(vn, v_scale)
+                acc = tl.dot(p.to(q.dtype), vn.to(q.dtype), acc)
                 if pid_rb == 0:  # one row block writes the cache
                     pages = new_row_pages(table, seqlen, us, n_write, PAGED, PAGE_SIZE)
                     store_new_rows(k_head, v_head, kn, vn, us, pages, seqlen, M_NEW, n_write, NUM_BLOCKS, off_b,
@@ -518,6 +542,8 @@ def decode_kernel(
 
     # -- epilogue --------------------------------------------------------------------------------
     out, lse = finalize(acc, m_i, l_i)  # empty rows: 0 and +inf (with a sink: 0 and the sink)
+    if KV_FP8:  # V's descale, see [Note] FP8 KV cache in jit/common.py
+        out = out * v_scale
     lse_row = (off_b * H + offs_h) * M + offs_t  # [BLOCK_H] index into (B, H, M)
     if SPLIT:  # partials to fp32 scratch (B, H, M, num_splits[, D]); empty ones get weight 0
         part_row = lse_row * num_splits + split

@@ -107,6 +107,7 @@ from .common import (
     gqa_kv_head,
     key_range,
     kv_block_offsets,
+    kv_descales,
     left_padding,
     load_rows,
     mask_scores,
@@ -161,7 +162,7 @@ def fwd_inner(
             k = k_src.load([start_n, 0])  # [BLOCK_N, D_PAD]
         else:
             k = load_rows(k_src + tl.cast(start_n, tl.int64) * stride_kn + k_rel, rows_in, n_end, offs_d,
-                          HEAD_DIM, HEAD_DIM_PAD, MASKED or EDGES)
+                          HEAD_DIM, HEAD_DIM_PAD, MASKED or EDGES).to(q.dtype)  # an FP8 cache: dequantized
         qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N]
         qk = variant_scores(qk, offs_m, start_n + offs_n, n_end, diag, left, right, cap_scale, slope, MASKED,
                             IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
@@ -178,7 +179,7 @@ def fwd_inner(
                 v = tl.where(rows_in[:, None] < n_end, v, 0.0)
         else:
             v = load_rows(v_src + tl.cast(start_n, tl.int64) * stride_vn + v_rel, rows_in, n_end, offs_d,
-                          HEAD_DIM, HEAD_DIM_PAD, MASKED or EDGES)
+                          HEAD_DIM, HEAD_DIM_PAD, MASKED or EDGES).to(q.dtype)
         acc = tl.dot(p.to(v.dtype), v, acc)
     return acc, m_i, l_i
 
@@ -234,14 +235,20 @@ def fwd_kernel(
     N_NEW=None, IS_KVCACHE: tl.constexpr = False, KV_APPEND: tl.constexpr = False, PAGED: tl.constexpr = False,
     PAGE_SIZE: tl.constexpr = 1, WIDE_PAGES: tl.constexpr = False,
     Cache_leftpad=None, HAS_LEFTPAD: tl.constexpr = False,
+    KV_FP8: tl.constexpr = False, K_descale=None, stride_kds=None, stride_kdh=None, V_descale=None, stride_vds=None,
+    stride_vdh=None,  # an FP8 cache (cache mode only), see [Note] FP8 KV cache in jit/common.py
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
+    tl.static_assert(IS_KVCACHE or not KV_FP8, "FP8 K/V only as a cache")
+    tl.static_assert(not (KV_FP8 and USE_TMA), "an FP8 cache is read through pointers")
     tl.static_assert(not (HAS_DROPOUT and IS_KVCACHE), "dropout is a training option: no cache mode")
     tl.static_assert(IS_VARLEN or not HAS_SEQUSED_K, "seqused_k counts the keys of packed sequences")
-    unit, cap_scale = score_units(softmax_scale, softcap, HAS_SOFTCAP)
-    qk_scale = unit * LOG2E  # scores to base-2 logits
     # -- which query block and head (off_hk: the KV head this query head reads) ----------------
     pid_m, pid_bh, off_b, off_h, off_hk = query_block(H, GROUP, IS_CAUSAL)
+    k_scale, v_scale = kv_descales(K_descale, V_descale, off_b, off_hk, stride_kds, stride_kdh, stride_vds, stride_vdh,
+                                   KV_FP8)  # 1.0 and 1.0 unless an FP8 cache
+    unit, cap_scale = score_units(softmax_scale * k_scale, softcap, HAS_SOFTCAP)  # K's descale folded in
+    qk_scale = unit * LOG2E  # scores to base-2 logits
     start_m = pid_m * BLOCK_M
     if IS_VARLEN:  # off_b is a packed sequence: its own M, N and first rows (see [Note] Packed sequences)
         q_start = tl.load(Cu_seqlens_q + off_b)
@@ -345,7 +352,7 @@ def fwd_kernel(
                 k_offs = kv_block_offsets(blocks, start_n, offs_n, stride_kblk, stride_kn, PAGE_SIZE, True,
                                           WIDE_PAGES, BLOCK_N)
                 k = load_rows(k_base + k_offs[:, None] + offs_d[None, :], rows_in, n_end, offs_d, HEAD_DIM,
-                              HEAD_DIM_PAD, True)
+                              HEAD_DIM_PAD, True).to(q.dtype)
                 qk = tl.dot(q, tl.trans(k))
                 qk = variant_scores(qk, offs_m, rows, n_end, diag, left, right, cap_scale, slope, True, IS_CAUSAL,
                                     HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
@@ -353,7 +360,7 @@ def fwd_kernel(
                 v_offs = kv_block_offsets(blocks, start_n, offs_n, stride_vblk, stride_vn, PAGE_SIZE, True,
                                           WIDE_PAGES, BLOCK_N)
                 v = load_rows(v_base + v_offs[:, None] + offs_d[None, :], rows_in, n_end, offs_d, HEAD_DIM,
-                              HEAD_DIM_PAD, True)
+                              HEAD_DIM_PAD, True).to(q.dtype)
                 acc = tl.dot(p.to(v.dtype), v, acc)
     else:
         if USE_TMA:
@@ -387,6 +394,8 @@ def fwd_kernel(
 
     # -- epilogue: normalise, store the output and the LSE ---------------------------------------
     out, lse = finalize(acc, m_i, l_i)
+    if KV_FP8:  # V's descale
+        out = out * v_scale
     if HAS_DROPOUT:  # l_i summed every probability, acc only the kept ones: rescale by 1 / (1 - p)
         out = out * dropout_scale
     if IS_VARLEN:
@@ -413,13 +422,14 @@ def dropout_probs_kernel(
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,
     HAS_SEQUSED_K: tl.constexpr,
     Alibi=None, stride_alibi_b=None, Sinks=None, Seqused_k=None,
-    Cu_seqlens_q=None, Cu_seqlens_k=None, IS_VARLEN: tl.constexpr = False,
+    Cu_seqlens_q=None, Cu_seqlens_k=None, IS_VARLEN: tl.constexpr = False, KV_FP8: tl.constexpr = False,
 ):
     """flash-attn's S_dmask, a testing aid: S[b, h, i, j] = exp(s_ij - max_j' s_ij') for the keys row i
     sees (s = the scores as the softmax sees them: scaled, softcapped, with ALiBi; a sink takes no
     part), negated where dropout drops the pair (the forward's own bits, see [Note] Dropout), 0 at keys
     the row does not see. Two passes over the keys (row max, then the values), through masked
     pointers: no speed is asked of it."""
+    tl.static_assert(not KV_FP8, "an FP8 KV cache has no dropout probabilities")
     unit, cap_scale = score_units(softmax_scale, softcap, HAS_SOFTCAP)
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)

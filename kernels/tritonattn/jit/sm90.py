@@ -182,12 +182,14 @@ def fwd_kernel_sm90_ws(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
     HAS_SINKS: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,  # dense inputs only: never on here
+    KV_FP8: gl.constexpr = False,  # no cache here: never on
     Alibi=None, stride_alibi_b=None, Sinks=None,
     NUM_STAGES: gl.constexpr = 2,
 ):
     """The forward as FlashAttention-3 schedules it: BLOCK_M rows split over two consumer warpgroups
     (the kernel's 4 warps and a 4-warp worker) that alternate on the tensor cores, and a loader warp."""
     gl.static_assert(HEAD_DIM == HEAD_DIM_PAD, "descriptor tiles cover the head dim exactly")
+    gl.static_assert(not KV_FP8, "an FP8 KV cache is read by the cache mode of fwd_kernel")
     gl.static_assert(gl.num_warps() == 4, "the default partition is one consumer warpgroup")
     ROWS: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = Q.dtype.element_ty

@@ -119,8 +119,10 @@ class DecodePlan(NamedTuple):
 @functools.lru_cache(maxsize=512)
 def plan_decode(batch: int, seqlen_q: int, nheads: int, nheads_k: int, head_dim: int, seqlen_cache: int,
           dtype: torch.dtype, target: Optional[Target], num_splits: int, page_size: int = 0,
-          append: bool = False, window_left: int = -1) -> DecodePlan:
-    """The launch plan on `target` (`device_target`; None: the interpreter); page_size 0 for a dense
+          append: bool = False, window_left: int = -1, kv_itemsize: int = 0) -> DecodePlan:
+    """The launch plan on `target` (`device_target`; None: the interpreter); dtype: q's; kv_itemsize: the
+    cache's bytes per element (0: q's; 1 for an FP8 cache, whose K/V tiles take half the shared
+    memory while the query and new-row tiles stay in q's dtype); page_size 0 for a dense
     cache, else the pool's page size (seqlen_cache is then a request's capacity, max_blocks_per_seq *
     page_size); append: the call writes seqlen_q new rows (their K/V tiles take shared memory too);
     window_left >= 0: a sliding window's left side, whose band of at most window_left + seqlen_q
@@ -128,7 +130,7 @@ def plan_decode(batch: int, seqlen_q: int, nheads: int, nheads_k: int, head_dim:
     kernels/tritonattn/jit/decode.py). Tiles are shrunk to the target's shared memory first (`decode_fit`);
     the paged plan below only lowers stages or BLOCK_N, so it fits too."""
     head_dim_pad = head_dim_tile(head_dim)
-    reason = decode_unsupported(head_dim_pad, dtype.itemsize, append, target)
+    reason = decode_unsupported(head_dim_pad, kv_itemsize or dtype.itemsize, append, target, dtype.itemsize)
     if reason is not None:  # before any launch
         raise NotImplementedError(f"Cannot run flash_attn_with_kvcache here: {reason}.")
     config = decode_config(head_dim_pad, dtype, target)
@@ -136,7 +138,8 @@ def plan_decode(batch: int, seqlen_q: int, nheads: int, nheads_k: int, head_dim:
     block_h = min(max(16, triton.next_power_of_2(rows)), max(16, config.max_rows))
     wanted_new = min(config.block_n, max(16, triton.next_power_of_2(seqlen_q)))
     block_h, block_n, num_stages, fitted_new = decode_fit(
-        head_dim_pad, dtype.itemsize, block_h, config.block_n, config.num_stages, wanted_new if append else 0, target)
+        head_dim_pad, kv_itemsize or dtype.itemsize, block_h, config.block_n, config.num_stages,
+        wanted_new if append else 0, target, dtype.itemsize)
     block_new = fitted_new if append else wanted_new  # unused without an append
     config = DecodeConfig(block_n, config.num_warps, num_stages, config.max_rows)
     row_blocks = triton.cdiv(rows, block_h)
@@ -219,9 +222,14 @@ def prefill_programs_fill(batch: int, seqlen_q: int, nheads: int, head_dim: int,
     return triton.cdiv(seqlen_q, block_m) * batch * nheads >= tables.CHUNKED_PREFILL_MIN_WAVE * sm_count
 
 
-def _launch_append(k_cache, v_cache, k, v, cache_seqlens, block_table, options: AttnOptions, key) -> None:
-    """Write the new tokens k, v (B, M, H_KV, D) into the cache at cache_seqlens[b] (chunked prefill);
-    key: the call's signature and alignment (see kernels/tritonattn/launch/fast.py)."""
+DESCALE_ARGS = ("K_descale", "stride_kds", "stride_kdh", "V_descale", "stride_vds", "stride_vdh")
+
+
+def _launch_append(k_cache, v_cache, k, v, cache_seqlens, block_table, options: AttnOptions, key,
+                   tensors: dict) -> None:
+    """Write the new tokens k, v (B, M, H_KV, D) into the cache at cache_seqlens[b] (chunked prefill;
+    an FP8 cache's rows quantized with the descales in `tensors`); key: the call's signature and
+    alignment (see kernels/tritonattn/launch/fast.py)."""
     batch, seqlen_new, nheads_k, _ = k.shape
     block = row_block(seqlen_new)
     if block_table is None:
@@ -234,6 +242,8 @@ def _launch_append(k_cache, v_cache, k, v, cache_seqlens, block_table, options: 
             nheads_k, seqlen_new, capacity, *paging)
     kwargs = dict(**options.tile, BLOCK=block, PAGED=paged, PAGE_SIZE=page_size,
                   WIDE_PAGES=paged and wide_pages(page_size, k_cache, v_cache))
+    if options.kv_fp8:
+        kwargs.update(KV_FP8=True, **{name: tensors[name] for name in DESCALE_ARGS})
     append_launcher(key, (triton.cdiv(seqlen_new, block), batch * nheads_k, 1), args, 4, kwargs=kwargs,
                           device_index=k.device.index if k.device.index is not None else 0)
 
@@ -268,6 +278,7 @@ def launch_kvcache(
     tensors = tensors or {}
     if tensors:  # tensors the replays carry no pointer for
         replay_key = None
+    descales = (aligned_bits(tensors["K_descale"], tensors["V_descale"]),) if options.kv_fp8 else ()
     if sig is None:
         sig = signature(q, k_cache, v_cache, k, v, block_table)
     target = device_target(device)
@@ -277,13 +288,13 @@ def launch_kvcache(
         # on the device may be a copy of the caller's, with its own stride.
         key = (sig, aligned_bits(q, k_cache, v_cache, k if append else q, v if append else q, cache_seqlens,
                              block_table if block_table is not None else q),
-               block_table.stride(0) if block_table is not None else None)
+               block_table.stride(0) if block_table is not None else None) + descales
         if cache_leftpad is not None:
             key += (aligned_bits(cache_leftpad),)
         ctx = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
         with ctx:
             if append:
-                _launch_append(k_cache, v_cache, k, v, cache_seqlens, block_table, options, key)
+                _launch_append(k_cache, v_cache, k, v, cache_seqlens, block_table, options, key, tensors)
             out, lse = launch_cache_prefill(q, k_cache, v_cache, cache_seqlens, k.shape[1] if append else 0,
                                                    block_table, options, launch_key=key, cache_leftpad=cache_leftpad,
                                                    tensors=tensors)
@@ -293,7 +304,8 @@ def launch_kvcache(
     if block_table is not None:  # the logical capacity of a request; k_cache.shape[1] is the page size
         seqlen_cache = block_table.shape[1] * k_cache.shape[1]
     plan = plan_decode(batch, seqlen_q, nheads, nheads_k, head_dim, seqlen_cache, q.dtype, target, num_splits,
-                 k_cache.shape[1] if block_table is not None else 0, append, options.window_left)
+                 k_cache.shape[1] if block_table is not None else 0, append, options.window_left,
+                 k_cache.element_size())
 
     out = torch.empty_like(q, memory_format=torch.contiguous_format)  # (batch, seqlen_q, nheads, head_dim)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=device) if return_softmax_lse else None
@@ -328,6 +340,7 @@ def launch_kvcache(
         paging, paged, page_size = (block_table, block_table.stride(0), k_cache.shape[0]), True, k_cache.shape[1]
         aligned = aligned_bits(q, k_cache, v_cache, k_arg, v_arg, cache_seqlens, block_table)
         key = (sig, aligned, block_table.stride(0))
+    key += descales
     if cache_leftpad is not None:  # [Note] Left padding (jit/decode.py); such calls are never replayed
         key += (aligned_bits(cache_leftpad),)
         replay_key = None

@@ -192,7 +192,8 @@ def launch_cache_prefill(
         empty_rows_lse(lse, options, tensors)
         return out, lse
     (q,) = aligned_operands(planned, q)
-    use_tma = tma_usable(config.use_tma, target, q, k_cache, v_cache, out)
+    # an FP8 cache is read through pointers: descriptors are planned for 2-byte tiles
+    use_tma = tma_usable(config.use_tma, target, q, k_cache, v_cache, out) and not options.kv_fp8
     cache_args = dict(Cache_seqlens=cache_seqlens, IS_KVCACHE=True, KV_APPEND=seqlen_new > 0, **(tensors or {}))
     if seqlen_new:
         cache_args["N_NEW"] = seqlen_new

@@ -8,6 +8,8 @@ from .reference import (
     attention_ref,
     attention_sdpa,
     causal_mask,
+    dequantize_ref,
+    quantize_e4m3_ref,
     rotary_ref,
     sdpa_supports_enable_gqa,
     window_mask,
@@ -16,6 +18,7 @@ from .requests import per_request_references, references
 from .tolerance import (
     AGREEMENT,
     ATOL_FLOOR,
+    FP8_KV_RTOL,
     FP32_AGREEMENT,
     FP32_GRAD_RTOL,
     FP32_RTOL,
@@ -35,9 +38,9 @@ from .tolerance import (
 
 __all__ = [
     "attention_ref", "attention_padded_keys_ref", "attention_sdpa", "sdpa_supports_enable_gqa", "causal_mask",
-    "window_mask",
-    "rotary_ref", "references", "per_request_references",
+    "window_mask", "rotary_ref", "quantize_e4m3_ref", "dequantize_ref", "references", "per_request_references",
     "rel_err", "error_bound", "check_close",
     "agreement_tolerance", "lse_tolerance", "check_lse", "check_dsinks", "FWD_FACTOR", "GRAD_FACTOR", "ATOL_FLOOR",
-    "FP32_RTOL", "FP32_GRAD_RTOL", "AGREEMENT", "FP32_AGREEMENT", "LSE_ATOL", "LSE_FP32_GPU", "ZERO_RMS",
+    "FP32_RTOL", "FP32_GRAD_RTOL", "FP8_KV_RTOL", "AGREEMENT", "FP32_AGREEMENT", "LSE_ATOL", "LSE_FP32_GPU",
+    "ZERO_RMS",
 ]

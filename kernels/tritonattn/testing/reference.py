@@ -172,6 +172,27 @@ def attention_padded_keys_ref(
     return out.to(dtype), lse
 
 
+def quantize_e4m3_ref(x: torch.Tensor, descale) -> torch.Tensor:
+    """x (batch, seqlen, nheads_k, headdim) as a float8_e4m3fn cache holds it, the way the kernels' append
+    quantizes (bit for bit): (x / descale) in float32, clamped to +-448, rounded to nearest even. descale:
+    a number or a (batch, nheads_k) tensor (FlashAttention-3's k_descale / v_descale)."""
+    return (x.float() / _descale_view(descale, x)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+
+
+def dequantize_ref(x8: torch.Tensor, descale, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The values an FP8 cache x8 (batch, seqlen, nheads_k, headdim) stands for, x8 * descale in float32
+    (exact: an e4m3 value times a float32 descale), returned in `dtype`. Run `attention_ref` on the
+    dequantized K and V: the reference that quantizes exactly as the kernels do."""
+    return (x8.float() * _descale_view(descale, x8)).to(dtype)
+
+
+def _descale_view(descale, x: torch.Tensor):
+    if isinstance(descale, torch.Tensor):
+        descale = descale.float().to(x.device)
+        return descale.reshape(()) if descale.numel() == 1 else descale[:, None, :, None]
+    return torch.tensor(float(descale), dtype=torch.float32, device=x.device)
+
+
 def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions, *, interleaved: bool,
                same_position: bool = False) -> torch.Tensor:
     """Rotary embedding of x (batch, seqlen, nheads, headdim), token t of batch entry b at position

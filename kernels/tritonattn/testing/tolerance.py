@@ -40,6 +40,13 @@ FP32_AGREEMENT = (1e-5, 5e-3)
 # term too (5.4e-3 at |lse| ~ 7 on an H200).
 LSE_ATOL = {torch.float16: 1e-3, torch.bfloat16: 1e-3, torch.float32: 1e-4}
 LSE_FP32_GPU = (5e-3, 2e-3)  # (atol, rtol)
+# An FP8 (e4m3) KV cache, the error of the quantization itself: attention over a cache quantized with amax
+# descales (per (batch, KV head) or per tensor) against an fp64 reference on the unquantized values, unit-scale
+# normal inputs. e4m3 keeps 3 mantissa bits (a relative rounding error up to 2^-4 per value, ~2^-4 / sqrt(3)
+# RMS); the output averages many values, so its relative error is ~4e-2 (measured under the interpreter:
+# tests/test_fp8_kvcache.py prints it). The kernels themselves are judged by the usual rule against the
+# reference run on the dequantized cache, which quantizes exactly as they do.
+FP8_KV_RTOL = 6e-2
 
 
 # A reference whose root-mean-square is below this is zero at the scale the rule is used at: inputs drawn at
