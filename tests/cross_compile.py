@@ -22,7 +22,7 @@ from typing import Dict, List, Sequence
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 POINTER_TYPES = {"torch.float16": "*fp16", "torch.bfloat16": "*bf16", "torch.float32": "*fp32",
-                 "torch.int32": "*i32", "torch.int64": "*i64"}
+                 "torch.int32": "*i32", "torch.int64": "*i64", "torch.float8_e4m3fn": "*fp8e4nv"}
 
 
 # --------------------------------------------------------------------------------------------

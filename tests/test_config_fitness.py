@@ -7,12 +7,15 @@ per program (seqlen_q x group size), dense or paged with several page sizes, app
 enough to change a paged plan, and the variants (all on, dense and paged, split or not). One launch of each tile
 class (`cross_compile.tile_key`: all but the integer and alignment specialisations) is cross-compiled for the card's
 architecture (tests/cross_compile.py: Triton without a GPU) and its shared memory compared with the card's limit.
-bf16 plans must equal fp16 ones (same bytes per element; compiled once, as fp16); where no tile fits (a T4's fp32
+bf16 plans must equal fp16 ones (same bytes per element; compiled once, as fp16); an FP8 (e4m3) KV cache's launches
+(decode dense and paged, append, split, the variants, the chunked cache-mode forward) are recorded and compiled for
+the cards that convert e4m3 (sm_89, sm_90), and refused before any launch on the others; where no tile fits (a T4's fp32
 backward above head dim 128, its fp32 decode with an append at 256) the call must say so before launching, and a card
 without bf16 (T4) must refuse bf16 before any launch. """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 from typing import Dict, List, Tuple
@@ -23,7 +26,7 @@ import torch
 import cross_compile
 from helpers import DEVICE
 from tritonattn import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
-from tritonattn.config.hardware import TARGETS, Target
+from tritonattn.config.hardware import TARGETS, Target, fp8_unsupported
 from tritonattn.config.tables import decode_unsupported, gluon_sm90_available, prefill_bwd_unsupported
 from tritonattn.launch.decode import chunked_prefill_pays
 from tritonattn.launch.fast import recording
@@ -171,12 +174,59 @@ def _kvcache_calls(dtype: torch.dtype, target: Target):
         yield f"kvcache variants seqlen_q={seqlen_q} page_size={page_size} num_splits={num_splits}", variants
 
 
+def _fp8_kvcache_calls(dtype: torch.dtype, target: Target):
+    """(label, thunk) per flash_attn_with_kvcache call over an FP8 (e4m3) cache with (batch, nheads_k) descales:
+    rows per program, dense or paged, append, split or not, every variant on, and a chunk (the cache-mode
+    forward and the append kernel)."""
+    nheads_k, capacity = 4, 4096
+    fp8 = torch.float8_e4m3fn
+    for head_dim, seqlen_q, page_size, num_splits in itertools.product(HEAD_DIMS, (1, 16), (None, 16, 256), (0, 1)):
+        def run(head_dim=head_dim, seqlen_q=seqlen_q, page_size=page_size, num_splits=num_splits, variants=False):
+            nheads = nheads_k * GROUPS[-1]
+            q = _empty(2, seqlen_q, nheads, head_dim, dtype=dtype)
+            k, v = (_empty(2, seqlen_q, nheads_k, head_dim, dtype=dtype) for _ in range(2))
+            kw = dict(cache_seqlens=torch.full((2,), 7, dtype=torch.int32), causal=True, num_splits=num_splits,
+                      k_descale=torch.ones(2, nheads_k, device=DEVICE), v_descale=torch.ones(2, nheads_k, device=DEVICE))
+            if variants:
+                kw.update(window_size=(300, 0), softcap=20.0, alibi_slopes=torch.ones(nheads, device=DEVICE),
+                          sinks=torch.zeros(nheads, device=DEVICE))
+            if page_size is None:
+                k_cache = _empty(2, capacity, nheads_k, head_dim, dtype=fp8)
+                flash_attn_with_kvcache(q, k_cache, k_cache.clone(), k, v, **kw)
+            else:
+                pool = _empty(8, page_size, nheads_k, head_dim, dtype=fp8)
+                table = torch.zeros(2, capacity // page_size, dtype=torch.int32, device=DEVICE)
+                flash_attn_with_kvcache(q, pool, pool.clone(), k, v, block_table=table, **kw)
+
+        label = f"fp8 kvcache D={head_dim} seqlen_q={seqlen_q} page_size={page_size} num_splits={num_splits}"
+        yield label, run
+        yield f"{label} variants", functools.partial(run, variants=True)
+    for page_size in (None, 16):  # a chunk: append_kernel, then fwd_kernel's cache mode
+        def chunk(page_size=page_size, head_dim=HEAD_DIMS[-1]):
+            q = _empty(1, 512, 32, head_dim, dtype=dtype)
+            k, v = (_empty(1, 512, nheads_k, head_dim, dtype=dtype) for _ in range(2))
+            kw = dict(cache_seqlens=torch.full((1,), 7, dtype=torch.int32), causal=True, k_descale=0.5, v_descale=2.0)
+            assert chunked_prefill_pays(1, 512, 32, head_dim, dtype, True, target)
+            if page_size is None:
+                k_cache = _empty(1, 1024, nheads_k, head_dim, dtype=fp8)
+                flash_attn_with_kvcache(q, k_cache, k_cache.clone(), k, v, **kw)
+            else:
+                pool = _empty(40, page_size, nheads_k, head_dim, dtype=fp8)
+                table = torch.arange(1024 // page_size, dtype=torch.int32, device=DEVICE)[None] % 40
+                flash_attn_with_kvcache(q, pool, pool.clone(), k, v, block_table=table, **kw)
+
+        yield f"fp8 kvcache chunk page_size={page_size}", chunk
+
+
 def _record(target: Target, dtype: torch.dtype) -> List[Tuple[str, tuple, dict]]:
     """(call label, plan text, compile spec) of every launch the calls make when planned for `target`. The
     launch records hold the calls' tensors (caches of up to a GB): each is reduced to its text and spec
     before the next call, so one call's tensors at a time are alive."""
     records = []
-    for label, call in itertools.chain(_prefill_calls(dtype, target), _kvcache_calls(dtype, target)):
+    calls = itertools.chain(_prefill_calls(dtype, target), _kvcache_calls(dtype, target))
+    if fp8_unsupported(target) is None and dtype != torch.float32:
+        calls = itertools.chain(calls, _fp8_kvcache_calls(dtype, target))
+    for label, call in calls:
         with recording(target) as launched:
             call()
         records.extend((label, _plan_text(r), cross_compile.spec_of(r, target.arch)) for r in launched)
@@ -226,6 +276,18 @@ def test_every_config_fits_the_card(card):
     assert not failed, f"{len(failed)} launches do not compile for {card}:\n" + "\n".join(failed[:20])
     assert not over, (f"{len(over)} of {len(specs)} launches need more shared memory than {card} has:\n"
                       + "\n".join(over[:30]))
+
+
+@pytest.mark.parametrize("card", [name for name, target in TARGETS.items() if fp8_unsupported(target) is not None])
+def test_fp8_cache_is_refused_before_sm89(card):
+    """Cards before sm_89 (T4, A100, A10) have no e4m3 conversion in Triton: an FP8 cache is refused before any
+    launch, with the reason."""
+    q = _empty(1, 1, 4, 64, dtype=torch.float16)
+    cache = _empty(1, 16, 2, 64, dtype=torch.float8_e4m3fn)
+    with recording(TARGETS[card]) as launched:
+        with pytest.raises(NotImplementedError, match="FP8 KV cache needs a GPU of compute capability 8.9"):
+            flash_attn_with_kvcache(q, cache, cache, cache_seqlens=3, k_descale=1.0, v_descale=1.0)
+    assert launched == []
 
 
 def test_bf16_is_refused_where_the_card_has_none():

@@ -43,10 +43,13 @@ LSE_FP32_GPU = (5e-3, 2e-3)  # (atol, rtol)
 # An FP8 (e4m3) KV cache, the error of the quantization itself: attention over a cache quantized with amax
 # descales (per (batch, KV head) or per tensor) against an fp64 reference on the unquantized values, unit-scale
 # normal inputs. e4m3 keeps 3 mantissa bits (a relative rounding error up to 2^-4 per value, ~2^-4 / sqrt(3)
-# RMS); the output averages many values, so its relative error is ~4e-2 (measured under the interpreter:
-# tests/test_fp8_kvcache.py prints it). The kernels themselves are judged by the usual rule against the
-# reference run on the dequantized cache, which quantizes exactly as they do.
+# RMS); the output's relative error is ~4e-2 (3.7e-2 per (batch, KV head) descales, 4.0e-2 per tensor, D = 32,
+# 256 keys, under the interpreter; an fp16 cache: 3e-4). With a few outlier channels (2 of 32 channels of K
+# and V 20x larger) the other channels lose their bits to the amax and the scores grow: ~1e-1 (9.8e-2 per
+# head, 1.1e-1 per tensor). tests/test_fp8_kvcache.py prints both. The kernels themselves are judged by the
+# usual rule against the reference run on the dequantized cache, which quantizes exactly as they do.
 FP8_KV_RTOL = 6e-2
+FP8_KV_OUTLIER_RTOL = 1.5e-1
 
 
 # A reference whose root-mean-square is below this is zero at the scale the rule is used at: inputs drawn at
