@@ -186,7 +186,8 @@ def _fp8_kvcache_calls(dtype: torch.dtype, target: Target):
             q = _empty(2, seqlen_q, nheads, head_dim, dtype=dtype)
             k, v = (_empty(2, seqlen_q, nheads_k, head_dim, dtype=dtype) for _ in range(2))
             kw = dict(cache_seqlens=torch.full((2,), 7, dtype=torch.int32), causal=True, num_splits=num_splits,
-                      k_descale=torch.ones(2, nheads_k, device=DEVICE), v_descale=torch.ones(2, nheads_k, device=DEVICE))
+                      k_descale=torch.ones(2, nheads_k, device=DEVICE),
+                      v_descale=torch.ones(2, nheads_k, device=DEVICE))
             if variants:
                 kw.update(window_size=(300, 0), softcap=20.0, alibi_slopes=torch.ones(nheads, device=DEVICE),
                           sinks=torch.zeros(nheads, device=DEVICE))

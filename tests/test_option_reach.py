@@ -28,7 +28,7 @@ from tritonattn import (
 )
 from tritonattn.config.options import AttnOptions
 from tritonattn.flash_attn_interface import _flash_attn_forward, _flash_attn_varlen_forward
-from tritonattn.testing import per_request_references, references
+from tritonattn.testing import dequantize_ref, per_request_references, quantize_e4m3_ref, references
 
 DTYPE = torch.float16 if ON_GPU else torch.float32
 BATCH, SEQLEN, NHEADS, NHEADS_K, HEAD_DIM = 2, 24, 4, 2, 32
@@ -46,15 +46,21 @@ OPTIONS = {
     "alibi": lambda: dict(alibi_slopes=torch.rand(NHEADS, device=DEVICE) * 0.5),
     "sinks": lambda: dict(sinks=torch.randn(NHEADS, device=DEVICE)),
     "seqused_k": lambda: dict(seqused_k=torch.tensor(USED, dtype=torch.int32, device=DEVICE)),
+    "kv_fp8": lambda: dict(k_descale=torch.full((BATCH, NHEADS_K), 0.01, device=DEVICE), v_descale=0.02),
 }
 FIELDS = {"softmax_scale": "softmax_scale", "causal": "causal", "window_left": "window", "window_right": "window",
-          "softcap": "softcap", "alibi": "alibi", "sinks": "sinks", "seqused_k": "seqused_k"}
+          "softcap": "softcap", "alibi": "alibi", "sinks": "sinks", "seqused_k": "seqused_k", "kv_fp8": "kv_fp8"}
 
 # (entry point, option) -> why the entry point cannot take the option: the test checks it is refused.
 NOT_TAKEN = {
     **{(entry, "seqused_k"): "seqused_k counts the keys of packed sequences; a dense batch or a cache has lengths "
                              "of its own (cache_seqlens)"
        for entry in ("prefill", "kvcache_dense", "kvcache_paged", "compiled_kvcache", "kvcache_class", "paged_class",
+                     "transformers")},
+    **{(entry, "kv_fp8"): "an FP8 KV cache (k_descale / v_descale) is flash_attn_with_kvcache's; prefill has no "
+                          "cache, and the cache classes and the custom op do not take one yet (issue 58, item 2)"
+       for entry in ("prefill", "varlen", "primitive", "compiled_prefill", "compiled_kvcache", "kvcache_class",
+                     "paged_class", "sdpa",
                      "transformers")},
     ("primitive", "sinks"): "flash-attn's _flash_attn_forward has no sinks argument",
     ("sdpa", "softcap"): "aten::_flash_attention_forward has no softcap argument",
@@ -117,7 +123,16 @@ def _cache_inputs():
 
 def run_kvcache(kw, paged=False, call=flash_attn_with_kvcache):
     q, k_cache, v_cache, k, v = _cache_inputs()
-    ref32, _, same = per_request_references(q, k_cache, v_cache, k, v, LENGTHS, **kw)
+    if "k_descale" in kw:  # an FP8 cache: 16-bit q and new rows, the reference over the dequantized values
+        kd, vd = kw["k_descale"], kw["v_descale"]
+        q, k, v = q.half(), k.half(), v.half()
+        k_cache, v_cache = quantize_e4m3_ref(k_cache, kd), quantize_e4m3_ref(v_cache, vd)
+        ref_k, ref_v = (dequantize_ref(quantize_e4m3_ref(t, d), d, q.dtype) for t, d in ((k, kd), (v, vd)))
+        ref_kw = {name: value for name, value in kw.items() if not name.endswith("_descale")}
+        ref32, _, same = per_request_references(q, dequantize_ref(k_cache, kd, q.dtype),
+                                                dequantize_ref(v_cache, vd, q.dtype), ref_k, ref_v, LENGTHS, **ref_kw)
+    else:
+        ref32, _, same = per_request_references(q, k_cache, v_cache, k, v, LENGTHS, **kw)
     lengths = torch.tensor(LENGTHS, dtype=torch.int32, device=DEVICE)
     if not paged:
         return call(q, k_cache, v_cache, k, v, cache_seqlens=lengths, **kw), ref32, same

@@ -42,6 +42,6 @@ __all__ = [
     "window_mask", "rotary_ref", "quantize_e4m3_ref", "dequantize_ref", "references", "per_request_references",
     "rel_err", "error_bound", "check_close",
     "agreement_tolerance", "lse_tolerance", "check_lse", "check_dsinks", "FWD_FACTOR", "GRAD_FACTOR", "ATOL_FLOOR",
-    "FP32_RTOL", "FP32_GRAD_RTOL", "FP8_KV_RTOL", "FP8_KV_OUTLIER_RTOL", "AGREEMENT", "FP32_AGREEMENT", "LSE_ATOL", "LSE_FP32_GPU",
-    "ZERO_RMS",
+    "FP32_RTOL", "FP32_GRAD_RTOL", "FP8_KV_RTOL", "FP8_KV_OUTLIER_RTOL", "AGREEMENT", "FP32_AGREEMENT", "LSE_ATOL",
+    "LSE_FP32_GPU", "ZERO_RMS",
 ]
