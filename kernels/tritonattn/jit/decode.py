@@ -32,7 +32,8 @@ Notation:
     exceeds the config's max_rows.
     m_i running max (base 2) [BLOCK_H], l_i running sum [BLOCK_H], acc [BLOCK_H, D_PAD] fp32.
 
-Supported: fp16/bf16 (fp32 accumulation), fp32; head dims that are multiples of 8 in [16, 256];
+Supported: fp16/bf16 (fp32 accumulation), fp32, float8_e4m3fn caches under a 16-bit q (KV_FP8: [Note]
+FP8 KV cache in kernels/tritonattn/jit/common.py); head dims that are multiples of 8 in [16, 256];
 any seqlen_q >= 1; MHA/GQA/MQA; dense caches with any strides and a contiguous last dim (including
 a (B, H_KV, S, D) buffer seen through .transpose(1, 2)); paged pools (NUM_BLOCKS, P, H_KV, D) with
 any strides and a contiguous last dim (including a (NUM_BLOCKS, H_KV, P, D) pool seen through
