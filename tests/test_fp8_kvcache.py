@@ -235,14 +235,13 @@ def test_quantization_error_vs_unquantized(per_head):
 # --------------------------------------------------------------------------------------------
 def test_descale_forms_agree():
     """A per-tensor descale as a float, a one-element tensor (CPU or device) or a (batch, nheads_k) tensor of
-    that value gives one result; missing descales are 1.0 (FlashAttention-3's default)."""
+    that value gives one result."""
     q, _, _, k8, v8, _, _, _, _ = fp8_case(2, 40, 1, 4, 2, torch.float16, append=False, seed=6)
     run = lambda kd, vd: flash_attn_with_kvcache(q, k8, v8, cache_seqlens=33, k_descale=kd, v_descale=vd)  # noqa: E731
     full = run(torch.full((2, 2), 0.01, device=DEVICE), torch.full((2, 2), 0.02, device=DEVICE))
     for kd, vd in ((0.01, 0.02), (torch.tensor([0.01]), torch.tensor(0.02)),
                    (torch.tensor([[0.01]], device=DEVICE), torch.tensor([0.02], device=DEVICE))):
         assert torch.equal(run(kd, vd), full)
-    assert torch.equal(run(None, None), run(1.0, 1.0))
     check_against_dequantized(full, None, q, k8, v8, 0.01, 0.02, [33, 33], causal=False)
 
 
@@ -257,6 +256,8 @@ def _bad_cases():
         "descale device": ((q, k8, v8), {**good, "k_descale": torch.ones(2, 2, device="meta")}, ValueError,
                            "on cpu"),
         "descale type": ((q, k8, v8), {**good, "k_descale": "1.0"}, TypeError, "k_descale to be a float32 tensor"),
+        "no descales": ((q, k8, v8), {"cache_seqlens": 5}, ValueError, "Expected k_descale with an FP8 KV cache"),
+        "no v_descale": ((q, k8, v8), {**good, "v_descale": None}, ValueError, "Expected v_descale with an FP8"),
         "descale zero": ((q, k8, v8), {**good, "k_descale": 0.0}, ValueError, "finite and > 0"),
         "descale nan": ((q, k8, v8), {**good, "v_descale": torch.tensor([float("nan")])}, ValueError,
                         "finite and > 0"),

@@ -61,7 +61,7 @@ def attention_call(head_dim: int, softmax_scale=None, causal=False, window_size=
     its capacity); batch, nheads and device are what the per-call tensors must match. rng_state: the
     forward's (seed, salt) for a backward or a replay of its dropout, None for a fresh draw. kv_fp8: the
     KV cache is FP8, k_descale / v_descale its descales (`validate_descale`, per (batch, nheads_k) or
-    per tensor; None is 1.0); descales without an FP8 cache are refused."""
+    per tensor; both required); descales without an FP8 cache are refused."""
     if not kv_fp8 and (k_descale is not None or v_descale is not None):
         raise InputError("Expected k_descale / v_descale only with an FP8 KV cache (float8_e4m3fn k_cache and "
                          "v_cache); a 16-bit cache holds its values unscaled.")

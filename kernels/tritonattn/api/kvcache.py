@@ -154,10 +154,11 @@ def flash_attn_with_kvcache(
             flash_attn_func: each row's softmax denominator gains exp(sinks[h]) (added once, also when
             the cache is split), and the LSE includes it.
         k_descale, v_descale: an FP8 cache's descales (FlashAttention-3's names): float32 (batch, nheads_k),
-            on q's device, or one number per tensor (a Python float or a one-element float32 tensor); None
-            is 1.0, as in FlashAttention-3. Key j of KV head h of request b is k_cache[..] * k_descale[b, h]
-            (dequantized on load inside the kernels, K's descale folded into the score scale, V's into the
-            epilogue). Only with float8_e4m3fn caches, where q, the new k / v and the output are float16 or
+            on q's device, or one number per tensor (a Python float or a one-element float32 tensor);
+            required with an FP8 cache (FlashAttention-3 reads a missing one as 1.0; here it is refused:
+            pass 1.0 for values stored unscaled). Key j of KV head h of request b is
+            k_cache[..] * k_descale[b, h] (dequantized on load inside the kernels, K's descale folded into
+            the score scale, V's into the epilogue). Only with float8_e4m3fn caches, where q, the new k / v and the output are float16 or
             bfloat16 (an e4m3 or float32 q is refused) and the card is sm_89 or newer. An append stores
             clamp(value / descale, -448, 448) rounded to e4m3 (to nearest even; never NaN for finite
             values) and attends over the stored rows, as a later step reads them. Host-known descales

@@ -98,11 +98,15 @@ def validate_kv_dtypes(q, k_cache, v_cache, k=None, v=None) -> bool:
 def validate_descale(name: str, descale, batch: int, nheads_k: int, device: torch.device) -> torch.Tensor:
     """An FP8 cache's k_descale / v_descale (FlashAttention-3's names): float32 (batch, nheads_k) on q's
     device, or a per-tensor scalar (a Python number, or a float32 tensor of one element on q's device or
-    the CPU); None is 1.0, as in FlashAttention-3. Returned as a float32 (batch, nheads_k) view (a scalar
-    broadcast with strides 0) whose elements multiply the stored values. A host-known value must be finite
-    and > 0; a device tensor is not read on the host (a bad value gives wrong results, never a fault)."""
+    the CPU). Required: FlashAttention-3 reads a missing descale as 1.0, but an FP8 cache's values are
+    meaningless without the scale they were stored with, so a missing one is refused (pass 1.0 to say it).
+    Returned as a float32 (batch, nheads_k) view (a scalar broadcast with strides 0) whose elements
+    multiply the stored values. A host-known value must be finite and > 0; a device tensor is not read on
+    the host (a bad value gives wrong results, never a fault)."""
     if descale is None:
-        descale = 1.0
+        raise InputError(f"Expected {name} with an FP8 KV cache (float32 (batch, nheads_k) or one number per "
+                         f"tensor): the stored values times {name} are the keys / values; pass 1.0 if they are "
+                         f"stored unscaled.")
     if isinstance(descale, bool) or not isinstance(descale, (numbers.Real, torch.Tensor)):
         raise InputTypeError(f"Expected {name} to be a float32 tensor of shape ({batch}, {nheads_k}) (batch, "
                              f"nheads_k) or a number, got {type(descale).__name__}.")
