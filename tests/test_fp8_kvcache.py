@@ -48,6 +48,15 @@ def fp8_case(batch, seqlen_cache, seqlen_q, nheads, nheads_k, dtype, *, append, 
     return q, k_orig, v_orig, k8, v8, kd, vd, k, v
 
 
+def saturated_ref(k, v, kd, vd) -> torch.Tensor:
+    """int64 (batch, nheads_k, 2): how many new K / V values the append clamps (|value / descale| > 448)."""
+    def count(x, d):
+        d = torch.as_tensor(d, dtype=torch.float32, device=x.device)
+        d = d[:, None, :, None] if d.dim() == 2 else d
+        return ((x.float() / d).abs() > 448.0).sum((1, 3))
+    return torch.stack([count(k, kd), count(v, vd)], dim=-1)
+
+
 def appended(k8, v8, kd, vd, k, v, lengths):
     """The FP8 caches as they must be after the append: the new rows quantized with the descales."""
     k_exp, v_exp = k8.clone(), v8.clone()
@@ -111,13 +120,21 @@ def test_paged_decode(page_size, num_splits, append, dtype):
     lengths = [3, 38, 59]
     q, _, _, k8, v8, kd, vd, k, v = fp8_case(len(lengths), 16 * 5 * 4 // 4, 2 if append else 1, 4, 2, dtype,
                                                append=append, seed=1)
+    counters = None
+    if append:  # some values beyond the clamp, counted once per call whatever the splits
+        k, v = k * 3.0, v * 3.0
+        counters = [torch.zeros((len(lengths), 2, 2), dtype=torch.int64, device=DEVICE) for _ in range(2)]
     k_exp, v_exp = appended(k8, v8, kd, vd, k, v, lengths)
     seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
     k_pool, v_pool, table = paged_copy(k8, v8, page_size)
     out = flash_attn_with_kvcache(q, k_pool, v_pool, k, v, cache_seqlens=seqlens, block_table=table, causal=True,
-                                  num_splits=num_splits, k_descale=kd, v_descale=vd)
+                                  num_splits=num_splits, k_descale=kd, v_descale=vd,
+                                  kv_saturated=counters and counters[0])
     dense = flash_attn_with_kvcache(q, k8, v8, k, v, cache_seqlens=seqlens, causal=True, num_splits=num_splits,
-                                    k_descale=kd, v_descale=vd)
+                                    k_descale=kd, v_descale=vd, kv_saturated=counters and counters[1])
+    if append:
+        expected = saturated_ref(k, v, kd, vd)
+        assert expected.sum() > 0 and torch.equal(counters[0], expected) and torch.equal(counters[1], expected)
     pages = table.shape[1]
     k_back = k_pool[table.flatten().long()].reshape(k8.shape[0], pages * page_size, *k8.shape[2:])
     v_back = v_pool[table.flatten().long()].reshape(v8.shape[0], pages * page_size, *v8.shape[2:])
@@ -142,15 +159,20 @@ def test_append_quantizes_bit_for_bit(seqlen_q, paged):
     v[1, -1, 1, :2] = torch.tensor([65504.0, -65504.0], dtype=v.dtype)
     k_exp, v_exp = appended(k8, v8, kd, vd, k, v, lengths)
     seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    counter = torch.full((2, 2, 2), 7, dtype=torch.int64, device=DEVICE)  # added to, not overwritten
     if paged:
         k_pool, v_pool, table = paged_copy(k8, v8, 16)
         out = flash_attn_with_kvcache(q, k_pool, v_pool, k, v, cache_seqlens=seqlens, block_table=table,
-                                      k_descale=kd, v_descale=vd)
+                                      k_descale=kd, v_descale=vd, kv_saturated=counter)
         k8 = k_pool[table.flatten().long()].reshape(k_exp.shape)
         v8 = v_pool[table.flatten().long()].reshape(v_exp.shape)
     else:
-        out = flash_attn_with_kvcache(q, k8, v8, k, v, cache_seqlens=seqlens, k_descale=kd, v_descale=vd)
+        out = flash_attn_with_kvcache(q, k8, v8, k, v, cache_seqlens=seqlens, k_descale=kd, v_descale=vd,
+                                      kv_saturated=counter)
     assert bits_equal(k8, k_exp) and bits_equal(v8, v_exp)
+    expected = saturated_ref(k, v, kd, vd)
+    assert expected[..., 0].sum() > 0 and expected[1, 1, 1] > 0
+    assert torch.equal(counter, expected + 7)
     assert not torch.isnan(k8.float()).any() and not torch.isnan(v8.float()).any()
     assert k8.float().abs().max() == 448.0 and k8[0, 5, 0, 4].float().item() == 0.0
     assert torch.signbit(k8[0, 5, 0, 4].float()) and not torch.signbit(k8[0, 5, 0, 5].float())
@@ -191,17 +213,22 @@ def test_chunked_prefill_over_fp8_cache(paged, monkeypatch):
     monkeypatch.setattr(tables, "CHUNKED_PREFILL_MIN_WAVE", 0.0)
     lengths, chunk = [7, 33], 24
     q, _, _, k8, v8, kd, vd, k, v = fp8_case(2, 64, chunk, 4, 2, torch.float16, append=True, seed=4)
+    k[:, :, 0, :4] *= 50.0  # some clamped K values in KV head 0, none in head 1
     k_exp, v_exp = appended(k8, v8, kd, vd, k, v, lengths)
     seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    counter = torch.zeros((2, 2, 2), dtype=torch.int64, device=DEVICE)
     if paged:
         k_pool, v_pool, table = paged_copy(k8, v8, 16)
         out = flash_attn_with_kvcache(q, k_pool, v_pool, k, v, cache_seqlens=seqlens, block_table=table, causal=True,
-                                      k_descale=kd, v_descale=vd)
+                                      k_descale=kd, v_descale=vd, kv_saturated=counter)
         k8 = k_pool[table.flatten().long()].reshape(k_exp.shape)
         v8 = v_pool[table.flatten().long()].reshape(v_exp.shape)
     else:
-        out = flash_attn_with_kvcache(q, k8, v8, k, v, cache_seqlens=seqlens, causal=True, k_descale=kd, v_descale=vd)
+        out = flash_attn_with_kvcache(q, k8, v8, k, v, cache_seqlens=seqlens, causal=True, k_descale=kd, v_descale=vd,
+                                      kv_saturated=counter)
     assert bits_equal(k8, k_exp) and bits_equal(v8, v_exp)
+    expected = saturated_ref(k, v, kd, vd)
+    assert expected[:, 0, 0].min() > 0 and torch.equal(counter, expected)
     check_against_dequantized(out, None, q, k_exp, v_exp, kd, vd, lengths, causal=True, n_new=chunk)
 
 
@@ -258,6 +285,14 @@ def _bad_cases():
         "descale type": ((q, k8, v8), {**good, "k_descale": "1.0"}, TypeError, "k_descale to be a float32 tensor"),
         "no descales": ((q, k8, v8), {"cache_seqlens": 5}, ValueError, "Expected k_descale with an FP8 KV cache"),
         "no v_descale": ((q, k8, v8), {**good, "v_descale": None}, ValueError, "Expected v_descale with an FP8"),
+        "counter dtype": ((q, k8, v8), {**good, "kv_saturated": torch.zeros(2, 2, 2, device=DEVICE)}, TypeError,
+                          "kv_saturated of dtype int64"),
+        "counter shape": ((q, k8, v8), {**good, "kv_saturated": torch.zeros(2, 2, dtype=torch.int64, device=DEVICE)},
+                          ValueError, r"kv_saturated contiguous, of shape \(batch, nheads_k, 2\) = \(2, 2, 2\)"),
+        "counter with 16-bit cache": ((q, fp16_cache, fp16_cache),
+                                      {"cache_seqlens": 5, "kv_saturated": torch.zeros(2, 2, 2, dtype=torch.int64,
+                                                                                       device=DEVICE)},
+                                      ValueError, "only with an FP8 KV cache"),
         "descale zero": ((q, k8, v8), {**good, "k_descale": 0.0}, ValueError, "finite and > 0"),
         "descale nan": ((q, k8, v8), {**good, "v_descale": torch.tensor([float("nan")])}, ValueError,
                         "finite and > 0"),

@@ -7,7 +7,7 @@ SDPA provider runs their bodies). It returns an `AttnCall`:
 
 - `options`: the frozen `AttnOptions` (config/options.py): what is compiled, what is passed;
 - `tensors`: the kernel arguments of the call's per-call tensors (ALiBi slopes, sinks, seqused_k, an FP8
-  cache's descales), each validated here; {} without them;
+  cache's descales and its counter of clamped values), each validated here; {} without them;
 - `drop`: the `Dropout` (probability and the Philox (seed, salt)), None without dropout.
 
 flash-attn's rules live here and only here: a window side that is negative or reaches seqlen_k is
@@ -24,7 +24,14 @@ import torch
 
 from ..config.options import AttnOptions, Dropout, attn_options, softcap_number, window_pair
 from ..errors import InputError
-from .validate import validate_alibi_slopes, validate_descale, validate_dropout, validate_seqused_k, validate_sinks
+from .validate import (
+    validate_alibi_slopes,
+    validate_descale,
+    validate_dropout,
+    validate_saturated,
+    validate_seqused_k,
+    validate_sinks,
+)
 
 
 class AttnCall(NamedTuple):
@@ -55,16 +62,17 @@ def attention_call(head_dim: int, softmax_scale=None, causal=False, window_size=
                    alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None,
                    seqused_k: Optional[torch.Tensor] = None, dropout_p=0.0, rng_state: Optional[torch.Tensor] = None,
                    *, seqlen_k: int, batch: int, nheads: int, device: torch.device, kv_fp8: bool = False,
-                   k_descale=None, v_descale=None, nheads_k: int = 0) -> AttnCall:
+                   k_descale=None, v_descale=None, nheads_k: int = 0, kv_saturated=None) -> AttnCall:
     """flash-attn's arguments (and ours: sinks, seqused_k) as an `AttnCall`, everything checked before any
     launch. seqlen_k decides which window sides are unbounded (packed sequences: max_seqlen_k; a cache:
     its capacity); batch, nheads and device are what the per-call tensors must match. rng_state: the
     forward's (seed, salt) for a backward or a replay of its dropout, None for a fresh draw. kv_fp8: the
     KV cache is FP8, k_descale / v_descale its descales (`validate_descale`, per (batch, nheads_k) or
-    per tensor; both required); descales without an FP8 cache are refused."""
-    if not kv_fp8 and (k_descale is not None or v_descale is not None):
-        raise InputError("Expected k_descale / v_descale only with an FP8 KV cache (float8_e4m3fn k_cache and "
-                         "v_cache); a 16-bit cache holds its values unscaled.")
+    per tensor; both required), kv_saturated its optional counter of clamped appended values
+    (`validate_saturated`); descales or a counter without an FP8 cache are refused."""
+    if not kv_fp8 and (k_descale is not None or v_descale is not None or kv_saturated is not None):
+        raise InputError("Expected k_descale / v_descale / kv_saturated only with an FP8 KV cache (float8_e4m3fn "
+                         "k_cache and v_cache); a 16-bit cache holds its values unscaled.")
     if (not kv_fp8 and alibi_slopes is None and sinks is None and seqused_k is None and type(softmax_scale) in _PLAIN
             and type(window_size) is tuple and window_size == (-1, -1) and type(softcap) in _PLAIN and not softcap
             and type(dropout_p) in (float, int) and dropout_p == 0):
@@ -87,6 +95,8 @@ def attention_call(head_dim: int, softmax_scale=None, causal=False, window_size=
         v_scales = validate_descale("v_descale", v_descale, batch, nheads_k, device)
         tensors.update(K_descale=k_scales, stride_kds=k_scales.stride(0), stride_kdh=k_scales.stride(1),
                        V_descale=v_scales, stride_vds=v_scales.stride(0), stride_vdh=v_scales.stride(1))
+        if kv_saturated is not None:
+            tensors["Saturated"] = validate_saturated(kv_saturated, batch, nheads_k, device)
     return AttnCall(options, tensors, dropout(dropout_p, device, rng_state))
 
 

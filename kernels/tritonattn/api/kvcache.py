@@ -61,6 +61,7 @@ def flash_attn_with_kvcache(
     sinks: Optional[torch.Tensor] = None,
     k_descale: Optional[Union[float, torch.Tensor]] = None,
     v_descale: Optional[Union[float, torch.Tensor]] = None,
+    kv_saturated: Optional[torch.Tensor] = None,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Decode attention over a KV cache, dense or paged, with an optional in-place append, in one
     launch (flash-attn 2's `flash_attn_with_kvcache`, same signature).
@@ -158,12 +159,17 @@ def flash_attn_with_kvcache(
             required with an FP8 cache (FlashAttention-3 reads a missing one as 1.0; here it is refused:
             pass 1.0 for values stored unscaled). Key j of KV head h of request b is
             k_cache[..] * k_descale[b, h] (dequantized on load inside the kernels, K's descale folded into
-            the score scale, V's into the epilogue). Only with float8_e4m3fn caches, where q, the new k / v and the output are float16 or
-            bfloat16 (an e4m3 or float32 q is refused) and the card is sm_89 or newer. An append stores
+            the score scale, V's into the epilogue). Only with float8_e4m3fn caches, where q, the new
+            k / v and the output are float16 or bfloat16 (an e4m3 or float32 q is refused) and the card
+            is sm_89 or newer. An append stores
             clamp(value / descale, -448, 448) rounded to e4m3 (to nearest even; never NaN for finite
             values) and attends over the stored rows, as a later step reads them. Host-known descales
             must be finite and > 0; device ones are not checked. Calls with an FP8 cache are not
             replayed (the descales are per-call tensors) and are refused under torch.compile.
+        kv_saturated: optional, ours, with an FP8 cache: a contiguous int64 (batch, nheads_k, 2) tensor on
+            q's device; the append adds to [b, h, 0] / [b, h, 1] how many of request b's new K / V values
+            of KV head h it clamped at +-448 (|value / descale| > 448), in the kernel, with no host sync:
+            a caller's sign that its scales are too tight. Indexed like q's batch.
 
     Returns:
         out: (batch, seqlen_q, nheads, headdim), dtype of q (on Hopper, when the chunked-prefill path
@@ -185,7 +191,7 @@ def flash_attn_with_kvcache(
     """
     kv_fp8 = isinstance(k_cache, torch.Tensor) and k_cache.dtype.is_floating_point and k_cache.dtype.itemsize == 1
     if torch.compiler.is_compiling():  # one graph node, see compile/ops.py
-        if kv_fp8 or k_descale is not None or v_descale is not None:
+        if kv_fp8 or k_descale is not None or v_descale is not None or kv_saturated is not None:
             raise NotImplementedError("An FP8 KV cache (k_descale / v_descale) is not supported under torch.compile "
                                       "yet; call flash_attn_with_kvcache eagerly.")
         return TRACED["flash_attn_with_kvcache"](
@@ -205,13 +211,14 @@ def flash_attn_with_kvcache(
     call = rotary = None
     if cache_seqlens is None or type(window_size) is not tuple or window_size != (-1, -1) or softcap or (
             alibi_slopes is not None or sinks is not None or rotary_cos is not None or rotary_sin is not None
-            or kv_fp8 or k_descale is not None or v_descale is not None):
+            or kv_fp8 or k_descale is not None or v_descale is not None or kv_saturated is not None):
         kv_fp8 = validate_kvcache_inputs(q, k_cache, v_cache, k, v, block_table is not None)
         capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
         cache_seqlens = capacity if cache_seqlens is None else cache_seqlens
         call = attention_call(q.shape[3], softmax_scale, causal, window_size, softcap, alibi_slopes, sinks,
                               seqlen_k=capacity, batch=q.shape[0], nheads=q.shape[2], device=q.device, kv_fp8=kv_fp8,
-                              k_descale=k_descale, v_descale=v_descale, nheads_k=k_cache.shape[2])
+                              k_descale=k_descale, v_descale=v_descale, nheads_k=k_cache.shape[2],
+                              kv_saturated=kv_saturated)
         if rotary_cos is not None or rotary_sin is not None:
             rotary = validate_rotary(q, k, v, rotary_cos, rotary_sin, capacity, rotary_interleaved)
     return kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, num_splits,

@@ -132,6 +132,21 @@ def validate_descale(name: str, descale, batch: int, nheads_k: int, device: torc
     return torch.full((1, 1), value, dtype=torch.float32, device=device).expand(batch, nheads_k)
 
 
+def validate_saturated(counter, batch: int, nheads_k: int, device: torch.device) -> torch.Tensor:
+    """An FP8 cache's counter of clamped appended values: a contiguous int64 (batch, nheads_k, 2) tensor on
+    q's device, [b, h, 0] counting K's values and [b, h, 1] V's; the kernels add to it in place."""
+    if not isinstance(counter, torch.Tensor):
+        raise InputTypeError(f"Expected kv_saturated to be an int64 tensor of shape ({batch}, {nheads_k}, 2), got "
+                             f"{type(counter).__name__}.")
+    if counter.dtype != torch.int64:
+        raise InputTypeError(f"Expected kv_saturated of dtype int64, got {counter.dtype}.")
+    if tuple(counter.shape) != (batch, nheads_k, 2) or counter.device != device or not counter.is_contiguous():
+        raise InputError(f"Expected kv_saturated contiguous, of shape (batch, nheads_k, 2) = ({batch}, {nheads_k}, 2) "
+                         f"on {device}, got {tuple(counter.shape)} on {counter.device}"
+                         f"{'' if counter.is_contiguous() else ', not contiguous'}.")
+    return counter
+
+
 def validate_devices(**tensors: Optional[torch.Tensor]) -> torch.device:
     named = {k: v for k, v in tensors.items() if v is not None}
     first_name, first = next(iter(named.items()))

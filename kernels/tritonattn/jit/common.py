@@ -16,9 +16,9 @@ Written once so their semantics cannot drift between kernels:
   (decode and chunked prefill read caches through them; `wide_pages` is their host-side check).
 - `left_padding`: where a left-padded request's keys start (cache_leftpad), clamped the one way the
   decode kernel and the cache-mode forward agree on.
-- `kv_descales`, `quantize_e4m3`: an FP8 cache's descales for one (request, KV head), and the
-  quantization of appended rows (see [Note] FP8 KV cache); a K/V tile is dequantized by `.to(q.dtype)`
-  right after its load, exact for e4m3 in fp16 and bf16.
+- `kv_descales`, `quantize_e4m3`, `count_saturated`: an FP8 cache's descales for one (request, KV head),
+  the quantization of appended rows and the count of their values it clamps (see [Note] FP8 KV cache);
+  a K/V tile is dequantized by `.to(q.dtype)` right after its load, exact for e4m3 in fp16 and bf16.
 - `dropout_keep`: which attention probabilities dropout keeps (forward, backward and the S_dmask
   kernel draw the same bits for the same (batch, head, query, key)).
 
@@ -42,7 +42,9 @@ program reads one (request, KV head), so its descales are two scalars: a K/V til
 16-bit dtype on load (exact), K's descale multiplies softmax_scale before `score_units` (so softcap,
 ALiBi and the base-2 logits all see the true scores), and V's multiplies the normalised output (before a
 split's partial is stored, so the combine merges true values). New rows are quantized
-(`quantize_e4m3`), stored, and attended over as stored, so a step sees what the next step will read.
+(`quantize_e4m3`), stored, and attended over as stored, so a step sees what the next step will read;
+with a counter (Saturated, int64 (B, H_KV, 2)) the program that stores them adds how many K and V values
+were clamped at +-448 (`count_saturated`), so a caller learns its scales are too tight without a sync.
 """
 
 from __future__ import annotations
@@ -483,3 +485,13 @@ def quantize_e4m3(x, descale):
     mag = (bits & 0x7FFFFFFF).to(tl.float32, bitcast=True)
     rounded = ((mag + magic) - magic).to(tl.uint32, bitcast=True) | (bits & 0x80000000)
     return rounded.to(tl.float32, bitcast=True).to(tl.float8e4nv)
+
+
+@triton.jit
+def count_saturated(counter, x, descale):
+    """Add to *counter (int64) how many values of the unquantized tile x `quantize_e4m3` clamps with this
+    descale: |x / descale| > E4M3_MAX, the same IEEE division (rows a tile does not hold are loaded as
+    zeros and never count). An FP8 cache's counter for (request b, KV head h) is Saturated + (b * H_KV +
+    h) * 2, K's, and the next element, V's."""
+    tl.atomic_add(counter, tl.sum(tl.sum((tl.abs(tl.math.div_rn(x.to(tl.float32), descale)) > E4M3_MAX)
+                                         .to(tl.int64), 1), 0))

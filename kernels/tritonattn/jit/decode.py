@@ -210,6 +210,7 @@ import triton.language as tl
 
 from .common import (
     LOG2E,
+    count_saturated,
     finalize,
     gqa_q_head,
     kv_block_offsets,
@@ -277,11 +278,12 @@ def append_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, WIDE_PAGES: tl.constexpr,
     KV_FP8: tl.constexpr = False, K_descale=None, stride_kds=None, stride_kdh=None, V_descale=None, stride_vds=None,
-    stride_vdh=None,
+    stride_vdh=None, Saturated=None,
 ):
     """Append BLOCK of the M new tokens of one (request, KV head) to the cache (chunked prefill's
     first launch; the decode kernel fuses its appends instead, see [Note] Chunked prefill); an FP8
-    cache's rows quantized with its descales (`quantize_e4m3`)."""
+    cache's rows quantized with its descales (`quantize_e4m3`), the clamped values counted into
+    Saturated when given."""
     pid_u = tl.program_id(0)
     pid_bh = tl.program_id(1)
     off_b = (pid_bh // H_KV).to(tl.int64)
@@ -297,6 +299,10 @@ def append_kernel(
     if KV_FP8:
         k_scale, v_scale = kv_descales(K_descale, V_descale, off_b, off_hk, stride_kds, stride_kdh, stride_vds,
                                        stride_vdh, KV_FP8)
+        if Saturated is not None:
+            counter = Saturated + (off_b * H_KV + off_hk) * 2
+            count_saturated(counter, kn, k_scale)
+            count_saturated(counter + 1, vn, v_scale)
         kn = quantize_e4m3(kn, k_scale)
         vn = quantize_e4m3(vn, v_scale)
     if PAGED:
@@ -331,6 +337,7 @@ def decode_kernel(
     HAS_SEQUSED_K: tl.constexpr = False, Seqused_k=None,  # packed sequences only: never on here
     KV_FP8: tl.constexpr = False, K_descale=None, stride_kds=None, stride_kdh=None, V_descale=None, stride_vds=None,
     stride_vdh=None,  # an FP8 cache's descales, see [Note] FP8 KV cache in jit/common.py
+    Saturated=None,  # with an FP8 cache and an append: int64 (B, H_KV, 2), the clamped values counted
 ):
     tl.static_assert(not HAS_SEQUSED_K, "seqused_k counts packed keys; a cache has cache_seqlens")
     tl.static_assert(BLOCK_H >= 16 and BLOCK_N >= 16 and BLOCK_NEW >= 16, "tl.dot needs tiles of at least 16")
@@ -423,6 +430,10 @@ def decode_kernel(
                             offs_u, m_early, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
             pages0 = new_row_pages(table, seqlen, offs_u, tl.minimum(m_early, n_write), PAGED, PAGE_SIZE)
             if KV_FP8:  # stored and attended over as stored
+                if Saturated is not None:
+                    if pid_rb == 0 and split == num_splits - 1:  # the program that stores them counts
+                        count_saturated(Saturated + (off_b * H_KV + off_hk) * 2, kn0, k_scale)
+                        count_saturated(Saturated + (off_b * H_KV + off_hk) * 2 + 1, vn0, v_scale)
                 kn0 = quantize_e4m3(kn0, k_scale)
                 vn0 = quantize_e4m3(vn0, v_scale)
 
@@ -525,6 +536,9 @@ def decode_kernel(
                 kn = load_rows(kn_head + us[:, None].to(tl.int64) * stride_knm + offs_d[None, :],
                                us, M_NEW, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)  # [BLOCK_NEW, D_PAD]
                 if KV_FP8:  # stored and attended over as stored
+                    if Saturated is not None:
+                        if pid_rb == 0:  # the program that stores them counts
+                            count_saturated(Saturated + (off_b * H_KV + off_hk) * 2, kn, k_scale)
                     kn = quantize_e4m3(kn, k_scale)
                 qk = variant_scores(tl.dot(q, tl.trans(kn.to(q.dtype))), offs_t, seqlen + us, n_total, diag, left,
                                     right, cap_scale, slope, True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
@@ -533,6 +547,9 @@ def decode_kernel(
                 vn = load_rows(vn_head + us[:, None].to(tl.int64) * stride_vnm + offs_d[None, :],
                                us, M_NEW, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
                 if KV_FP8:
+                    if Saturated is not None:
+                        if pid_rb == 0:
+                            count_saturated(Saturated + (off_b * H_KV + off_hk) * 2 + 1, vn, v_scale)
                     vn = quantize_e4m3(vn, v_scale)
                 acc = tl.dot(p.to(q.dtype), vn.to(q.dtype), acc)
                 if pid_rb == 0:  # one row block writes the cache

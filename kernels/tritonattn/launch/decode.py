@@ -243,7 +243,7 @@ def _launch_append(k_cache, v_cache, k, v, cache_seqlens, block_table, options: 
     kwargs = dict(**options.tile, BLOCK=block, PAGED=paged, PAGE_SIZE=page_size,
                   WIDE_PAGES=paged and wide_pages(page_size, k_cache, v_cache))
     if options.kv_fp8:
-        kwargs.update(KV_FP8=True, **{name: tensors[name] for name in DESCALE_ARGS})
+        kwargs.update(KV_FP8=True, Saturated=tensors.get("Saturated"), **{name: tensors[name] for name in DESCALE_ARGS})
     append_launcher(key, (triton.cdiv(seqlen_new, block), batch * nheads_k, 1), args, 4, kwargs=kwargs,
                           device_index=k.device.index if k.device.index is not None else 0)
 
@@ -278,7 +278,9 @@ def launch_kvcache(
     tensors = tensors or {}
     if tensors:  # tensors the replays carry no pointer for
         replay_key = None
-    descales = (aligned_bits(tensors["K_descale"], tensors["V_descale"]),) if options.kv_fp8 else ()
+    descales = ()  # an FP8 cache's descales (and counter) are pointers Triton specialises on
+    if options.kv_fp8:
+        descales = (aligned_bits(tensors["K_descale"], tensors["V_descale"], tensors.get("Saturated", q)),)
     if sig is None:
         sig = signature(q, k_cache, v_cache, k, v, block_table)
     target = device_target(device)
@@ -297,7 +299,7 @@ def launch_kvcache(
                 _launch_append(k_cache, v_cache, k, v, cache_seqlens, block_table, options, key, tensors)
             out, lse = launch_cache_prefill(q, k_cache, v_cache, cache_seqlens, k.shape[1] if append else 0,
                                                    block_table, options, launch_key=key, cache_leftpad=cache_leftpad,
-                                                   tensors=tensors)
+                                                   tensors={n: t for n, t in tensors.items() if n != "Saturated"})
         return out, (lse if return_softmax_lse else None)
 
     seqlen_cache, nheads_k = k_cache.shape[1], k_cache.shape[2]
