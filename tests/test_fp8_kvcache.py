@@ -325,3 +325,108 @@ def test_fp8_needs_sm89():
     assert fp8_unsupported(TARGETS["L4"]) is None and fp8_unsupported(TARGETS["H100"]) is None
     for card in ("T4", "A100", "A10"):
         assert "compute capability 8.9" in fp8_unsupported(TARGETS[card])
+
+
+# --------------------------------------------------------------------------------------------
+# The cache classes own their scales
+# --------------------------------------------------------------------------------------------
+def _prompt(n, seqlen, nheads, nheads_k, dtype, seed):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    rand = lambda *s: torch.randn(*s, generator=g).to(DEVICE).to(dtype)  # noqa: E731
+    return (rand(n, seqlen, nheads, HEAD_DIM), rand(n, seqlen, nheads_k, HEAD_DIM),
+            rand(n, seqlen, nheads_k, HEAD_DIM), rand)
+
+
+def test_kvcache_fp8_scales_and_steps():
+    """KVCache(dtype=e4m3): prefill sets each (request, KV head)'s descales to amax * fp8_headroom / 448 and
+    stores the prompt quantized with them; decode steps append with the same descales and match the
+    reference over the dequantized cache; clamped values are counted; reset forgets scales and counts."""
+    from tritonattn import KVCache
+
+    q, k, v, rand = _prompt(2, 20, 4, 2, torch.float16, seed=8)
+    cache = KVCache(2, 40, 2, HEAD_DIM, dtype=E4M3, device=DEVICE)
+    assert cache.k_cache.dtype == E4M3 and cache.saturated.shape == (2, 2, 2)
+    out = cache.prefill(q, k, v)
+    kd = k.float().abs().amax((1, 3)) * (2.0 / 448.0)  # the default headroom, FP8_SCALE_HEADROOM
+    assert torch.equal(cache.k_descale, kd) and torch.equal(cache.v_descale, v.float().abs().amax((1, 3)) * (2 / 448))
+    assert bits_equal(cache.k_cache[:, :20], quantize_e4m3_ref(k, kd))
+    assert rel_err(out, attention_ref(q.double(), k.double(), v.double(), causal=True)[0]) < 2e-3  # unquantized
+    assert int(cache.saturated.sum()) == 0
+    expected_sat = torch.zeros(2, 2, 2, dtype=torch.int64, device=DEVICE)
+    for step in range(3):
+        qt, kt, vt = rand(2, 1, 4, HEAD_DIM), rand(2, 1, 2, HEAD_DIM), rand(2, 1, 2, HEAD_DIM)
+        if step == 1:  # beyond the headroom: clamped and counted
+            kt[0, 0, 1, :3] = 1000.0
+        expected_sat += saturated_ref(kt, vt, cache.k_descale, cache.v_descale)
+        out = cache.decode(qt, kt, vt)
+        n = 21 + step
+        ref, _ = attention_ref(qt.float(), dequantize_ref(cache.k_cache[:, :n], cache.k_descale),
+                               dequantize_ref(cache.v_cache[:, :n], cache.v_descale), causal=True)
+        assert_close_to_ref(out, ref.to(out.dtype), ref, msg=f"step {step}")
+    assert cache.seqlens == [23, 23] and int(expected_sat[0, 1, 0]) == 3
+    assert torch.equal(cache.saturated, expected_sat)
+    cache.reset(0)
+    assert int(cache.saturated[0].sum()) == 0 and torch.equal(cache.k_descale[0], torch.ones(2, device=DEVICE))
+    assert torch.equal(cache.saturated[1], expected_sat[1])
+
+
+def test_kvcache_fp8_given_scales_and_headroom():
+    """Descales given to prefill are used as given (a number or (n, nheads_k)); prompt values they clamp are
+    counted; fp8_headroom changes the derived scales."""
+    from tritonattn import KVCache
+
+    q, k, v, _ = _prompt(2, 12, 2, 2, torch.float16, seed=9)
+    cache = KVCache(2, 16, 2, HEAD_DIM, dtype=E4M3, device=DEVICE)
+    given = torch.full((2, 2), 1e-3, device=DEVICE)  # far too small: most values clamp
+    cache.prefill(q, k, v, k_descale=given, v_descale=0.5)
+    assert torch.equal(cache.k_descale, given) and torch.equal(cache.v_descale, torch.full((2, 2), 0.5, device=DEVICE))
+    assert torch.equal(cache.saturated, saturated_ref(k, v, given, 0.5)) and int(cache.saturated[..., 0].sum()) > 0
+    loose = KVCache(2, 16, 2, HEAD_DIM, dtype=E4M3, device=DEVICE, fp8_headroom=8.0)
+    loose.prefill(q, k, v)
+    assert torch.allclose(loose.k_descale, k.float().abs().amax((1, 3)) * 8.0 / 448.0)
+
+
+def test_paged_fp8_cache_matches_dense():
+    """PagedKVCache(dtype=e4m3) over slots out of order (gathered descales and counters) gives the dense
+    FP8 KVCache's outputs and counts; free forgets a slot's scales."""
+    from tritonattn import KVCache, PagedKVCache
+
+    q, k, v, rand = _prompt(2, 19, 4, 2, torch.float16, seed=10)
+    dense = KVCache(2, 40, 2, HEAD_DIM, dtype=E4M3, device=DEVICE)
+    paged = PagedKVCache(16, 8, 2, HEAD_DIM, max_batch=3, max_blocks_per_seq=5, dtype=E4M3, device=DEVICE)
+    paged.add_request()  # slot 0 stays empty: the batch is slots [2, 1], gathered
+    b, a = paged.add_request(), paged.add_request()
+    dense.prefill(q, k, v)
+    paged.prefill(q[:1], k[:1], v[:1], slots=[a])
+    paged.prefill(q[1:], k[1:], v[1:], slots=[b])
+    assert torch.equal(paged.k_descale[[a, b]], dense.k_descale)
+    for step in range(3):
+        qt, kt, vt = rand(2, 1, 4, HEAD_DIM), rand(2, 1, 2, HEAD_DIM), rand(2, 1, 2, HEAD_DIM) * 3.0
+        out_d = dense.decode(qt, kt, vt)
+        out_p = paged.decode(qt, kt, vt, slots=[a, b])
+        assert rel_err(out_p, out_d) <= 1e-3, step
+    assert int(dense.saturated.sum()) > 0 and torch.equal(paged.saturated[[a, b]], dense.saturated)
+    assert int(paged.saturated[0].sum()) == 0
+    paged.free(a)
+    assert int(paged.saturated[a].sum()) == 0 and float(paged.v_descale[a].max()) == 1.0
+
+
+def test_cache_classes_fp8_bad_input():
+    from tritonattn import KVCache, PagedKVCache
+
+    q, k, v, _ = _prompt(1, 4, 2, 2, torch.float16, seed=11)
+    half = KVCache(1, 8, 2, HEAD_DIM, dtype=torch.float16, device=DEVICE)
+    with pytest.raises(ValueError, match="only for an FP8 cache"):
+        half.prefill(q, k, v, k_descale=0.1)
+    fp8 = KVCache(1, 8, 2, HEAD_DIM, dtype=E4M3, device=DEVICE)
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        fp8.prefill(q.float(), k.float(), v.float())
+    with pytest.raises(ValueError, match="k_descale finite and > 0"):
+        fp8.prefill(q, k, v, k_descale=0.0)
+    with pytest.raises(ValueError, match=r"k_descale of shape \(n, nheads_k\)"):
+        fp8.prefill(q, k, v, k_descale=torch.ones(3, device=DEVICE))
+    assert fp8.seqlens == [0] and int(fp8.saturated.sum()) == 0  # nothing stored
+    with pytest.raises(ValueError, match="fp8_headroom"):
+        PagedKVCache(4, 8, 2, HEAD_DIM, max_batch=1, max_blocks_per_seq=2, dtype=E4M3, device=DEVICE, fp8_headroom=0.5)
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        KVCache(1, 8, 2, HEAD_DIM, dtype=torch.float8_e5m2, device=DEVICE)

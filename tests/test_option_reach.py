@@ -58,10 +58,12 @@ NOT_TAKEN = {
        for entry in ("prefill", "kvcache_dense", "kvcache_paged", "compiled_kvcache", "kvcache_class", "paged_class",
                      "transformers")},
     **{(entry, "kv_fp8"): "an FP8 KV cache (k_descale / v_descale) is flash_attn_with_kvcache's; prefill has no "
-                          "cache, and the cache classes and the custom op do not take one yet (issue 58, item 2)"
-       for entry in ("prefill", "varlen", "primitive", "compiled_prefill", "compiled_kvcache", "kvcache_class",
-                     "paged_class", "sdpa",
+                          "cache, and the custom op torch.compile traces takes none"
+       for entry in ("prefill", "varlen", "primitive", "compiled_prefill", "compiled_kvcache", "sdpa",
                      "transformers")},
+    **{(entry, "kv_fp8"): "the cache classes are FP8 by their dtype and own their descales (set at prefill from the "
+                          "prompt, tests/test_fp8_kvcache.py), not given per step"
+       for entry in ("kvcache_class", "paged_class")},
     ("primitive", "sinks"): "flash-attn's _flash_attn_forward has no sinks argument",
     ("sdpa", "softcap"): "aten::_flash_attention_forward has no softcap argument",
     ("sdpa", "sinks"): "aten::_flash_attention_forward has no sinks argument",

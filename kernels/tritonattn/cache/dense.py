@@ -8,6 +8,12 @@ Both keep their lengths twice: an int32 device tensor (what the kernels read, ad
 decode step never syncs with the host and can be captured in a CUDA graph) and a host mirror (what
 the overflow and allocation checks read).
 
+Built with dtype=torch.float8_e4m3fn they hold an FP8 cache and own its scales (cache/fp8.py): one
+descale per (request, KV head) for K and for V, set from each prompt's amax with a headroom (or given to
+`prefill`), kept for every append, and a count of the values clamped at +-448 (`saturated`). Their
+inputs (q, k, v) are then float16 or bfloat16, and the prompt's attention runs on the unquantized
+values, as FlashAttention-3 and vLLM do.
+
 Their methods keep host state, so under torch.compile they run eagerly, outside the graph (a graph
 break; an error with fullgraph=True). A compiled decode step calls `flash_attn_with_kvcache` on the
 buffers with the device lengths (`seqlens_device`), which compiles whole.
@@ -24,11 +30,13 @@ import torch
 
 from ..api.kvcache import flash_attn_with_kvcache
 from ..api.prefill import flash_attn_func
-from ..api.validate import SUPPORTED_DTYPES, validate_head_dim, validate_tensor
+from ..api.validate import FP8_QUERY_DTYPES, SUPPORTED_DTYPES, validate_head_dim, validate_tensor
 from ..api.validate_cache import check_host_lengths
-from ..config.hardware import default_device
+from ..config.hardware import default_device, device_target, fp8_unsupported
+from ..config.options import FP8_SCALE_HEADROOM, KV_FP8_DTYPES
 from ..errors import InputError, InputTypeError
 from ..launch.operands import empty_aligned
+from .fp8 import FP8Scales
 
 NO_WINDOW = (-1, -1)  # flash-attn's window_size for none
 
@@ -43,6 +51,27 @@ def eager_only(method):
         return disabled(*args, **kwargs) if is_compiling() else method(*args, **kwargs)
 
     return call
+
+
+def cache_dtype(dtype: torch.dtype, device: torch.device) -> bool:
+    """Check a cache's dtype (float16, bfloat16, float32, or float8_e4m3fn where the card computes in it);
+    returns whether it is FP8."""
+    if dtype not in SUPPORTED_DTYPES + KV_FP8_DTYPES:
+        raise InputTypeError(f"Expected dtype float16, bfloat16, float32 or float8_e4m3fn (an FP8 cache), got {dtype}.")
+    target = device_target(device) if dtype in KV_FP8_DTYPES else None
+    reason = fp8_unsupported(target) if target is not None else None
+    if reason is not None:
+        raise NotImplementedError(f"An FP8 KV cache {reason}. Use a float16 / bfloat16 cache there.")
+    return dtype in KV_FP8_DTYPES
+
+
+def check_input_dtype(name: str, t: torch.Tensor, cache_dtype_: torch.dtype, device: torch.device) -> None:
+    """A prompt's or a step's k / v for a cache: the cache's dtype (float16 or bfloat16 for an FP8 cache,
+    which quantizes them) on its device."""
+    ok = t.dtype in FP8_QUERY_DTYPES if cache_dtype_ in KV_FP8_DTYPES else t.dtype == cache_dtype_
+    if not ok or t.device != device:
+        want = "float16 or bfloat16 (an FP8 cache quantizes them)" if cache_dtype_ in KV_FP8_DTYPES else cache_dtype_
+        raise InputError(f"Expected {name} as {want} on {device} (the cache's), got {t.dtype} on {t.device}.")
 
 
 def check_one_key_per_query(q, k, v) -> None:
@@ -74,19 +103,25 @@ class KVCache:
 
     CUDA graphs: a captured `decode` advances the device lengths on every replay but the host mirror
     only once, at capture; call `refresh_host_seqlens()` (one host sync) after replaying.
+
+    FP8 (dtype=torch.float8_e4m3fn, sm_89 or newer): half the bytes a step reads. `prefill` sets each
+    request's descales from its prompt (amax per KV head * fp8_headroom / 448) or takes k_descale /
+    v_descale; `k_descale`, `v_descale` (float32 (batch, nheads_k)) and `saturated` (int64 (batch,
+    nheads_k, 2): K's and V's values clamped at +-448 since the request's reset) are readable.
     """
 
     def __init__(self, batch: int, max_seqlen: int, nheads_k: int, head_dim: int, *,
-                 dtype: torch.dtype = torch.float16, device: Union[str, torch.device, None] = None):
+                 dtype: torch.dtype = torch.float16, device: Union[str, torch.device, None] = None,
+                 fp8_headroom: float = FP8_SCALE_HEADROOM):
         for name, value in (("batch", batch), ("max_seqlen", max_seqlen), ("nheads_k", nheads_k)):
             if not isinstance(value, numbers.Integral) or value < 1:
                 raise InputError(f"Expected {name} to be a positive int, got {value!r}.")
         validate_head_dim(head_dim)
-        if dtype not in SUPPORTED_DTYPES:
-            raise InputTypeError(f"Expected dtype float16, bfloat16 or float32, got {dtype}.")
         device = default_device() if device is None else torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
+        fp8 = cache_dtype(dtype, device)
+        self._fp8 = FP8Scales(int(batch), int(nheads_k), device, fp8_headroom) if fp8 else None
         shape = (int(batch), int(max_seqlen), int(nheads_k), int(head_dim))
         self.k_cache = empty_aligned(shape, dtype, device, zero=True)
         self.v_cache = empty_aligned(shape, dtype, device, zero=True)
@@ -94,6 +129,23 @@ class KVCache:
         self._host = np.zeros(int(batch), dtype=np.int64)
         self.batch, self.max_seqlen, self.nheads_k, self.head_dim = shape
         self.dtype, self.device = dtype, device
+
+    # -- an FP8 cache's scales (None for a 16-bit cache) -------------------------------------------
+    @property
+    def k_descale(self) -> Optional[torch.Tensor]:
+        """float32 (batch, nheads_k): stored K * k_descale = K (an FP8 cache; do not modify)."""
+        return None if self._fp8 is None else self._fp8.k_descale
+
+    @property
+    def v_descale(self) -> Optional[torch.Tensor]:
+        """float32 (batch, nheads_k): stored V * v_descale = V (an FP8 cache; do not modify)."""
+        return None if self._fp8 is None else self._fp8.v_descale
+
+    @property
+    def saturated(self) -> Optional[torch.Tensor]:
+        """int64 (batch, nheads_k, 2): K's ([..., 0]) and V's ([..., 1]) values clamped at +-448 * descale
+        since each request's reset (an FP8 cache; reading the values syncs)."""
+        return None if self._fp8 is None else self._fp8.saturated
 
     # -- lengths ---------------------------------------------------------------------------------
     @property
@@ -149,19 +201,24 @@ class KVCache:
         index = self._indices(batch_idx)
         self._host[self._host_index(index)] = 0
         self._seqlens[index] = 0
+        if self._fp8 is not None:
+            self._fp8.reset(index)
 
     # -- prefill and decode ----------------------------------------------------------------------
     @eager_only
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
                 softmax_scale: Optional[float] = None, batch_idx=None, window_size=NO_WINDOW, softcap: float = 0.0,
-                alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None,
+                k_descale=None, v_descale=None) -> torch.Tensor:
         """Attention over prompts of one length with the prefill kernel; stores k/v in the cache.
 
         q: (n, seqlen, nheads, head_dim), k/v: (n, seqlen, nheads_k, head_dim) for the n requests
         named by batch_idx (all by default), whose caches must be empty (reset them first). Returns
         tritonattn.flash_attn_func(q, k, v, causal=causal, ...) with the variants given (window_size,
         softcap, alibi_slopes, sinks, as flash_attn_func takes them) and sets those requests' lengths
-        to seqlen.
+        to seqlen. An FP8 cache stores k / v quantized with the requests' new descales: k_descale /
+        v_descale (a number, or float32 (n, nheads_k)) when given, else amax * fp8_headroom / 448 per
+        (request, KV head); not with a 16-bit cache.
         """
         index = self._indices(batch_idx)
         host_index = self._host_index(index)
@@ -172,9 +229,9 @@ class KVCache:
             if tuple(t.shape) != expected:
                 raise InputError(f"Expected {name} of shape (n, seqlen, nheads_k, head_dim) = {expected} for "
                                  f"{count} requests, got {tuple(t.shape)}.")
-            if t.dtype != self.dtype or t.device != self.device:
-                raise InputError(f"Expected {name} as {self.dtype} on {self.device} (the cache's), got {t.dtype} "
-                                 f"on {t.device}.")
+            check_input_dtype(name, t, self.dtype, self.device)
+        if self._fp8 is None and (k_descale is not None or v_descale is not None):
+            raise InputError("Expected k_descale / v_descale only for an FP8 cache (dtype=torch.float8_e4m3fn).")
         if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[0] != count or q.shape[1] != k.shape[1]:
             raise InputError(f"Expected q of shape ({count}, {k.shape[1]}, nheads, {self.head_dim}), got "
                              f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}.")
@@ -188,6 +245,8 @@ class KVCache:
             raise InputError(f"KV cache overflow: prompt of {seqlen} tokens > max_seqlen {self.max_seqlen}.")
         out = flash_attn_func(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                               softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+        if self._fp8 is not None:
+            k, v = self._fp8.store_prompt(index, k, v, k_descale, v_descale)
         self.k_cache[index, :seqlen] = k
         self.v_cache[index, :seqlen] = v
         self._host[host_index] = seqlen
@@ -211,10 +270,11 @@ class KVCache:
         seqlen_q = q.shape[1]
         if int(self._host.max()) + seqlen_q > self.max_seqlen:
             check_host_lengths(self._host, seqlen_q, self.max_seqlen)
+        fp8 = {} if self._fp8 is None else self._fp8.call_args(slice(0, self.batch))  # views: counts in place
         out = flash_attn_with_kvcache(q, self.k_cache, self.v_cache, k, v, cache_seqlens=self._seqlens,
                                       softmax_scale=softmax_scale, causal=causal, num_splits=num_splits,
                                       window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                                      sinks=sinks)
+                                      sinks=sinks, **fp8)
         self._seqlens += seqlen_q
         self._host += seqlen_q
         return out

@@ -13,7 +13,6 @@ from ..api.args import attention_call
 from ..api.kvcache import kvcache_call
 from ..api.prefill import flash_attn_func
 from ..api.validate import (
-    SUPPORTED_DTYPES,
     validate_devices,
     validate_dtypes,
     validate_head_dim,
@@ -22,9 +21,11 @@ from ..api.validate import (
 )
 from ..api.validate_cache import validate_kvcache_inputs, validate_num_splits
 from ..config.hardware import default_device
+from ..config.options import FP8_SCALE_HEADROOM
 from ..errors import InputError, InputTypeError
 from ..launch.operands import empty_aligned
-from .dense import NO_WINDOW, check_one_key_per_query, eager_only
+from .dense import NO_WINDOW, cache_dtype, check_input_dtype, check_one_key_per_query, eager_only
+from .fp8 import FP8Scales
 
 
 # ============================================================================================
@@ -89,11 +90,17 @@ class PagedKVCache:
     `refresh_host_seqlens()` (one sync) after replaying. A replay that outgrows the reserved pages
     reaches table entries of -1: its appended rows are dropped (no live page is overwritten) and
     its output is not meaningful.
+
+    FP8 (dtype=torch.float8_e4m3fn, sm_89 or newer): as KVCache's, per request slot: `prefill` sets the
+    slots' descales (amax per KV head * fp8_headroom / 448, or k_descale / v_descale given), `free`
+    forgets them; `k_descale`, `v_descale` (float32 (max_batch, nheads_k)) and `saturated` (int64
+    (max_batch, nheads_k, 2)) are readable.
     """
 
     def __init__(self, num_blocks: int, page_size: int, nheads_k: int, head_dim: int, *, max_batch: int,
                  max_blocks_per_seq: int, dtype: torch.dtype = torch.float16,
-                 device: Union[str, torch.device, None] = None, sliding_window: Optional[int] = None):
+                 device: Union[str, torch.device, None] = None, sliding_window: Optional[int] = None,
+                 fp8_headroom: float = FP8_SCALE_HEADROOM):
         if sliding_window is not None and (not isinstance(sliding_window, numbers.Integral)
                                            or isinstance(sliding_window, bool) or sliding_window < 0):
             raise InputError(f"Expected sliding_window to be None or an int >= 0, got {sliding_window!r}.")
@@ -103,16 +110,16 @@ class PagedKVCache:
             if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
                 raise InputError(f"Expected {name} to be a positive int, got {value!r}.")
         validate_head_dim(head_dim)
-        if dtype not in SUPPORTED_DTYPES:
-            raise InputTypeError(f"Expected dtype float16, bfloat16 or float32, got {dtype}.")
         device = default_device() if device is None else torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
+        fp8 = cache_dtype(dtype, device)
         self.num_blocks, self.page_size, self.nheads_k, self.head_dim = (int(num_blocks), int(page_size),
                                                                          int(nheads_k), int(head_dim))
         self.max_batch, self.max_blocks_per_seq = int(max_batch), int(max_blocks_per_seq)
         self.max_seqlen = self.max_blocks_per_seq * self.page_size
         self.dtype, self.device = dtype, device
+        self._fp8 = FP8Scales(self.max_batch, self.nheads_k, device, fp8_headroom) if fp8 else None
         shape = (self.num_blocks, self.page_size, self.nheads_k, self.head_dim)
         self.k_cache = empty_aligned(shape, dtype, device, zero=True)
         self.v_cache = empty_aligned(shape, dtype, device, zero=True)
@@ -126,6 +133,22 @@ class PagedKVCache:
         self._free = list(range(self.num_blocks - 1, -1, -1))  # pop() from the end: block 0 first
 
     # -- state ------------------------------------------------------------------------------------
+    @property
+    def k_descale(self) -> Optional[torch.Tensor]:
+        """float32 (max_batch, nheads_k): stored K * k_descale = K, per slot (an FP8 cache; do not modify)."""
+        return None if self._fp8 is None else self._fp8.k_descale
+
+    @property
+    def v_descale(self) -> Optional[torch.Tensor]:
+        """float32 (max_batch, nheads_k): stored V * v_descale = V, per slot (an FP8 cache; do not modify)."""
+        return None if self._fp8 is None else self._fp8.v_descale
+
+    @property
+    def saturated(self) -> Optional[torch.Tensor]:
+        """int64 (max_batch, nheads_k, 2): K's and V's values clamped at +-448 * descale since each slot's
+        request was added (an FP8 cache; reading the values syncs)."""
+        return None if self._fp8 is None else self._fp8.saturated
+
     @property
     def num_free_blocks(self) -> int:
         """Blocks in the free list."""
@@ -187,6 +210,8 @@ class PagedKVCache:
         self._active[slot] = False
         self.block_table[slot] = -1
         self._seqlens[slot] = 0
+        if self._fp8 is not None:
+            self._fp8.reset(slot)
 
     @eager_only
     def extend(self, slot: int, num_tokens: int) -> list:
@@ -327,14 +352,16 @@ class PagedKVCache:
     @eager_only
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, slots, causal: bool = True,
                 softmax_scale: Optional[float] = None, window_size=None, softcap: float = 0.0,
-                alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None,
+                k_descale=None, v_descale=None) -> torch.Tensor:
         """Prompt attention with the prefill kernel; writes the prompts' K/V into their pages.
 
         q: (n, seqlen, nheads, head_dim), k/v: (n, seqlen, nheads_k, head_dim) for the n empty
         requests named by `slots` (prompts of one length; call once per length). Takes the pages
         (all or nothing), returns tritonattn.flash_attn_func(q, k, v, causal=causal, ...) with the variants
         given (window_size None: the cache's sliding window, see the class docstring) and sets those
-        requests' lengths to seqlen.
+        requests' lengths to seqlen. An FP8 cache stores them quantized with the slots' new descales
+        (k_descale / v_descale when given, else from the prompt's amax, as KVCache.prefill).
         """
         slots = self._slots(slots)
         window_size = self._window(window_size, causal)
@@ -345,9 +372,9 @@ class PagedKVCache:
             if tuple(t.shape) != expected:
                 raise InputError(f"Expected {name} of shape (n, seqlen, nheads_k, head_dim) = {expected} for "
                                  f"{count} requests, got {tuple(t.shape)}.")
-            if t.dtype != self.dtype or t.device != self.device:
-                raise InputError(f"Expected {name} as {self.dtype} on {self.device} (the cache's), got {t.dtype} "
-                                 f"on {t.device}.")
+            check_input_dtype(name, t, self.dtype, self.device)
+        if self._fp8 is None and (k_descale is not None or v_descale is not None):
+            raise InputError("Expected k_descale / v_descale only for an FP8 cache (dtype=torch.float8_e4m3fn).")
         if (not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[0] != count or q.shape[1] != k.shape[1]
                 or q.shape[3] != self.head_dim):
             raise InputError(f"Expected q of shape ({count}, {k.shape[1]}, nheads, {self.head_dim}), got "
@@ -362,9 +389,14 @@ class PagedKVCache:
         seqlen = k.shape[1]
         attention_call(q.shape[3], softmax_scale, causal, window_size, softcap, alibi_slopes, sinks, seqlen_k=seqlen,
                        batch=count, nheads=q.shape[2], device=q.device)  # checked before pages are taken
+        if self._fp8 is not None:  # the descales checked before pages are taken
+            for name, given, t in (("k_descale", k_descale, k), ("v_descale", v_descale, v)):
+                self._fp8.descale_for(name, given, t)
         self._reserve(slots, seqlen)  # raises before anything is written
         out = flash_attn_func(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                               softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+        if self._fp8 is not None:
+            k, v = self._fp8.store_prompt(self._index(slots), k, v, k_descale, v_descale)
         if seqlen > 0:
             pos = np.arange(seqlen)
             blocks = torch.from_numpy(self._host_table[slots][:, pos // self.page_size].astype(np.int64))
@@ -396,16 +428,19 @@ class PagedKVCache:
             raise InputError("PagedKVCache.decode appends: expected k and v (n, seqlen_q, nheads_k, head_dim).")
         check_one_key_per_query(q, k, v)
         # everything that could still fail is checked before pages are taken: all or nothing per call
-        validate_kvcache_inputs(q, self.k_cache, self.v_cache, k, v, paged=True)
+        kv_fp8 = validate_kvcache_inputs(q, self.k_cache, self.v_cache, k, v, paged=True)
+        index = self._index(slots)
+        fp8 = {} if self._fp8 is None else self._fp8.call_args(index)
         call = attention_call(q.shape[3], softmax_scale, causal, self._window(window_size, causal), softcap,
                               alibi_slopes, sinks, seqlen_k=self.max_seqlen, batch=len(slots), nheads=q.shape[2],
-                              device=q.device)
+                              device=q.device, kv_fp8=kv_fp8, nheads_k=self.nheads_k, **fp8)
         validate_num_splits(num_splits)
         seqlen_q = q.shape[1]
         self._reserve(slots, seqlen_q)
-        index = self._index(slots)
         out = kvcache_call(q, self.k_cache, self.v_cache, k, v, self._seqlens[index], self.block_table[index],
                            softmax_scale, causal, num_splits, False, validated=True, call=call)
+        if self._fp8 is not None:
+            self._fp8.settle(index, fp8)
         self._seqlens[index] += seqlen_q
         self._host_len[slots] += seqlen_q
         self._release_before_window(slots)

@@ -153,6 +153,7 @@ def attn_options(head_dim: int, softmax_scale=None, causal=False, window=(-1, -1
 
 
 FP8_E4M3_MAX = 448.0  # the largest finite float8_e4m3fn: appended values are clamped to +-this before the cast
+FP8_SCALE_HEADROOM = 2.0  # KVCache / PagedKVCache: a prompt's amax is stored at 448 / this (room for 2x later)
 KV_FP8_DTYPES = (torch.float8_e4m3fn,)  # the KV-cache dtypes dequantized on load (config: kv_fp8)
 
 
