@@ -27,7 +27,7 @@ from helpers import (
     references,
 )
 from tritonattn import PagedKVCache, PoolExhaustedError, flash_attn_with_kvcache, rel_err
-from tritonattn.config.hardware import device_target
+from tritonattn.config.hardware import TARGETS, device_target
 from tritonattn.config.options import attn_options
 from tritonattn.jit.common import wide_pages
 from tritonattn.launch.decode import launch_kvcache
@@ -312,6 +312,36 @@ def test_split_heuristic_fills_more_programs_for_paged_caches():
     assert decode_num_splits(sms, capacity, block_n, device) == 1
     assert decode_num_splits(sms, capacity, block_n, device, paged=True) == DECODE_PAGED_WAVES
     assert decode_num_splits(DECODE_PAGED_WAVES * sms, capacity, block_n, device, paged=True) == 1
+
+
+def test_split_heuristic_fills_more_programs_for_fp8_caches():
+    """An FP8 cache's splits fill DECODE_FP8_WAVES programs per SM, dense or paged (paged: the larger of the
+    two counts), so its dequantizing programs keep as many bytes in flight as a 16-bit cache's."""
+    from tritonattn.config.hardware import device_target
+    from tritonattn.config.tables import (
+        DECODE_FP8_WAVES,
+        DECODE_MAX_SPLITS,
+        DECODE_PAGED_WAVES,
+        decode_num_splits,
+        planning_sm_count,
+    )
+    from tritonattn.launch.decode import plan_decode
+
+    device = device_target(torch.device(DEVICE))
+    sms = planning_sm_count(device)
+    capacity, block_n = 1 << 20, 64
+    programs = max(1, sms // 8)
+    assert decode_num_splits(programs, capacity, block_n, device, fp8=True) == min(
+        DECODE_MAX_SPLITS, DECODE_FP8_WAVES * sms // programs)
+    assert decode_num_splits(programs, capacity, block_n, device, paged=True, fp8=True) == min(
+        DECODE_MAX_SPLITS, max(DECODE_FP8_WAVES, DECODE_PAGED_WAVES) * sms // programs)
+    assert decode_num_splits(DECODE_FP8_WAVES * sms, capacity, block_n, device, fp8=True) == 1
+    for card, batch in (("H100", 8), ("L4", 2)):  # the plan passes the cache's itemsize on
+        target = TARGETS[card]
+        fp16 = plan_decode(batch, 1, 32, 8, 128, 16384, torch.float16, target, 0)
+        fp8 = plan_decode(batch, 1, 32, 8, 128, 16384, torch.float16, target, 0, kv_itemsize=1)
+        assert fp8.num_splits == DECODE_FP8_WAVES * target.sm_count // (batch * 8), (card, fp8)
+        assert fp8.num_splits > fp16.num_splits, (card, fp8, fp16)
 
 
 def test_split_heuristic_keeps_a_second_wave_of_splits_long():

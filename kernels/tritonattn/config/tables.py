@@ -230,6 +230,7 @@ DECODE_MAX_SPLITS = 64
 DECODE_FULL_GRID = 0.8  # this many programs per SM or more: no split (flash-attn's rule)
 DECODE_PAGED_WAVES = 2  # a paged cache's splits fill this many programs per SM (see decode_num_splits)
 DECODE_PAGED_WAVE_MIN_BLOCKS = 4  # ... but the splits past one wave's count keep this many blocks each
+DECODE_FP8_WAVES = 2  # an FP8 cache's splits fill this many programs per SM (see decode_num_splits)
 # A paged cache's decode runs at most this many pipeline stages (the dense config's 4 on Hopper): at 3 the
 # kernel's shared memory fits 3 programs per SM instead of 2, and it runs faster at split and one-wave
 # shapes; smaller key blocks (BLOCK_N 16 or 32 for P = 16) are slower than either. The dense cache keeps
@@ -349,7 +350,7 @@ def planning_sm_count(target: Optional[Target]) -> int:
 
 
 def decode_num_splits(programs: int, seqlen_cache: int, block_n: int, target: Optional[Target],
-                      paged: bool = False) -> int:
+                      paged: bool = False, fp8: bool = False) -> int:
     """num_splits=0 heuristic: how many chunks to split each request's cache into.
 
     Depends only on `programs` (batch x nheads_k x row blocks), the *allocated* seqlen_cache, the
@@ -368,9 +369,14 @@ def decode_num_splits(programs: int, seqlen_cache: int, block_n: int, target: Op
     are slower than two, and the dense cache gains nothing from a second wave. The splits past the
     first wave's count keep at least DECODE_PAGED_WAVE_MIN_BLOCKS blocks each: for shorter splits the
     second wave costs more than it hides (timings: docs/perf-notes.md, Paged decode, "Plans").
+
+    An FP8 cache fills at least DECODE_FP8_WAVES programs per SM: a program dequantizes every K/V tile on
+    its loop's critical path and streams half the bytes of a 16-bit one in about the same time, so it
+    takes twice the programs to keep the loads in flight (docs/perf-notes.md, "FP8 KV cache in decode").
     """
     sm_count = planning_sm_count(target)
-    slots = sm_count * (DECODE_PAGED_WAVES if paged else 1)  # programs the splits may fill
+    waves = max(DECODE_PAGED_WAVES if paged else 1, DECODE_FP8_WAVES if fp8 else 1)
+    slots = sm_count * waves  # programs the splits may fill
     programs = max(programs, 1)
     if programs >= DECODE_FULL_GRID * slots:
         return 1

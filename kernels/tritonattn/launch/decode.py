@@ -147,7 +147,7 @@ def plan_decode(batch: int, seqlen_q: int, nheads: int, nheads_k: int, head_dim:
     # the keys a request's splits cover: the whole cache, or a window's band from its first key block on
     span = seqlen_cache if window_left < 0 else min(seqlen_cache, window_left + seqlen_q + block_n)
     if num_splits == 0:
-        num_splits = decode_num_splits(programs, span, block_n, target, page_size > 0)
+        num_splits = decode_num_splits(programs, span, block_n, target, page_size > 0, kv_itemsize == 1)
     if page_size:  # [Note] Paged pipelining (jit/decode.py): an unsplit grid may change BLOCK_N, never the splits
         block_n, num_stages = decode_paged_tiles(config, page_size, programs, num_splits, span, target)
     blocks_total = triton.cdiv(span, block_n)
