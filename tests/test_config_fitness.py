@@ -8,8 +8,9 @@ enough to change a paged plan, and the variants (all on, dense and paged, split 
 class (`cross_compile.tile_key`: all but the integer and alignment specialisations) is cross-compiled for the card's
 architecture (tests/cross_compile.py: Triton without a GPU) and its shared memory compared with the card's limit.
 bf16 plans must equal fp16 ones (same bytes per element; compiled once, as fp16); an FP8 (e4m3) KV cache's launches
-(decode dense and paged, append, split, the variants, the chunked cache-mode forward) are recorded and compiled for
-the cards that convert e4m3 (sm_89, sm_90), and refused before any launch on the others; where no tile fits (a T4's fp32
+(decode dense and paged, append, split, the variants, the chunked cache-mode forward) and the FP8 forward's (e4m3 q, k,
+v, dense and packed) are recorded and compiled for the cards that convert e4m3 (sm_89, sm_90), and refused before any
+launch on the others; where no tile fits (a T4's fp32
 backward above head dim 128, its fp32 decode with an append at 256) the call must say so before launching, and a card
 without bf16 (T4) must refuse bf16 before any launch. """
 
@@ -219,14 +220,34 @@ def _fp8_kvcache_calls(dtype: torch.dtype, target: Target):
         yield f"fp8 kvcache chunk page_size={page_size}", chunk
 
 
+def _fp8_prefill_calls(target: Target):
+    """(label, thunk) per FP8 forward call (e4m3 q, k, v with descales): every head dim above 16, causal or
+    not, GQA, dense and packed."""
+    fp8 = torch.float8_e4m3fn
+    for head_dim, causal, packed in itertools.product([d for d in HEAD_DIMS if d > 16], (False, True), (False, True)):
+        def run(head_dim=head_dim, causal=causal, packed=packed):
+            nheads_k = 2
+            descales = dict(q_descale=torch.ones(2, nheads_k, device=DEVICE), k_descale=0.5, v_descale=2.0)
+            q = _empty(2, 1024, nheads_k * GROUPS[-1], head_dim, dtype=fp8)
+            k, v = (_empty(2, 1024, nheads_k, head_dim, dtype=fp8) for _ in range(2))
+            if packed:
+                cu = torch.tensor([0, 1024, 2048], dtype=torch.int32, device=DEVICE)
+                flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, 1024, 1024,
+                                       causal=causal, **descales)
+            else:
+                flash_attn_func(q, k, v, causal=causal, **descales)
+
+        yield f"fp8 prefill D={head_dim} causal={causal} packed={packed}", run
+
+
 def _record(target: Target, dtype: torch.dtype) -> List[Tuple[str, tuple, dict]]:
     """(call label, plan text, compile spec) of every launch the calls make when planned for `target`. The
     launch records hold the calls' tensors (caches of up to a GB): each is reduced to its text and spec
     before the next call, so one call's tensors at a time are alive."""
     records = []
     calls = itertools.chain(_prefill_calls(dtype, target), _kvcache_calls(dtype, target))
-    if fp8_unsupported(target) is None and dtype != torch.float32:
-        calls = itertools.chain(calls, _fp8_kvcache_calls(dtype, target))
+    if fp8_unsupported(target) is None and dtype != torch.float32:  # the FP8 forward's q is e4m3 in both
+        calls = itertools.chain(calls, _fp8_kvcache_calls(dtype, target), _fp8_prefill_calls(target))
     for label, call in calls:
         with recording(target) as launched:
             call()
@@ -288,6 +309,8 @@ def test_fp8_cache_is_refused_before_sm89(card):
     with recording(TARGETS[card]) as launched:
         with pytest.raises(NotImplementedError, match="FP8 KV cache needs a GPU of compute capability 8.9"):
             flash_attn_with_kvcache(q, cache, cache, cache_seqlens=3, k_descale=1.0, v_descale=1.0)
+        with pytest.raises(NotImplementedError, match="FP8 forward needs a GPU of compute capability 8.9"):
+            flash_attn_func(cache, cache, cache, q_descale=1.0, k_descale=1.0, v_descale=1.0)
     assert launched == []
 
 

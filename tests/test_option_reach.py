@@ -57,10 +57,13 @@ NOT_TAKEN = {
                              "of its own (cache_seqlens)"
        for entry in ("prefill", "kvcache_dense", "kvcache_paged", "compiled_kvcache", "kvcache_class", "paged_class",
                      "transformers")},
-    **{(entry, "kv_fp8"): "an FP8 KV cache (k_descale / v_descale) is flash_attn_with_kvcache's; prefill has no "
-                          "cache, and the custom op torch.compile traces takes none"
-       for entry in ("prefill", "varlen", "primitive", "compiled_prefill", "compiled_kvcache", "sdpa",
-                     "transformers")},
+    **{(entry, "kv_fp8"): "k_descale / v_descale with 16-bit inputs: FP8 keys and values are an FP8 KV cache "
+                          "(flash_attn_with_kvcache) or the FP8 forward's e4m3 q, k, v with q_descale too "
+                          "(flash_attn_func / flash_attn_varlen_func, tests/test_fp8_prefill.py)"
+       for entry in ("prefill", "varlen")},
+    **{(entry, "kv_fp8"): "the primitives, the custom ops torch.compile traces, SDPA's op and transformers' "
+                          "interface take no FP8 descales"
+       for entry in ("primitive", "compiled_prefill", "compiled_kvcache", "sdpa", "transformers")},
     **{(entry, "kv_fp8"): "the cache classes are FP8 by their dtype and own their descales (set at prefill from the "
                           "prompt, tests/test_fp8_kvcache.py), not given per step"
        for entry in ("kvcache_class", "paged_class")},

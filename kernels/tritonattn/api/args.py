@@ -62,17 +62,21 @@ def attention_call(head_dim: int, softmax_scale=None, causal=False, window_size=
                    alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None,
                    seqused_k: Optional[torch.Tensor] = None, dropout_p=0.0, rng_state: Optional[torch.Tensor] = None,
                    *, seqlen_k: int, batch: int, nheads: int, device: torch.device, kv_fp8: bool = False,
-                   k_descale=None, v_descale=None, nheads_k: int = 0, kv_saturated=None) -> AttnCall:
+                   k_descale=None, v_descale=None, nheads_k: int = 0, kv_saturated=None, q_fp8: bool = False,
+                   q_descale=None) -> AttnCall:
     """flash-attn's arguments (and ours: sinks, seqused_k) as an `AttnCall`, everything checked before any
     launch. seqlen_k decides which window sides are unbounded (packed sequences: max_seqlen_k; a cache:
     its capacity); batch, nheads and device are what the per-call tensors must match. rng_state: the
     forward's (seed, salt) for a backward or a replay of its dropout, None for a fresh draw. kv_fp8: the
     KV cache is FP8, k_descale / v_descale its descales (`validate_descale`, per (batch, nheads_k) or
     per tensor; both required), kv_saturated its optional counter of clamped appended values
-    (`validate_saturated`); descales or a counter without an FP8 cache are refused."""
+    (`validate_saturated`); descales or a counter without an FP8 cache are refused. q_fp8: the FP8 forward
+    (q, k, v in e4m3, kv_fp8 too), whose q_descale is required like k's and v's."""
     if not kv_fp8 and (k_descale is not None or v_descale is not None or kv_saturated is not None):
-        raise InputError("Expected k_descale / v_descale / kv_saturated only with an FP8 KV cache (float8_e4m3fn "
-                         "k_cache and v_cache); a 16-bit cache holds its values unscaled.")
+        raise InputError("Expected k_descale / v_descale / kv_saturated only with FP8 keys and values (a "
+                         "float8_e4m3fn KV cache, or e4m3 q, k, v); 16-bit inputs hold their values unscaled.")
+    if q_descale is not None and not q_fp8:
+        raise InputError("Expected q_descale only with an e4m3 q (the FP8 forward: q, k, v in float8_e4m3fn).")
     if (not kv_fp8 and alibi_slopes is None and sinks is None and seqused_k is None and type(softmax_scale) in _PLAIN
             and type(window_size) is tuple and window_size == (-1, -1) and type(softcap) in _PLAIN and not softcap
             and type(dropout_p) in (float, int) and dropout_p == 0):
@@ -97,6 +101,9 @@ def attention_call(head_dim: int, softmax_scale=None, causal=False, window_size=
                        V_descale=v_scales, stride_vds=v_scales.stride(0), stride_vdh=v_scales.stride(1))
         if kv_saturated is not None:
             tensors["Saturated"] = validate_saturated(kv_saturated, batch, nheads_k, device)
+        if q_fp8:
+            q_scales = validate_descale("q_descale", q_descale, batch, nheads_k, device)
+            tensors.update(Q_descale=q_scales, stride_qds=q_scales.stride(0), stride_qdh=q_scales.stride(1))
     return AttnCall(options, tensors, dropout(dropout_p, device, rng_state))
 
 

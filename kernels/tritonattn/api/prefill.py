@@ -11,6 +11,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from ..config.options import KV_FP8_DTYPES
 from ..launch.backward import launch_backward, launch_varlen_backward
 from ..launch.prefill import dropout_probs, launch_prefill, launch_varlen, launch_varlen_paged
 from .args import AttnCall, attention_call
@@ -93,6 +94,9 @@ def flash_attn_func(
     *,
     return_softmax_lse: bool = False,
     sinks: Optional[torch.Tensor] = None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
 ):
     """Attention softmax(q @ k^T * softmax_scale) @ v with flash-attn 2's signature.
 
@@ -146,10 +150,17 @@ def flash_attn_func(
             row's softmax with no value (gpt-oss), so the row's probabilities sum to 1 - p_sink; the
             LSE includes it, and the backward returns its gradient. Formulas of every variant:
             `tritonattn.testing.attention_ref`.
+        q_descale, k_descale, v_descale (keyword only, FlashAttention-3's): with q, k and v all in
+            torch.float8_e4m3fn, the FP8 forward: float32 (batch, nheads_k) on q's device, or one number per
+            tensor, all three required; the true q is q * q_descale[b, h // G] (k, v likewise). Both
+            products run on the FP8 tensor cores with fp32 accumulation; the probabilities are quantized
+            to e4m3 for P V per key block, as FlashAttention-3 does ([Note] FP8 forward in
+            kernels/tritonattn/jit/common.py); out is bfloat16. sm_89 (Ada) or newer, head dim > 16,
+            forward only (inputs that require grad, and dropout, are refused), not under torch.compile.
 
     Returns:
-        out: (batch, seqlen_q, nheads, headdim), dtype of q; (out, softmax_lse, S_dmask) with
-            return_attn_probs, (out, softmax_lse) with return_softmax_lse.
+        out: (batch, seqlen_q, nheads, headdim), dtype of q (bfloat16 for the FP8 forward);
+            (out, softmax_lse, S_dmask) with return_attn_probs, (out, softmax_lse) with return_softmax_lse.
         softmax_lse: (batch, nheads, seqlen_q) float32, natural log of the sum of exp(scaled
             scores) of each row; +inf for a row that sees no key, so that exp(score - lse) is 0 there.
 
@@ -157,11 +168,14 @@ def flash_attn_func(
     use tf32 matmuls on GPUs (about 1e-3 relative error) and exact fp32 under the interpreter.
     """
     if torch.compiler.is_compiling():  # one graph node, see compile/ops.py
+        refuse_fp8_compiled(q, q_descale, k_descale, v_descale)
         return TRACED["flash_attn_func"](q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                                          alibi_slopes, return_attn_probs, return_softmax_lse, sinks)
-    validate_qkv(q, k, v)
-    call = attention_call(q.shape[3], softmax_scale, causal, window_size, softcap, alibi_slopes, sinks, None, dropout_p,
-                          seqlen_k=k.shape[1], batch=q.shape[0], nheads=q.shape[2], device=q.device)
+    fp8 = validate_qkv(q, k, v, fp8_ok=True)
+    call = attention_call(q.shape[3], softmax_scale, causal, window_size, softcap, alibi_slopes, sinks, None,
+                          fp8_dropout(fp8, dropout_p), seqlen_k=k.shape[1], batch=q.shape[0], nheads=q.shape[2],
+                          device=q.device, kv_fp8=fp8, q_fp8=fp8, nheads_k=k.shape[2], q_descale=q_descale,
+                          k_descale=k_descale, v_descale=v_descale)
     if _wants_grad(q, k, v, sinks):
         out, lse = _FlashAttnFunc.apply(q, k, v, sinks, call)
     else:
@@ -170,6 +184,20 @@ def flash_attn_func(
     if return_attn_probs and call.drop is not None:
         probs = dropout_probs(q, k, call.options, call.drop, tensors=call.tensors)
     return results(out, lse, probs, return_attn_probs, return_softmax_lse)
+
+
+def refuse_fp8_compiled(q, *descales) -> None:
+    """The FP8 forward is not a traced op yet: refuse it under torch.compile."""
+    if (isinstance(q, torch.Tensor) and q.dtype in KV_FP8_DTYPES) or any(d is not None for d in descales):
+        raise NotImplementedError("The FP8 forward (e4m3 q, k, v with q_descale / k_descale / v_descale) is not "
+                                  "supported under torch.compile yet; call it eagerly.")
+
+
+def fp8_dropout(fp8: bool, dropout_p):
+    """dropout_p, refused (any value but 0) for the FP8 forward: dropout is a training option."""
+    if fp8 and not (type(dropout_p) in (int, float) and dropout_p == 0):
+        raise NotImplementedError(f"The FP8 forward is for inference: dropout_p must be 0, got {dropout_p!r}.")
+    return dropout_p
 
 
 def results(out, lse, probs, return_attn_probs: bool, return_softmax_lse: bool):
@@ -200,6 +228,9 @@ def flash_attn_varlen_func(
     return_softmax_lse: bool = False,
     sinks: Optional[torch.Tensor] = None,
     seqused_k: Optional[torch.Tensor] = None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
 ):
     """Attention over a batch of sequences of different lengths packed without padding (flash-attn's
     varlen interface). Sequence b's queries attend only to sequence b's keys.
@@ -251,10 +282,12 @@ def flash_attn_varlen_func(
             dv are zero), and causal alignment counts those keys: N_b = seqused_k[b]. flash-attn's
             varlen argument (its primitives and FlashAttention-3 take it). CPU values are checked
             against cu_seqlens_k; on a GPU each is clamped into [0, the span].
+        q_descale, k_descale, v_descale (keyword only): the FP8 forward as in flash_attn_func, with
+            (batch, nheads_k) descales, batch the number of sequences; not with block_table.
 
     Returns:
-        out: (total_q, nheads, headdim), dtype of q, packed like q; with softmax_lse (and S_dmask)
-            as in flash_attn_func.
+        out: (total_q, nheads, headdim), dtype of q (bfloat16 for the FP8 forward), packed like q; with
+            softmax_lse (and S_dmask) as in flash_attn_func.
         softmax_lse: (nheads, total_q) float32, flash-attn's packed varlen
             layout: softmax_lse[h, cu_seqlens_q[b] + i] is the natural-log LSE of query i of
             sequence b at head h (not (batch, nheads, max_seqlen_q) as in flash_attn_func); +inf for
@@ -273,18 +306,24 @@ def flash_attn_varlen_func(
     interpreter; on a GPU the two compiled variants may differ in rounding).
     """
     if torch.compiler.is_compiling():  # one graph node, see compile/ops.py
+        refuse_fp8_compiled(q, q_descale, k_descale, v_descale)
         return TRACED["flash_attn_varlen_func"](q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                 dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                                 return_attn_probs, block_table, return_softmax_lse, sinks, seqused_k)
     if block_table is not None:
+        if q_descale is not None or k_descale is not None or v_descale is not None:
+            raise NotImplementedError("The FP8 forward (q_descale / k_descale / v_descale) does not take a paged K/V "
+                                      "(block_table); flash_attn_with_kvcache reads an FP8 paged cache.")
         return varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                             causal, window_size, softcap, alibi_slopes, return_attn_probs, block_table,
                             return_softmax_lse, sinks, seqused_k)
     max_seqlen_q, max_seqlen_k = validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                                 seqused_k=seqused_k)
+                                                 seqused_k=seqused_k, fp8_ok=True)
+    fp8 = q.dtype in KV_FP8_DTYPES  # validate_varlen checked the three and the card
     call = attention_call(q.shape[2], softmax_scale, causal, window_size, softcap, alibi_slopes, sinks, seqused_k,
-                          dropout_p, seqlen_k=max_seqlen_k, batch=cu_seqlens_q.numel() - 1, nheads=q.shape[1],
-                          device=q.device)
+                          fp8_dropout(fp8, dropout_p), seqlen_k=max_seqlen_k, batch=cu_seqlens_q.numel() - 1,
+                          nheads=q.shape[1], device=q.device, kv_fp8=fp8, q_fp8=fp8, nheads_k=k.shape[1],
+                          q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     lengths = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if _wants_grad(q, k, v, sinks):

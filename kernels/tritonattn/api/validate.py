@@ -306,12 +306,42 @@ def validate_cu_seqlens_values(name: str, cu_seqlens: torch.Tensor, total: Optio
         )
 
 
-def validate_qkv(q, k, v) -> None:
+def validate_prefill_dtypes(q, k, v) -> bool:
+    """q, k, v of a prefill call share one dtype: a 16-bit or fp32 one (`validate_dtypes`), or float8_e4m3fn,
+    the FP8 forward (returns True): on sm_89 or newer (`fp8_unsupported`), head dim > 16 (FP8 tensor-core
+    products reduce over at least 32), no gradient (forward only)."""
+    fp8 = [name for name, t in (("q", q), ("k", k), ("v", v)) if t.dtype in KV_FP8_DTYPES]
+    if not fp8:
+        validate_dtypes(q=q, k=k, v=v)
+        return False
+    if len(fp8) < 3:
+        raise InputTypeError(f"Expected q, k and v all in float8_e4m3fn for the FP8 forward, got q {q.dtype}, "
+                             f"k {k.dtype}, v {v.dtype}.")
+    if q.shape[-1] <= 16:
+        raise NotImplementedError(f"The FP8 forward needs a head dim > 16 (its products reduce over at least 32), "
+                                  f"got {q.shape[-1]}; use float16 / bfloat16 inputs.")
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        raise NotImplementedError("The FP8 forward has no backward: pass e4m3 q, k, v that do not require grad "
+                                  "(or run it under torch.no_grad()); train in float16 / bfloat16.")
+    target = device_target(q.device)
+    reason = fp8_unsupported(target) if target is not None else None
+    if reason is not None:
+        raise NotImplementedError(f"The FP8 forward {reason}. Use float16 / bfloat16 inputs there.")
+    return True
+
+
+def validate_qkv(q, k, v, fp8_ok: bool = False) -> bool:
+    """A dense prefill call's q, k, v; returns whether they are FP8. fp8_ok: the caller runs the FP8 forward
+    (`validate_prefill_dtypes`); otherwise one dtype of `SUPPORTED_DTYPES` (`validate_dtypes`)."""
     layout = "(batch, seqlen, nheads, headdim)"
     validate_tensor("q", q, 4, layout)
     validate_tensor("k", k, 4, layout)
     validate_tensor("v", v, 4, layout)
-    validate_dtypes(q=q, k=k, v=v)
+    if fp8_ok:
+        fp8 = validate_prefill_dtypes(q, k, v)
+    else:
+        validate_dtypes(q=q, k=k, v=v)
+        fp8 = False
     validate_devices(q=q, k=k, v=v)
     if k.shape != v.shape:
         raise InputError(f"Expected k and v to have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}.")
@@ -321,17 +351,22 @@ def validate_qkv(q, k, v) -> None:
         raise InputError(f"Expected q and k to share the head dim, got {q.shape[3]} and {k.shape[3]}.")
     validate_head_dim(q.shape[3])
     validate_heads(q.shape[2], k.shape[2])
+    return fp8
 
 
 def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, paged: bool = False,
-                    seqused_k: Optional[torch.Tensor] = None) -> Tuple[int, int]:
+                    seqused_k: Optional[torch.Tensor] = None, fp8_ok: bool = False) -> Tuple[int, int]:
     """Checks of packed inputs that need no device sync (see flash_attn_varlen_func); returns the max lengths.
     paged: k and v are the rows of paged pools, which cu_seqlens_k does not span. seqused_k: None, or
-    checked as `validate_seqused_k` says (its values too where it and cu_seqlens_k are on the host)."""
+    checked as `validate_seqused_k` says (its values too where it and cu_seqlens_k are on the host). fp8_ok:
+    the caller runs the FP8 forward on e4m3 q, k, v (`validate_prefill_dtypes`)."""
     validate_tensor("q", q, 3, "(total_q, nheads, headdim)")
     validate_tensor("k", k, 3, "(total_k, nheads_k, headdim)")
     validate_tensor("v", v, 3, "(total_k, nheads_k, headdim)")
-    validate_dtypes(q=q, k=k, v=v)
+    if fp8_ok and not paged:  # packed q, k, v may be the FP8 forward's
+        validate_prefill_dtypes(q, k, v)
+    else:
+        validate_dtypes(q=q, k=k, v=v)
     device = validate_devices(q=q, k=k, v=v)
     if k.shape != v.shape:
         raise InputError(f"Expected k and v to have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}.")

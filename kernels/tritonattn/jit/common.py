@@ -19,6 +19,8 @@ Written once so their semantics cannot drift between kernels:
 - `kv_descales`, `quantize_e4m3`, `count_saturated`: an FP8 cache's descales for one (request, KV head),
   the quantization of appended rows and the count of their values it clamps (see [Note] FP8 KV cache);
   a K/V tile is dequantized by `.to(q.dtype)` right after its load, exact for e4m3 in fp16 and bf16.
+- `probs_for_values`: the probabilities in V's dtype for the P V product (e4m3 in the FP8 forward,
+  [Note] FP8 forward).
 - `dropout_keep`: which attention probabilities dropout keeps (forward, backward and the S_dmask
   kernel draw the same bits for the same (batch, head, query, key)).
 
@@ -45,6 +47,15 @@ split's partial is stored, so the combine merges true values). New rows are quan
 (`quantize_e4m3`), stored, and attended over as stored, so a step sees what the next step will read;
 with a counter (Saturated, int64 (B, H_KV, 2)) the program that stores them adds how many K and V values
 were clamped at +-448 (`count_saturated`), so a caller learns its scales are too tight without a sync.
+
+[Note] FP8 forward. flash_attn_func / flash_attn_varlen_func with q, k and v all in float8_e4m3fn (and
+q_descale, k_descale, v_descale, FlashAttention-3's) run fwd_kernel with KV_FP8 and an e4m3 Q: both products
+run on the FP8 tensor cores (twice the 16-bit peak on Ada and Hopper) with fp32 accumulation. q's and K's
+descales multiply softmax_scale before `score_units`, so the softmax (fp32) sees the true scores; each
+key block's probabilities p = exp2(s - m_running) in [0, 1] are quantized to e4m3 for P V
+(`probs_for_values`, rounded to nearest even: values below 2^-10 become 0), as FlashAttention-3 does,
+while the row sum l_i adds the unquantized p; V's descale multiplies the normalised output, stored in
+bf16. Forward only: no dropout, no backward.
 """
 
 from __future__ import annotations
@@ -495,3 +506,13 @@ def count_saturated(counter, x, descale):
     h) * 2, K's, and the next element, V's."""
     tl.atomic_add(counter, tl.sum(tl.sum((tl.abs(tl.math.div_rn(x.to(tl.float32), descale)) > E4M3_MAX)
                                          .to(tl.int64), 1), 0))
+
+
+@triton.jit
+def probs_for_values(p, v):
+    """p (fp32 probabilities in [0, 1]) in v's dtype for the P V product. For an e4m3 v (the FP8 forward,
+    see [Note] FP8 forward) the cast rounds to nearest even as the GPU's does; under the interpreter through
+    `quantize_e4m3` (exact), since the interpreter's own cast rounds wrongly."""
+    if INTERPRET and v.dtype == tl.float8e4nv:
+        return quantize_e4m3(p, 1.0)
+    return p.to(v.dtype)

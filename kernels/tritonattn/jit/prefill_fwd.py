@@ -13,7 +13,8 @@ Notation:
     m_i running max (base 2) [BLOCK_M], l_i running sum [BLOCK_M], acc [BLOCK_M, D_PAD] fp32.
 
 Supported: fp16/bf16 (fp32 accumulation), fp32 (tf32 matmuls on GPUs, exact under the
-interpreter); head dims that are multiples of 8 in [16, 256] (padded to D_PAD inside the kernel
+interpreter), e4m3 q, k, v in the forward ([Note] FP8 forward in jit/common.py); head dims that are
+multiples of 8 in [16, 256] (padded to D_PAD inside the kernel
 with masks); any seqlen_q, seqlen_k (including seqlen_q != seqlen_k and 0); any strides with a
 contiguous last dim; causal masks aligned to the bottom-right corner; batches of sequences of
 different lengths packed without padding (flash_attn_varlen_func); dropout of the probabilities;
@@ -113,6 +114,7 @@ from .common import (
     mask_scores,
     online_softmax,
     physical_blocks,
+    probs_for_values,
     query_block,
     score_units,
     sequence_keys,
@@ -180,7 +182,7 @@ def fwd_inner(
         else:
             v = load_rows(v_src + tl.cast(start_n, tl.int64) * stride_vn + v_rel, rows_in, n_end, offs_d,
                           HEAD_DIM, HEAD_DIM_PAD, MASKED or EDGES).to(q.dtype)
-        acc = tl.dot(p.to(v.dtype), v, acc)
+        acc = tl.dot(probs_for_values(p, v), v, acc)  # the FP8 forward: p quantized to e4m3
     return acc, m_i, l_i
 
 
@@ -236,18 +238,23 @@ def fwd_kernel(
     PAGE_SIZE: tl.constexpr = 1, WIDE_PAGES: tl.constexpr = False,
     Cache_leftpad=None, HAS_LEFTPAD: tl.constexpr = False,
     KV_FP8: tl.constexpr = False, K_descale=None, stride_kds=None, stride_kdh=None, V_descale=None, stride_vds=None,
-    stride_vdh=None,  # an FP8 cache (cache mode only), see [Note] FP8 KV cache in jit/common.py
+    stride_vdh=None,  # FP8 K/V (a cache, or the FP8 forward's): [Note] FP8 KV cache, FP8 forward in jit/common.py
+    Q_descale=None, stride_qds=None, stride_qdh=None,  # the FP8 forward's (an e4m3 Q)
 ):
+    Q_FP8: tl.constexpr = Q.dtype.element_ty == tl.float8e4nv  # the FP8 forward: q, k, v all e4m3
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
-    tl.static_assert(IS_KVCACHE or not KV_FP8, "FP8 K/V only as a cache")
-    tl.static_assert(not (KV_FP8 and USE_TMA), "an FP8 cache is read through pointers")
+    tl.static_assert(IS_KVCACHE or Q_FP8 or not KV_FP8, "FP8 K/V: a cache, or the FP8 forward")
+    tl.static_assert(not Q_FP8 or (KV_FP8 and not IS_KVCACHE and not HAS_DROPOUT), "the FP8 forward: dense/packed")
+    tl.static_assert(not (KV_FP8 and USE_TMA), "FP8 K/V are read through pointers")
     tl.static_assert(not (HAS_DROPOUT and IS_KVCACHE), "dropout is a training option: no cache mode")
     tl.static_assert(IS_VARLEN or not HAS_SEQUSED_K, "seqused_k counts the keys of packed sequences")
     # -- which query block and head (off_hk: the KV head this query head reads) ----------------
     pid_m, pid_bh, off_b, off_h, off_hk = query_block(H, GROUP, IS_CAUSAL)
     k_scale, v_scale = kv_descales(K_descale, V_descale, off_b, off_hk, stride_kds, stride_kdh, stride_vds, stride_vdh,
-                                   KV_FP8)  # 1.0 and 1.0 unless an FP8 cache
-    unit, cap_scale = score_units(softmax_scale * k_scale, softcap, HAS_SOFTCAP)  # K's descale folded in
+                                   KV_FP8)  # 1.0 and 1.0 unless FP8 K/V
+    if Q_FP8:  # q's descale too: per (batch or sequence, KV head), as FlashAttention-3's
+        k_scale = k_scale * tl.load(Q_descale + off_b * stride_qds + off_hk * stride_qdh)
+    unit, cap_scale = score_units(softmax_scale * k_scale, softcap, HAS_SOFTCAP)  # the descales folded in
     qk_scale = unit * LOG2E  # scores to base-2 logits
     start_m = pid_m * BLOCK_M
     if IS_VARLEN:  # off_b is a packed sequence: its own M, N and first rows (see [Note] Packed sequences)
@@ -394,7 +401,7 @@ def fwd_kernel(
 
     # -- epilogue: normalise, store the output and the LSE ---------------------------------------
     out, lse = finalize(acc, m_i, l_i)
-    if KV_FP8:  # V's descale
+    if KV_FP8:  # V's descale (an FP8 cache or the FP8 forward)
         out = out * v_scale
     if HAS_DROPOUT:  # l_i summed every probability, acc only the kept ones: rescale by 1 / (1 - p)
         out = out * dropout_scale

@@ -12,7 +12,7 @@ import torch
 import triton
 
 from ..config.hardware import Target, device_target
-from ..config.options import AttnOptions, Dropout
+from ..config.options import KV_FP8_DTYPES, AttnOptions, Dropout
 from ..config.tables import AttnConfig, dropout_probs_tiles, prefill_fwd_config, prefill_fwd_sm90_config
 from ..jit.common import wide_pages
 from ..jit.prefill_fwd import dropout_probs_kernel, fwd_kernel
@@ -132,7 +132,7 @@ def launch_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: A
     chosen = config is None  # a caller's config pins fwd_kernel
     target, config, planned = _forward_plan(q, options, config)
     if out is None:
-        out = empty_aligned((batch, seqlen_q, nheads, head_dim), q.dtype, q.device, aligned=planned)
+        out = empty_aligned((batch, seqlen_q, nheads, head_dim), out_dtype(q), q.device, aligned=planned)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         empty_rows_lse(lse, options, tensors)
@@ -150,6 +150,11 @@ def launch_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: A
     launch_forward(q, k, v, out, lse, batch, seqlen_q, seqlen_k, options, config,
                     dict(dropout_args(drop), **(tensors or {})), use_tma=use_tma)
     return out, lse
+
+
+def out_dtype(q: torch.Tensor) -> torch.dtype:
+    """The output's dtype: q's, or bfloat16 for the FP8 forward (an e4m3 q), as FlashAttention-3's."""
+    return torch.bfloat16 if q.dtype in KV_FP8_DTYPES else q.dtype
 
 
 def empty_rows_lse(lse: torch.Tensor, options: AttnOptions, tensors: Optional[dict]) -> None:
@@ -246,7 +251,7 @@ def launch_varlen(
     batch = cu_seqlens_q.numel() - 1
     target, config, planned = _forward_plan(q, options, config)
     if out is None:
-        out = empty_aligned((total_q, nheads, head_dim), q.dtype, q.device, aligned=planned)
+        out = empty_aligned((total_q, nheads, head_dim), out_dtype(q), q.device, aligned=planned)
     lse = torch.empty((nheads, total_q), dtype=torch.float32, device=q.device)
     if out.numel() == 0 or batch == 0 or max_seqlen_q == 0:
         out.zero_()

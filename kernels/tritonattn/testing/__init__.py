@@ -4,6 +4,7 @@ batch of requests served from a cache (`requests`), and check tables over lists 
 as `tritonattn.testing.checks`: it runs the public API, which this package's import does not need)."""
 
 from .reference import (
+    attention_fp8_ref,
     attention_padded_keys_ref,
     attention_ref,
     attention_sdpa,
@@ -18,8 +19,11 @@ from .requests import per_request_references, references
 from .tolerance import (
     AGREEMENT,
     ATOL_FLOOR,
+    FA3_FP8_RMSE,
     FP8_KV_OUTLIER_RTOL,
     FP8_KV_RTOL,
+    FP8_PREFILL_OUTLIER_RTOL,
+    FP8_PREFILL_RTOL,
     FP32_AGREEMENT,
     FP32_GRAD_RTOL,
     FP32_RTOL,
@@ -38,10 +42,10 @@ from .tolerance import (
 )
 
 __all__ = [
-    "attention_ref", "attention_padded_keys_ref", "attention_sdpa", "sdpa_supports_enable_gqa", "causal_mask",
-    "window_mask", "rotary_ref", "quantize_e4m3_ref", "dequantize_ref", "references", "per_request_references",
-    "rel_err", "error_bound", "check_close",
-    "agreement_tolerance", "lse_tolerance", "check_lse", "check_dsinks", "FWD_FACTOR", "GRAD_FACTOR", "ATOL_FLOOR",
-    "FP32_RTOL", "FP32_GRAD_RTOL", "FP8_KV_RTOL", "FP8_KV_OUTLIER_RTOL", "AGREEMENT", "FP32_AGREEMENT", "LSE_ATOL",
-    "LSE_FP32_GPU", "ZERO_RMS",
+    "attention_ref", "attention_fp8_ref", "attention_padded_keys_ref", "attention_sdpa", "sdpa_supports_enable_gqa",
+    "causal_mask", "window_mask", "rotary_ref", "quantize_e4m3_ref", "dequantize_ref", "references",
+    "per_request_references", "rel_err", "error_bound", "check_close", "agreement_tolerance", "lse_tolerance",
+    "check_lse", "check_dsinks", "FWD_FACTOR", "GRAD_FACTOR", "ATOL_FLOOR", "FP32_RTOL", "FP32_GRAD_RTOL",
+    "FP8_KV_RTOL", "FP8_PREFILL_RTOL", "FP8_PREFILL_OUTLIER_RTOL", "FA3_FP8_RMSE", "FP8_KV_OUTLIER_RTOL", "AGREEMENT",
+    "FP32_AGREEMENT", "LSE_ATOL", "LSE_FP32_GPU", "ZERO_RMS",
 ]

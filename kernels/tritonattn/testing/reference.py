@@ -10,6 +10,7 @@ layout: a second, independent reference where its top-left causal convention agr
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -184,6 +185,57 @@ def dequantize_ref(x8: torch.Tensor, descale, dtype: torch.dtype = torch.float32
     (exact: an e4m3 value times a float32 descale), returned in `dtype`. Run `attention_ref` on the
     dequantized K and V: the reference that quantizes exactly as the kernels do."""
     return (x8.float() * _descale_view(descale, x8)).to(dtype)
+
+
+def attention_fp8_ref(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, q_descale, k_descale, v_descale, *,
+                      block_n: int, causal: bool = False, window_size: Tuple[int, int] = (-1, -1),
+                      softmax_scale: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The FP8 forward as the kernel computes it, in float32 PyTorch: (out (batch, seqlen_q, nheads, headdim)
+    float32, lse (batch, nheads, seqlen_q)). q8, k8, v8: float8_e4m3fn (batch, seqlen, heads, headdim), GQA by
+    h // G; descales: numbers or float32 (batch, nheads_k). The scores are the e4m3 products (exact in
+    float32), scaled by softmax_scale * (k_descale * q_descale) * log2(e); the keys are visited in blocks of
+    block_n from key 0 with the kernel's online softmax (running max, exp2), each block's probabilities
+    quantized to e4m3 (round to nearest even) for P V while the row sum adds them unquantized; the output is
+    divided by the sum and times v_descale ([Note] FP8 forward, kernels/tritonattn/jit/common.py)."""
+    batch, seqlen_q, nheads, head_dim = q8.shape
+    seqlen_k, nheads_k = k8.shape[1], k8.shape[2]
+    group = nheads // nheads_k
+    scale = torch.tensor(head_dim ** -0.5 if softmax_scale is None else softmax_scale, dtype=torch.float32)
+    log2e = torch.tensor(1.4426950408889634, dtype=torch.float32)
+
+    def per_head(d):
+        d = torch.as_tensor(d, dtype=torch.float32).cpu()
+        return d.reshape(1, 1).expand(batch, nheads_k) if d.numel() == 1 else d
+
+    qd, kd, vd = per_head(q_descale), per_head(k_descale), per_head(v_descale)
+    visible = window_mask(seqlen_q, seqlen_k, window_size, causal)
+    if causal:
+        visible = visible & causal_mask(seqlen_q, seqlen_k)
+    out = torch.zeros(batch, seqlen_q, nheads, head_dim, dtype=torch.float32)
+    lse = torch.full((batch, nheads, seqlen_q), float("inf"), dtype=torch.float32)
+    for b in range(batch):
+        for h in range(nheads):
+            hk = h // group
+            qk_scale = (scale * (kd[b, hk] * qd[b, hk])) * log2e
+            s = q8[b, :, h].float().cpu() @ k8[b, :, hk].float().cpu().T  # [M, N]
+            v = v8[b, :, hk].float().cpu()
+            m_i = torch.full((seqlen_q,), float("-inf"))
+            l_i = torch.zeros(seqlen_q)
+            acc = torch.zeros(seqlen_q, head_dim)
+            for start in range(0, seqlen_k, block_n):
+                qk = s[:, start: start + block_n].masked_fill(~visible[:, start: start + block_n], float("-inf"))
+                m_new = torch.maximum(m_i, qk.max(dim=1).values * qk_scale)
+                m_safe = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
+                p = torch.exp2(qk * qk_scale - m_safe[:, None])
+                alpha = torch.exp2(m_i - m_safe)
+                l_i = l_i * alpha + p.sum(dim=1)
+                acc = acc * alpha[:, None] + p.to(torch.float8_e4m3fn).float() @ v[start: start + block_n]
+                m_i = m_new
+            empty = l_i == 0
+            l_safe = torch.where(empty, torch.ones_like(l_i), l_i)
+            out[b, :, h] = acc / l_safe[:, None] * vd[b, hk]
+            lse[b, h] = torch.where(empty, float("inf"), (m_i + torch.log2(l_safe)) * math.log(2.0))
+    return out.to(q8.device), lse.to(q8.device)
 
 
 def _descale_view(descale, x: torch.Tensor):

@@ -50,6 +50,16 @@ LSE_FP32_GPU = (5e-3, 2e-3)  # (atol, rtol)
 # usual rule against the reference run on the dequantized cache, which quantizes exactly as they do.
 FP8_KV_RTOL = 6e-2
 FP8_KV_OUTLIER_RTOL = 1.5e-1
+# The FP8 forward (q, k, v in e4m3 with amax descales, P quantized to e4m3 per key block), against an fp64
+# reference on the unquantized inputs: the inputs' rounding as above plus P's (small probabilities lose
+# relative precision, those below 2^-10 flush to 0). Under the interpreter (D = 32, 96 keys, GQA 4 / 2):
+# unit normal inputs 5.3e-2 (RMSE 8.5e-3); FlashAttention-3's outlier distribution (0.1% of entries with
+# standard deviation 10) 4.8e-2 / 5.1e-2 per head / per tensor (RMSE 1.9e-2 / 2.0e-2, FA3 reports 2.4e-2 for
+# its per-tensor FP8 baseline: FA3_FP8_RMSE, the issue's bar); two outlier channels of K and V (20x) 1.2e-1.
+# tests/test_fp8_prefill.py prints them.
+FP8_PREFILL_RTOL = 8e-2
+FP8_PREFILL_OUTLIER_RTOL = 2e-1
+FA3_FP8_RMSE = 2.4e-2
 
 
 # A reference whose root-mean-square is below this is zero at the scale the rule is used at: inputs drawn at
