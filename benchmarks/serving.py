@@ -63,7 +63,7 @@ import numpy as np
 import torch
 
 from tritonattn import InputError, InputTypeError, PagedKVCache, is_interpreter
-from tritonattn.testing import check_close, references
+from tritonattn.testing import check_close, dequantize_ref, quantize_e4m3_ref, references
 
 from . import report, results
 from .grids import COLORS
@@ -106,6 +106,8 @@ class _Active:
     prefill_done_step: Optional[int] = None
     out: Optional[torch.Tensor] = None  # (total_len, H, D) when keep_outputs
     pages_held: int = 0  # the most pages it held at the end of a step
+    k_ref: Optional[torch.Tensor] = None  # an FP8 pool: k and v as the pool holds them, for the checks
+    v_ref: Optional[torch.Tensor] = None
 
     @property
     def cached(self) -> int:
@@ -118,6 +120,12 @@ class _Active:
     @property
     def finished(self) -> bool:
         return not self.in_prefill and self.generated >= self.request.max_new_tokens
+
+
+def as_stored(x: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
+    """x (tokens, H_KV, D) as an FP8 pool holds it with per-KV-head descales (H_KV,): quantized to e4m3 as
+    the kernels' append quantizes, dequantized, in x's dtype."""
+    return dequantize_ref(quantize_e4m3_ref(x[None], descale[None]), descale[None], x.dtype)[0]
 
 
 def check_attention(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -161,6 +169,11 @@ class ServingEngine:
         token_budget: tokens per step, decode tokens first, then prefill chunks; at least max_batch
             so that every running request can decode in every step.
         dtype, device: of the pool and of the token streams (default: cuda if present, else cpu).
+        cache_dtype: the pool's dtype when it differs from the streams': torch.float8_e4m3fn for an FP8
+            pool (sm_89 or newer), whose scales each request takes from its prompt at admission
+            (`PagedKVCache.set_scales`); its outputs are then checked against the reference over the K/V
+            as the pool holds them (quantized with those scales), and `cache.saturated` counts the values
+            clamped.
         seed: the token streams' seed; request rid draws from a generator seeded with (seed, rid).
         verify: "all" checks every output against the reference; "sample" the first and last
             prefill chunk of each request and its first, middle and last decode step; "none" nothing.
@@ -182,7 +195,8 @@ class ServingEngine:
                  max_batch: int, max_seqlen: int, chunk_size: int, token_budget: int,
                  dtype: torch.dtype = torch.float16, device: Union[str, torch.device, None] = None, seed: int = 0,
                  verify: Optional[str] = None, strict: bool = True, keep_outputs: bool = False,
-                 num_splits: int = 0, sliding_window: Optional[int] = None):
+                 num_splits: int = 0, sliding_window: Optional[int] = None,
+                 cache_dtype: Optional[torch.dtype] = None):
         nheads, nheads_k = _positive_int("nheads", nheads), _positive_int("nheads_k", nheads_k)
         if nheads % nheads_k:
             raise InputError(f"Expected nheads ({nheads}) to be divisible by nheads_k ({nheads_k}); GQA needs "
@@ -202,10 +216,11 @@ class ServingEngine:
         self.nheads, self.seed = nheads, int(seed)
         self.sliding_window = None if sliding_window is None else _positive_int("sliding_window", sliding_window, 0)
         self.cache = PagedKVCache(num_blocks, page_size, nheads_k, head_dim, max_batch=max_batch,
-                                  max_blocks_per_seq=-(-self.max_seqlen // page_size), dtype=dtype, device=device,
-                                  sliding_window=self.sliding_window)
+                                  max_blocks_per_seq=-(-self.max_seqlen // page_size), dtype=cache_dtype or dtype,
+                                  device=device, sliding_window=self.sliding_window)
         self.device, self.dtype = self.cache.device, dtype
-        self.bytes_per_token = 2 * nheads_k * head_dim * torch.empty((), dtype=dtype).element_size()
+        self.fp8 = self.cache.k_descale is not None
+        self.bytes_per_token = 2 * nheads_k * head_dim * torch.empty((), dtype=self.cache.dtype).element_size()
 
         self.clock = 0  # the engine step
         self.requests: List[Request] = []  # by rid
@@ -309,6 +324,11 @@ class ServingEngine:
             self._waiting.pop(0)
             q, k, v = self._stream(rid, request.total_len)
             active = _Active(rid, request, self.cache.add_request(), q, k, v, admitted_step=self.clock)
+            if self.fp8:  # the prompt's scales; the reference then reads K / V as the pool stores them
+                prompt = slice(0, request.prompt_len)
+                self.cache.set_scales(active.slot, k[prompt], v[prompt])
+                active.k_ref, active.v_ref = (as_stored(t, d[active.slot]) for t, d in
+                                              ((k, self.cache.k_descale), (v, self.cache.v_descale)))
             if self.keep_outputs:
                 active.out = torch.full_like(q, float("nan"))
             self._running[rid] = active
@@ -421,7 +441,8 @@ class ServingEngine:
             a.out[start:end] = out
         if not self._sampled(a, start, end, kind):
             return
-        err, bound = check_attention(out, a.q[start:end], a.k[:end], a.v[:end], self.sliding_window)
+        k, v = (a.k, a.v) if a.k_ref is None else (a.k_ref, a.v_ref)
+        err, bound = check_attention(out, a.q[start:end], k[:end], v[:end], self.sliding_window)
         ok = err <= bound
         self.checks.append({"step": self.clock, "rid": a.rid, "kind": kind, "start": start, "end": end,
                             "keys": end, "err": err, "bound": bound, "ok": ok})

@@ -430,3 +430,39 @@ def test_cache_classes_fp8_bad_input():
         PagedKVCache(4, 8, 2, HEAD_DIM, max_batch=1, max_blocks_per_seq=2, dtype=E4M3, device=DEVICE, fp8_headroom=0.5)
     with pytest.raises(TypeError, match="float8_e4m3fn"):
         KVCache(1, 8, 2, HEAD_DIM, dtype=torch.float8_e5m2, device=DEVICE)
+
+
+def test_paged_set_scales_before_chunks():
+    """PagedKVCache.set_scales gives an empty request its prompt's scales before decode appends the prompt in
+    chunks (chunked prefill): the stored rows are quantized with them; a request holding tokens, or a 16-bit
+    pool, is refused."""
+    from tritonattn import PagedKVCache
+
+    _, k, v, rand = _prompt(1, 40, 4, 2, torch.float16, seed=12)
+    pool = PagedKVCache(8, 16, 2, HEAD_DIM, max_batch=2, max_blocks_per_seq=4, dtype=E4M3, device=DEVICE)
+    slot = pool.add_request()
+    pool.set_scales(slot, k[0], v[0])
+    kd = k.float().abs().amax((1, 3)) * (2.0 / 448.0)
+    assert torch.equal(pool.k_descale[slot], kd[0])
+    pool.decode(rand(1, 40, 4, HEAD_DIM), k, v, slots=[slot])
+    stored = pool.k_cache[torch.tensor(pool.pages(slot), device=DEVICE)].reshape(1, -1, 2, HEAD_DIM)[:, :40]
+    assert bits_equal(stored, quantize_e4m3_ref(k, kd))
+    with pytest.raises(ValueError, match="holds 40 tokens"):
+        pool.set_scales(slot, k[0], v[0])
+    half = PagedKVCache(8, 16, 2, HEAD_DIM, max_batch=1, max_blocks_per_seq=4, device=DEVICE)
+    with pytest.raises(ValueError, match="for an FP8 cache"):
+        half.set_scales(half.add_request(), k[0], v[0])
+
+
+def test_kvcache_set_scales_before_chunks():
+    """KVCache.set_scales likewise for dense caches: the chunked prompt is stored with the set scales."""
+    from tritonattn import KVCache
+
+    _, k, v, rand = _prompt(2, 24, 4, 2, torch.float16, seed=13)
+    cache = KVCache(2, 40, 2, HEAD_DIM, dtype=E4M3, device=DEVICE)
+    cache.set_scales(k, v)
+    kd = k.float().abs().amax((1, 3)) * (2.0 / 448.0)
+    cache.decode(rand(2, 24, 4, HEAD_DIM), k, v)
+    assert torch.equal(cache.k_descale, kd) and bits_equal(cache.k_cache[:, :24], quantize_e4m3_ref(k, kd))
+    with pytest.raises(ValueError, match="holds 24 tokens"):
+        cache.set_scales(k, v)

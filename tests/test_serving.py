@@ -21,7 +21,7 @@ import torch
 from benchmarks.serving import Request, ServingEngine, VerificationError, make_workload
 from helpers import DEVICE, ON_GPU, assert_close_to_ref, make_qkv, references
 from tritonattn import PagedKVCache, attention_ref, flash_attn_func, flash_attn_with_kvcache, rel_err
-from tritonattn.testing import agreement_tolerance
+from tritonattn.testing import FP8_KV_RTOL, agreement_tolerance
 
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if ON_GPU else [])
 NHEADS, NHEADS_K, HEAD_DIM = (32, 8, 128) if ON_GPU else (4, 2, 32)
@@ -131,6 +131,26 @@ def test_engine_mixed_workload_matches_reference(dtype):
         "every token's output must have been checked exactly once")
     assert (checks[checks.kind == "prefill"].end - checks[checks.kind == "prefill"].start).max() == eng.chunk_size
     assert_outputs_match_streams(eng)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if ON_GPU else []))
+def test_fp8_pool_engine_matches_the_stored_reference(dtype):
+    """An FP8 pool (cache_dtype=e4m3): each request's scales come from its prompt at admission, every output
+    matches the reference over K/V as the pool stores them (checked by the engine, every one), the pool
+    holds half the bytes per token, and the outputs stay within the FP8 quantization error of the
+    unquantized streams."""
+    workload = [Request(70, 3, 0), Request(9, 6, 0), Request(40, 4, 1), Request(1, 5, 2)]
+    eng = engine(dtype=dtype, cache_dtype=torch.float8_e4m3fn, keep_outputs=True)
+    assert eng.bytes_per_token == engine(dtype=dtype).bytes_per_token // 2
+    eng.submit(workload)
+    eng.run()
+    checks = eng.checks_frame()
+    assert checks.ok.all() and (checks.end - checks.start).sum() == sum(r.total_len for r in workload)
+    for rid, out in eng.outputs.items():
+        q, k, v = eng.token_stream(rid)
+        ref32, _, _ = references(q[None], k[None], v[None], causal=True)
+        assert rel_err(out[None], ref32) <= FP8_KV_RTOL, rid
+    assert eng.cache.num_free_blocks == eng.cache.num_blocks
 
 
 def test_sliding_window_engine_matches_reference_in_fewer_pages():

@@ -204,6 +204,28 @@ class KVCache:
         if self._fp8 is not None:
             self._fp8.reset(index)
 
+    @eager_only
+    def set_scales(self, k: torch.Tensor, v: torch.Tensor, *, batch_idx=None, k_descale=None, v_descale=None) -> None:
+        """An FP8 cache: set empty requests' descales from their prompts' K / V (n, seqlen, nheads_k, head_dim)
+        (amax per KV head * fp8_headroom / 448) or as given, before decode appends the prompts in chunks
+        (`prefill` sets them itself). A request's scales cannot change once it holds tokens."""
+        if self._fp8 is None:
+            raise InputError("set_scales is for an FP8 cache (dtype=torch.float8_e4m3fn).")
+        index = self._indices(batch_idx)
+        host_index = self._host_index(index)
+        busy = np.nonzero(self._host[host_index] != 0)[0]
+        if len(busy):
+            request = int(np.arange(self.batch)[host_index][busy[0]])
+            raise InputError(f"Expected empty requests for set_scales, but request {request} holds "
+                             f"{int(self._host[request])} tokens quantized with its current scales.")
+        count = len(self._host[host_index])
+        for name, t in (("k", k), ("v", v)):
+            validate_tensor(name, t, 4, "(n, seqlen, nheads_k, head_dim)")
+            if t.shape[0] != count or tuple(t.shape[2:]) != (self.nheads_k, self.head_dim):
+                raise InputError(f"Expected {name} of shape ({count}, seqlen, {self.nheads_k}, {self.head_dim}), "
+                                 f"got {tuple(t.shape)}.")
+        self._fp8.set_descales(index, k, v, k_descale, v_descale)
+
     # -- prefill and decode ----------------------------------------------------------------------
     @eager_only
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,

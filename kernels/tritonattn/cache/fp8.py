@@ -60,19 +60,25 @@ class FP8Scales:
                 raise InputError(f"Expected {name} finite and > 0 (stored value * {name} = the value).")
         return d.contiguous()
 
+    def set_descales(self, index, k: torch.Tensor, v: torch.Tensor, k_descale=None, v_descale=None):
+        """Set the slots' descales from k, v (n, seqlen, nheads_k, head_dim) or as given (`descale_for`); both
+        are checked before either is set. Returns them, float32 (n, nheads_k)."""
+        kd = self.descale_for("k_descale", k_descale, k)
+        vd = self.descale_for("v_descale", v_descale, v)
+        self.k_descale[index] = kd
+        self.v_descale[index] = vd
+        return kd, vd
+
     def store_prompt(self, index, k: torch.Tensor, v: torch.Tensor, k_descale=None, v_descale=None):
         """The prompt's K and V as e4m3 (n, seqlen, nheads_k, head_dim), quantized as the kernels' append
         quantizes (x / descale in float32, clamped to +-448, rounded to nearest even); the slots' descales
-        set and their clamped values counted. Everything is checked before anything is stored."""
-        kd = self.descale_for("k_descale", k_descale, k)
-        vd = self.descale_for("v_descale", v_descale, v)
+        set (`set_descales`) and their clamped values counted."""
+        kd, vd = self.set_descales(index, k, v, k_descale, v_descale)
         out = []
         for x, d, which in ((k, kd, 0), (v, vd, 1)):
             y = x.float() / d[:, None, :, None]
             self.saturated[index, :, which] += (y.abs() > FP8_E4M3_MAX).sum(dim=(1, 3))
             out.append(y.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn))
-        self.k_descale[index] = kd
-        self.v_descale[index] = vd
         return out[0], out[1]
 
     def call_args(self, index: Union[slice, torch.Tensor]) -> dict:

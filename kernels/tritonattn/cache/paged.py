@@ -214,6 +214,25 @@ class PagedKVCache:
             self._fp8.reset(slot)
 
     @eager_only
+    def set_scales(self, slot: int, k: torch.Tensor, v: torch.Tensor, *, k_descale=None, v_descale=None) -> None:
+        """An FP8 cache: set an empty request's descales from its prompt's K / V (seqlen, nheads_k, head_dim)
+        (amax per KV head * fp8_headroom / 448) or as given, before decode appends the prompt in chunks
+        (chunked prefill; `prefill` sets them itself). A request's scales cannot change once it holds
+        tokens: its stored values were quantized with them."""
+        if self._fp8 is None:
+            raise InputError("set_scales is for an FP8 cache (dtype=torch.float8_e4m3fn).")
+        self._check_slots([slot])
+        if self._host_len[slot] != 0:
+            raise InputError(f"Expected an empty request for set_scales, but slot {slot} holds "
+                             f"{int(self._host_len[slot])} tokens quantized with its current scales.")
+        for name, t in (("k", k), ("v", v)):
+            validate_tensor(name, t, 3, "(seqlen, nheads_k, head_dim)")
+            if tuple(t.shape[1:]) != (self.nheads_k, self.head_dim):
+                raise InputError(f"Expected {name} of shape (seqlen, {self.nheads_k}, {self.head_dim}), got "
+                                 f"{tuple(t.shape)}.")
+        self._fp8.set_descales(slice(slot, slot + 1), k[None], v[None], k_descale, v_descale)
+
+    @eager_only
     def extend(self, slot: int, num_tokens: int) -> list:
         """Make room for `num_tokens` more tokens after the request's current length: take the pages
         they need from the pool (none while the last page has room). Returns the new blocks.
