@@ -5,6 +5,8 @@ seed's comparison against its two eager baselines by the seed's method (benchmar
 - `decode_bandwidth`: K/V bytes over GPU time of one step of flash_attn_with_kvcache, per cache length.
 - `seed_decode_rows`: latency (median +- std) and incremental peak memory of one decode step of
   `decode_eager_slice`, `decode_eager_cat` and ours, per cache length; `plot_seed_decode` draws them.
+- `fp8_decode_rows`: an FP8 (e4m3) cache against a 16-bit one: bytes per token, the quantization error
+  against fp64 on the unquantized cache, and (on a GPU) the step's time and speedup.
 
 Every function returns rows (dicts); the caller builds a DataFrame to show them.
 """
@@ -15,8 +17,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from tritonattn import flash_attn_with_kvcache
-from tritonattn.testing import check_close, references
+from tritonattn import flash_attn_with_kvcache, rel_err
+from tritonattn.testing import attention_ref, check_close, quantize_e4m3_ref, references
 
 from . import measure
 from .competitors import decode_eager_cat, decode_eager_slice
@@ -173,3 +175,45 @@ def by_impl(rows: Sequence[Row], value: str) -> Dict[str, Dict[int, Optional[flo
     for r in rows:
         table.setdefault(r["impl"], {})[r["cache_len"]] = r[value] if r["status"] == "ok" else None
     return table
+
+
+def fp8_decode_rows(batch: int, nheads: int, nheads_k: int, head_dim: int, dtype: torch.dtype,
+                    cache_lens: Sequence[int], device, *, timed: bool, rep: int = 30) -> List[Row]:
+    """An e4m3 cache against a `dtype` one, one decode step (one query token per request, no append) over a
+    full cache of N rows, per N: bytes_per_token of each (2 * nheads_k * head_dim * itemsize), the FP8 step's
+    relative error against fp64 on the unquantized cache (err_fp8; err_16 the 16-bit cache's), on unit normal
+    K/V and with two outlier channels 20x larger (err_fp8_outliers); descales per (request, KV head), amax /
+    448. timed (a GPU): us_16, us_fp8 (GPU time alone, as `decode_bandwidth`) and speedup = us_16 / us_fp8."""
+    rows = []
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    for n in cache_lens:
+        row: Row = {"cache_len": n, "bytes_per_token": 2 * nheads_k * head_dim * dtype.itemsize,
+                    "bytes_per_token_fp8": 2 * nheads_k * head_dim}
+        q = torch.randn(batch, 1, nheads, head_dim, generator=gen).to(device=device, dtype=dtype)
+        for outliers in (False, True):
+            k, v = (torch.randn(batch, n, nheads_k, head_dim, generator=gen).to(device) for _ in range(2))
+            if outliers:
+                k[..., :2] *= 20.0
+                v[..., :2] *= 20.0
+            kd, vd = ((t.abs().amax((1, 3)) / 448.0).clamp(min=1e-12).contiguous() for t in (k, v))
+            k8, v8 = quantize_e4m3_ref(k, kd), quantize_e4m3_ref(v, vd)
+            with torch.no_grad():
+                out8 = flash_attn_with_kvcache(q, k8, v8, cache_seqlens=n, k_descale=kd, v_descale=vd)
+                ref, _ = attention_ref(q.double(), k.double(), v.double())
+                if outliers:
+                    row["err_fp8_outliers"] = rel_err(out8, ref)
+                    continue
+                out16 = flash_attn_with_kvcache(q, k.to(dtype), v.to(dtype), cache_seqlens=n)
+            row.update(err_fp8=rel_err(out8, ref), err_16=rel_err(out16, ref))
+            if timed:
+                k16, v16 = k.to(dtype), v.to(dtype)
+                time = dict(warmup=5, rep=rep, flush_l2=True, hide_host=True)
+                us16 = measure.time_fn(lambda: flash_attn_with_kvcache(q, k16, v16, cache_seqlens=n),
+                                       **time)["median_ms"] * 1e3
+                us8 = measure.time_fn(lambda: flash_attn_with_kvcache(q, k8, v8, cache_seqlens=n, k_descale=kd,
+                                                                      v_descale=vd), **time)["median_ms"] * 1e3
+                row.update(us_16=us16, us_fp8=us8, speedup=us16 / us8)
+        rows.append(row)
+        if timed:
+            torch.cuda.empty_cache()
+    return rows

@@ -40,3 +40,16 @@ def test_by_impl_gives_none_for_oom():
 def test_decode_bandwidth_needs_a_gpu():
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
         dv.decode_bandwidth(1, 4, 2, 16, torch.float16, (8,), copy_gbps=1.0)
+
+
+def test_fp8_decode_rows_halve_the_bytes_within_the_quantization_error():
+    """The FP8 table: half the bytes per token, errors measured against fp64 (the 16-bit cache's far smaller
+    than the FP8 one's, with and without outlier channels), and times only when asked for."""
+    from tritonattn.testing import FP8_KV_OUTLIER_RTOL, FP8_KV_RTOL
+
+    rows = dv.fp8_decode_rows(1, 4, 2, 32, torch.float16, (40, 100), DEVICE, timed=False)
+    assert [r["cache_len"] for r in rows] == [40, 100]
+    for r in rows:
+        assert r["bytes_per_token_fp8"] * 2 == r["bytes_per_token"] == 2 * 2 * 32 * 2
+        assert r["err_16"] < r["err_fp8"] <= FP8_KV_RTOL and r["err_16"] < r["err_fp8_outliers"] <= FP8_KV_OUTLIER_RTOL
+        assert "speedup" not in r
