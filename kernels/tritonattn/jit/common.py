@@ -16,7 +16,7 @@ Written once so their semantics cannot drift between kernels:
   (decode and chunked prefill read caches through them; `wide_pages` is their host-side check).
 - `left_padding`: where a left-padded request's keys start (cache_leftpad), clamped the one way the
   decode kernel and the cache-mode forward agree on.
-- `kv_descales`, `quantize_e4m3`, `count_saturated`: an FP8 cache's descales for one (request, KV head),
+- `kv_descales`, `quantize_e4m3`, `quantize_counted`: an FP8 cache's descales for one (request, KV head),
   the quantization of appended rows and the count of their values it clamps (see [Note] FP8 KV cache);
   a K/V tile is dequantized by `.to(q.dtype)` right after its load, exact for e4m3 in fp16 and bf16.
 - `probs_for_values`: the probabilities in V's dtype for the P V product (e4m3 in the FP8 forward,
@@ -46,7 +46,7 @@ ALiBi and the base-2 logits all see the true scores), and V's multiplies the nor
 split's partial is stored, so the combine merges true values). New rows are quantized
 (`quantize_e4m3`), stored, and attended over as stored, so a step sees what the next step will read;
 with a counter (Saturated, int64 (B, H_KV, 2)) the program that stores them adds how many K and V values
-were clamped at +-448 (`count_saturated`), so a caller learns its scales are too tight without a sync.
+were clamped at +-448 (`quantize_counted`), so a caller learns its scales are too tight without a sync.
 
 [Note] FP8 forward. flash_attn_func / flash_attn_varlen_func with q, k and v all in float8_e4m3fn (and
 q_descale, k_descale, v_descale, FlashAttention-3's) run fwd_kernel with KV_FP8 and an e4m3 Q: both products
@@ -499,13 +499,16 @@ def quantize_e4m3(x, descale):
 
 
 @triton.jit
-def count_saturated(counter, x, descale):
-    """Add to *counter (int64) how many values of the unquantized tile x `quantize_e4m3` clamps with this
-    descale: |x / descale| > E4M3_MAX, the same IEEE division (rows a tile does not hold are loaded as
-    zeros and never count). An FP8 cache's counter for (request b, KV head h) is Saturated + (b * H_KV +
-    h) * 2, K's, and the next element, V's."""
-    tl.atomic_add(counter, tl.sum(tl.sum((tl.abs(tl.math.div_rn(x.to(tl.float32), descale)) > E4M3_MAX)
-                                         .to(tl.int64), 1), 0))
+def quantize_counted(x, descale, Saturated, slot, stores):
+    """`quantize_e4m3(x, descale)`; with a counter (Saturated: int64, not None) the program that stores the rows
+    (`stores`) adds to Saturated[slot] how many values it clamps, |x / descale| > E4M3_MAX by the same IEEE
+    division (rows a tile does not hold are loaded as zeros and never count). An FP8 cache's counter slot
+    for (request b, KV head h) is (b * H_KV + h) * 2 for K, and the next for V."""
+    if Saturated is not None:
+        if stores:
+            clamped = tl.abs(tl.math.div_rn(x.to(tl.float32), descale)) > E4M3_MAX
+            tl.atomic_add(Saturated + slot, tl.sum(tl.sum(clamped.to(tl.int64), 1), 0))
+    return quantize_e4m3(x, descale)
 
 
 @triton.jit

@@ -210,7 +210,6 @@ import triton.language as tl
 
 from .common import (
     LOG2E,
-    count_saturated,
     finalize,
     gqa_q_head,
     kv_block_offsets,
@@ -222,7 +221,7 @@ from .common import (
     merge_sink,
     online_softmax,
     physical_blocks,
-    quantize_e4m3,
+    quantize_counted,
     score_units,
     store_rows,
     variant_scores,
@@ -282,8 +281,8 @@ def append_kernel(
 ):
     """Append BLOCK of the M new tokens of one (request, KV head) to the cache (chunked prefill's
     first launch; the decode kernel fuses its appends instead, see [Note] Chunked prefill); an FP8
-    cache's rows quantized with its descales (`quantize_e4m3`), the clamped values counted into
-    Saturated when given."""
+    cache's rows quantized with its descales, the clamped values counted into Saturated when given
+    (`quantize_counted`)."""
     pid_u = tl.program_id(0)
     pid_bh = tl.program_id(1)
     off_b = (pid_bh // H_KV).to(tl.int64)
@@ -299,12 +298,8 @@ def append_kernel(
     if KV_FP8:
         k_scale, v_scale = kv_descales(K_descale, V_descale, off_b, off_hk, stride_kds, stride_kdh, stride_vds,
                                        stride_vdh, KV_FP8)
-        if Saturated is not None:
-            counter = Saturated + (off_b * H_KV + off_hk) * 2
-            count_saturated(counter, kn, k_scale)
-            count_saturated(counter + 1, vn, v_scale)
-        kn = quantize_e4m3(kn, k_scale)
-        vn = quantize_e4m3(vn, v_scale)
+        kn = quantize_counted(kn, k_scale, Saturated, (off_b * H_KV + off_hk) * 2, True)
+        vn = quantize_counted(vn, v_scale, Saturated, (off_b * H_KV + off_hk) * 2 + 1, True)
     if PAGED:
         table = Block_table + off_b * stride_btb
     else:
@@ -429,13 +424,10 @@ def decode_kernel(
             vn0 = load_rows(vn_head + offs_u[:, None].to(tl.int64) * stride_vnm + offs_d[None, :],
                             offs_u, m_early, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
             pages0 = new_row_pages(table, seqlen, offs_u, tl.minimum(m_early, n_write), PAGED, PAGE_SIZE)
-            if KV_FP8:  # stored and attended over as stored
-                if Saturated is not None:
-                    if pid_rb == 0 and split == num_splits - 1:  # the program that stores them counts
-                        count_saturated(Saturated + (off_b * H_KV + off_hk) * 2, kn0, k_scale)
-                        count_saturated(Saturated + (off_b * H_KV + off_hk) * 2 + 1, vn0, v_scale)
-                kn0 = quantize_e4m3(kn0, k_scale)
-                vn0 = quantize_e4m3(vn0, v_scale)
+            if KV_FP8:  # stored and attended over as stored; the storing program counts the clamped values
+                stores = (pid_rb == 0) & (split == num_splits - 1)
+                kn0 = quantize_counted(kn0, k_scale, Saturated, (off_b * H_KV + off_hk) * 2, stores)
+                vn0 = quantize_counted(vn0, v_scale, Saturated, (off_b * H_KV + off_hk) * 2 + 1, stores)
 
     row_ok = offs_r < rows_total
     if HAS_ALIBI:  # each row's q head's slope, in score units, as a column against the keys
@@ -536,10 +528,7 @@ def decode_kernel(
                 kn = load_rows(kn_head + us[:, None].to(tl.int64) * stride_knm + offs_d[None, :],
                                us, M_NEW, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)  # [BLOCK_NEW, D_PAD]
                 if KV_FP8:  # stored and attended over as stored
-                    if Saturated is not None:
-                        if pid_rb == 0:  # the program that stores them counts
-                            count_saturated(Saturated + (off_b * H_KV + off_hk) * 2, kn, k_scale)
-                    kn = quantize_e4m3(kn, k_scale)
+                    kn = quantize_counted(kn, k_scale, Saturated, (off_b * H_KV + off_hk) * 2, pid_rb == 0)
                 qk = variant_scores(tl.dot(q, tl.trans(kn.to(q.dtype))), offs_t, seqlen + us, n_total, diag, left,
                                     right, cap_scale, slope, True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
                                     HAS_ALIBI)  # [BLOCK_H, BLOCK_NEW]
@@ -547,10 +536,7 @@ def decode_kernel(
                 vn = load_rows(vn_head + us[:, None].to(tl.int64) * stride_vnm + offs_d[None, :],
                                us, M_NEW, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
                 if KV_FP8:
-                    if Saturated is not None:
-                        if pid_rb == 0:
-                            count_saturated(Saturated + (off_b * H_KV + off_hk) * 2 + 1, vn, v_scale)
-                    vn = quantize_e4m3(vn, v_scale)
+                    vn = quantize_counted(vn, v_scale, Saturated, (off_b * H_KV + off_hk) * 2 + 1, pid_rb == 0)
                 acc = tl.dot(p.to(q.dtype), vn.to(q.dtype), acc)
                 if pid_rb == 0:  # one row block writes the cache
                     pages = new_row_pages(table, seqlen, us, n_write, PAGED, PAGE_SIZE)
