@@ -189,9 +189,10 @@ def _fp8_kvcache_calls(dtype: torch.dtype, target: Target):
             kw = dict(cache_seqlens=torch.full((2,), 7, dtype=torch.int32), causal=True, num_splits=num_splits,
                       k_descale=torch.ones(2, nheads_k, device=DEVICE),
                       v_descale=torch.ones(2, nheads_k, device=DEVICE))
-            if variants:
+            if variants:  # and the counter of clamped appended values (its atomics compiled in)
                 kw.update(window_size=(300, 0), softcap=20.0, alibi_slopes=torch.ones(nheads, device=DEVICE),
-                          sinks=torch.zeros(nheads, device=DEVICE))
+                          sinks=torch.zeros(nheads, device=DEVICE),
+                          kv_saturated=torch.zeros(2, nheads_k, 2, dtype=torch.int64, device=DEVICE))
             if page_size is None:
                 k_cache = _empty(2, capacity, nheads_k, head_dim, dtype=fp8)
                 flash_attn_with_kvcache(q, k_cache, k_cache.clone(), k, v, **kw)
@@ -207,7 +208,8 @@ def _fp8_kvcache_calls(dtype: torch.dtype, target: Target):
         def chunk(page_size=page_size, head_dim=HEAD_DIMS[-1]):
             q = _empty(1, 512, 32, head_dim, dtype=dtype)
             k, v = (_empty(1, 512, nheads_k, head_dim, dtype=dtype) for _ in range(2))
-            kw = dict(cache_seqlens=torch.full((1,), 7, dtype=torch.int32), causal=True, k_descale=0.5, v_descale=2.0)
+            kw = dict(cache_seqlens=torch.full((1,), 7, dtype=torch.int32), causal=True, k_descale=0.5, v_descale=2.0,
+                      kv_saturated=torch.zeros(1, nheads_k, 2, dtype=torch.int64, device=DEVICE))
             assert chunked_prefill_pays(1, 512, 32, head_dim, dtype, True, target)
             if page_size is None:
                 k_cache = _empty(1, 1024, nheads_k, head_dim, dtype=fp8)
