@@ -18,9 +18,7 @@ import torch
 
 def causal_mask(seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
     """Bool [seqlen_q, seqlen_k], True where query i may see key j: j <= i + seqlen_k - seqlen_q."""
-    i = torch.arange(seqlen_q, device=device)[:, None]
-    j = torch.arange(seqlen_k, device=device)[None, :]
-    return j <= i + (seqlen_k - seqlen_q)
+    return window_mask(seqlen_q, seqlen_k, causal=True, device=device)
 
 
 def window_mask(seqlen_q: int, seqlen_k: int, window_size: Tuple[int, int] = (-1, -1), causal: bool = False,
@@ -209,8 +207,6 @@ def attention_fp8_ref(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, q_de
 
     qd, kd, vd = per_head(q_descale), per_head(k_descale), per_head(v_descale)
     visible = window_mask(seqlen_q, seqlen_k, window_size, causal)
-    if causal:
-        visible = visible & causal_mask(seqlen_q, seqlen_k)
     out = torch.zeros(batch, seqlen_q, nheads, head_dim, dtype=torch.float32)
     lse = torch.full((batch, nheads, seqlen_q), float("inf"), dtype=torch.float32)
     for b in range(batch):
