@@ -144,6 +144,28 @@ def test_paged_decode(page_size, num_splits, append, dtype):
                               n_new=q.shape[1] if append else 0, msg=f"(page_size={page_size})")
 
 
+@pytest.mark.skipif(not ON_GPU, reason="bf16 runs on a GPU (the interpreter refuses it)")
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("magnitude", [1e-30, 1e-3, 1.0, 3e5])
+def test_bf16_query_any_magnitude(magnitude, paged):
+    """Decode computes on an FP8 cache in fp16 also under a bf16 q (`cache_query`: the q tile scaled by a power
+    of two into fp16's range, taken back in the score units), so bf16 q of any magnitude, beyond fp16's 65504
+    too, matches the dequantized reference."""
+    lengths = [9, 40, 33]
+    q, _, _, k8, v8, kd, vd, k, v = fp8_case(len(lengths), 48, 2, 4, 2, torch.bfloat16, append=True, seed=3)
+    q = (q.float() * magnitude).to(torch.bfloat16)
+    k_exp, v_exp = appended(k8, v8, kd, vd, k, v, lengths)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    extra = {}
+    if paged:
+        k8, v8, extra["block_table"] = paged_copy(k8, v8, 16)
+    out, lse = flash_attn_with_kvcache(q, k8, v8, k, v, cache_seqlens=seqlens, causal=True, num_splits=2,
+                                       return_softmax_lse=True, k_descale=kd, v_descale=vd, **extra)
+    assert torch.isfinite(out).all() and out.dtype == torch.bfloat16
+    check_against_dequantized(out, lse, q, k_exp, v_exp, kd, vd, lengths, causal=True, n_new=2,
+                              msg=f"(magnitude={magnitude}, paged={paged})")
+
+
 # --------------------------------------------------------------------------------------------
 # The append: bit for bit the reference quantization, clamped, never NaN
 # --------------------------------------------------------------------------------------------

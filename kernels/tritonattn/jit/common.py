@@ -41,7 +41,8 @@ the LSE (backward: exp(s - lse) = 0; split merges: weight exp(lse_i - lse) = 0) 
 [Note] FP8 KV cache. With KV_FP8 the cache holds float8_e4m3fn values; value = stored * descale, with one
 descale per (request, KV head) (`kv_descales`; a per-tensor scale is the same number everywhere). A
 program reads one (request, KV head), so its descales are two scalars: a K/V tile is converted to q's
-16-bit dtype on load (exact), K's descale multiplies softmax_scale before `score_units` (so softcap,
+16-bit dtype on load (exact; decode converts to fp16 and takes a bf16 q there too: `cache_query`), K's
+descale multiplies softmax_scale before `score_units` (so softcap,
 ALiBi and the base-2 logits all see the true scores), and V's multiplies the normalised output (before a
 split's partial is stored, so the combine merges true values). New rows are quantized
 (`quantize_e4m3`), stored, and attended over as stored, so a step sees what the next step will read;
@@ -477,6 +478,24 @@ def kv_descales(K_descale, V_descale, off_b, off_hk, stride_kds, stride_kdh, str
         k_scale = 1.0
         v_scale = 1.0
     return k_scale, v_scale
+
+
+@triton.jit
+def cache_query(q, KV_FP8: tl.constexpr):
+    """(q as a cache's products take it, the factor its scores take back, folded into the score units like K's
+    descale). An e4m3 cache is computed on in fp16 whatever q's 16-bit dtype, since e4m3 -> fp16 is one
+    conversion per two values and e4m3 -> bf16 goes through fp32: a bf16 q tile is scaled by a power of two that
+    puts its largest magnitude in [2^14, 2^15) and cast to fp16, exact for every value within 2^28 of it (fp16
+    keeps 11 significant bits, bf16 has 8); the returned factor is that power's inverse. Anything else: q, 1.0."""
+    if KV_FP8 and q.dtype == tl.bfloat16:
+        qf = q.to(tl.float32)
+        amax = tl.max(tl.max(tl.abs(qf), 1), 0)
+        ebits = tl.minimum(tl.maximum(((amax.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32), 15), 254)
+        down = ((268 - ebits) << 23).to(tl.float32, bitcast=True)  # 2^(14 - floor(log2 amax))
+        up = ((ebits - 14) << 23).to(tl.float32, bitcast=True)  # 1 / down
+        return (qf * down).to(tl.float16), up
+    else:
+        return q, 1.0
 
 
 @triton.jit

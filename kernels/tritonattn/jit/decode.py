@@ -210,6 +210,7 @@ import triton.language as tl
 
 from .common import (
     LOG2E,
+    cache_query,
     finalize,
     gqa_q_head,
     kv_block_offsets,
@@ -351,8 +352,6 @@ def decode_kernel(
     H = H_KV * GROUP
     k_scale, v_scale = kv_descales(K_descale, V_descale, off_b, off_hk, stride_kds, stride_kdh, stride_vds, stride_vdh,
                                    KV_FP8)  # 1.0 and 1.0 for a 16-bit cache
-    unit, cap_scale = score_units(softmax_scale * k_scale, softcap, HAS_SOFTCAP)  # K's descale folded in
-    qk_scale = unit * LOG2E  # scores (in units of `unit`) to base-2 logits
 
     # -- query rows: r -> (q head off_hk * G + r // M, token r % M) --------------------------------
     offs_r = pid_rb * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
@@ -407,6 +406,9 @@ def decode_kernel(
         table = Block_table  # None: never read
     q_ptrs = Q + off_b * stride_qb + offs_t[:, None].to(tl.int64) * stride_qm + offs_h[:, None] * stride_qh
     q = load_rows(q_ptrs + offs_d[None, :], offs_r, rows_total, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)
+    q, q_up = cache_query(q, KV_FP8)  # an FP8 cache: fp16 products, q's scale taken back with K's descale
+    unit, cap_scale = score_units(softmax_scale * k_scale * q_up, softcap, HAS_SOFTCAP)
+    qk_scale = unit * LOG2E  # scores (in units of `unit`) to base-2 logits
     k_head = K_cache + off_hk * stride_kh
     v_head = V_cache + off_hk * stride_vh
     if HAS_LEFTPAD:  # row 0 of the request is now cache row LP_b (dense, or its one page: cache_batch_idx)
