@@ -47,9 +47,12 @@ OPTIONS = {
     "sinks": lambda: dict(sinks=torch.randn(NHEADS, device=DEVICE)),
     "seqused_k": lambda: dict(seqused_k=torch.tensor(USED, dtype=torch.int32, device=DEVICE)),
     "kv_fp8": lambda: dict(k_descale=torch.full((BATCH, NHEADS_K), 0.01, device=DEVICE), v_descale=0.02),
+    "tree": lambda: dict(causal=True, tree_mask=torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool,
+                                                             device=DEVICE).expand(BATCH, NEW, NEW).clone()),
 }
 FIELDS = {"softmax_scale": "softmax_scale", "causal": "causal", "window_left": "window", "window_right": "window",
-          "softcap": "softcap", "alibi": "alibi", "sinks": "sinks", "seqused_k": "seqused_k", "kv_fp8": "kv_fp8"}
+          "softcap": "softcap", "alibi": "alibi", "sinks": "sinks", "seqused_k": "seqused_k", "kv_fp8": "kv_fp8",
+          "tree": "tree"}
 
 # (entry point, option) -> why the entry point cannot take the option: the test checks it is refused.
 NOT_TAKEN = {
@@ -67,6 +70,9 @@ NOT_TAKEN = {
     **{(entry, "kv_fp8"): "the cache classes are FP8 by their dtype and own their descales (set at prefill from the "
                           "prompt, tests/test_fp8_kvcache.py), not given per step"
        for entry in ("kvcache_class", "paged_class")},
+    **{(entry, "tree"): "a draft tree is a verify step over a KV cache: flash_attn_with_kvcache and the cache "
+                        "classes take it (tests/test_speculative.py); under torch.compile it is refused for now"
+       for entry in ("prefill", "varlen", "primitive", "compiled_prefill", "compiled_kvcache", "sdpa", "transformers")},
     ("primitive", "sinks"): "flash-attn's _flash_attn_forward has no sinks argument",
     ("sdpa", "softcap"): "aten::_flash_attention_forward has no softcap argument",
     ("sdpa", "sinks"): "aten::_flash_attention_forward has no sinks argument",
@@ -183,16 +189,17 @@ def run_kvcache_class(kw, paged=False):
     """A prefill of LENGTHS[b] tokens per request (the options' own), then one step of NEW tokens with them: the
     step is checked against each request's whole history."""
     q_all, k_all, v_all = (randn(BATCH, max(LENGTHS) + NEW, h, HEAD_DIM) for h in (NHEADS, NHEADS_K, NHEADS_K))
+    pre = {name: value for name, value in kw.items() if not name.startswith("tree_")}  # prompts: no tree
     if paged:
         cache = PagedKVCache(64, 8, NHEADS_K, HEAD_DIM, max_batch=BATCH, max_blocks_per_seq=8, dtype=DTYPE,
                              device=DEVICE)
         slots = [cache.add_request() for _ in range(BATCH)]
         for b, n in enumerate(LENGTHS):
-            cache.prefill(q_all[b: b + 1, :n], k_all[b: b + 1, :n], v_all[b: b + 1, :n], slots=[slots[b]], **kw)
+            cache.prefill(q_all[b: b + 1, :n], k_all[b: b + 1, :n], v_all[b: b + 1, :n], slots=[slots[b]], **pre)
     else:
         cache = KVCache(BATCH, max(LENGTHS) + NEW + 5, NHEADS_K, HEAD_DIM, dtype=DTYPE, device=DEVICE)
         for b, n in enumerate(LENGTHS):
-            cache.prefill(q_all[b: b + 1, :n], k_all[b: b + 1, :n], v_all[b: b + 1, :n], batch_idx=[b], **kw)
+            cache.prefill(q_all[b: b + 1, :n], k_all[b: b + 1, :n], v_all[b: b + 1, :n], batch_idx=[b], **pre)
     steps = [torch.stack([t[b, n: n + NEW] for b, n in enumerate(LENGTHS)]) for t in (q_all, k_all, v_all)]
     out = cache.decode(*steps, **kw)
     k_hist = torch.zeros(BATCH, max(LENGTHS), NHEADS_K, HEAD_DIM, device=DEVICE, dtype=DTYPE)

@@ -22,9 +22,9 @@ from tritonattn.config.options import AttnOptions, attn_options
 from tritonattn.testing import attention_ref, check_close
 
 BASE = dict(head_dim=64, softmax_scale=0.125, causal=False, window_left=-1, window_right=-1, softcap=0.0,
-            alibi=False, sinks=False, seqused_k=False, kv_fp8=False)
+            alibi=False, sinks=False, seqused_k=False, kv_fp8=False, tree=False)
 OTHER_VALUE = dict(head_dim=128, softmax_scale=0.3, causal=True, window_left=5, window_right=3, softcap=2.0,
-                   alibi=True, sinks=True, seqused_k=True, kv_fp8=True)
+                   alibi=True, sinks=True, seqused_k=True, kv_fp8=True, tree=True)
 # fields whose stale launches the decode checks below look for (tests/test_option_reach.py runs every field everywhere)
 KVCACHE_FIELDS = ("causal", "head_dim", "softmax_scale")
 

@@ -32,6 +32,7 @@ from .validate import (
     validate_seqused_k,
     validate_sinks,
 )
+from .validate_tree import check_tree_call, validate_tree_mask
 
 
 class AttnCall(NamedTuple):
@@ -63,7 +64,7 @@ def attention_call(head_dim: int, softmax_scale=None, causal=False, window_size=
                    seqused_k: Optional[torch.Tensor] = None, dropout_p=0.0, rng_state: Optional[torch.Tensor] = None,
                    *, seqlen_k: int, batch: int, nheads: int, device: torch.device, kv_fp8: bool = False,
                    k_descale=None, v_descale=None, nheads_k: int = 0, kv_saturated=None, q_fp8: bool = False,
-                   q_descale=None) -> AttnCall:
+                   q_descale=None, tree_mask=None, tree_cu_seqlens=None, seqlen_q: int = 0) -> AttnCall:
     """flash-attn's arguments (and ours: sinks, seqused_k) as an `AttnCall`, everything checked before any
     launch. seqlen_k decides which window sides are unbounded (packed sequences: max_seqlen_k; a cache:
     its capacity); batch, nheads and device are what the per-call tensors must match. rng_state: the
@@ -71,19 +72,25 @@ def attention_call(head_dim: int, softmax_scale=None, causal=False, window_size=
     KV cache is FP8, k_descale / v_descale its descales (`validate_descale`, per (batch, nheads_k) or
     per tensor; both required), kv_saturated its optional counter of clamped appended values
     (`validate_saturated`); descales or a counter without an FP8 cache are refused. q_fp8: the FP8 forward
-    (q, k, v in e4m3, kv_fp8 too), whose q_descale is required like k's and v's."""
+    (q, k, v in e4m3, kv_fp8 too), whose q_descale is required like k's and v's. tree_mask (with
+    tree_cu_seqlens for the packed form, seqlen_q the query tokens): a verify step's draft tree
+    (`validate_tree_mask`, [Note] Tree masks in api/validate_tree.py)."""
     if not kv_fp8 and (k_descale is not None or v_descale is not None or kv_saturated is not None):
         raise InputError("Expected k_descale / v_descale / kv_saturated only with FP8 keys and values (a "
                          "float8_e4m3fn KV cache, or e4m3 q, k, v); 16-bit inputs hold their values unscaled.")
     if q_descale is not None and not q_fp8:
         raise InputError("Expected q_descale only with an e4m3 q (the FP8 forward: q, k, v in float8_e4m3fn).")
-    if (not kv_fp8 and alibi_slopes is None and sinks is None and seqused_k is None and type(softmax_scale) in _PLAIN
+    if tree_cu_seqlens is not None and tree_mask is None:
+        raise InputError("Expected tree_cu_seqlens only with a packed tree_mask.")
+    check_tree_call(tree_mask, causal, window_size, alibi_slopes, rotary=False)
+    if (not kv_fp8 and tree_mask is None and alibi_slopes is None and sinks is None and seqused_k is None
+            and type(softmax_scale) in _PLAIN
             and type(window_size) is tuple and window_size == (-1, -1) and type(softcap) in _PLAIN and not softcap
             and type(dropout_p) in (float, int) and dropout_p == 0):
         return _plain_call(int(head_dim), softmax_scale, bool(causal))
     dropout_p = validate_dropout(dropout_p)
     options = attn_options(head_dim, softmax_scale, alibi=alibi_slopes is not None, sinks=sinks is not None,
-                           seqused_k=seqused_k is not None, kv_fp8=kv_fp8,
+                           seqused_k=seqused_k is not None, kv_fp8=kv_fp8, tree=tree_mask is not None,
                            **resolve_variants(window_size, softcap, causal, seqlen_k))
     tensors = {}
     if options.alibi:
@@ -104,6 +111,8 @@ def attention_call(head_dim: int, softmax_scale=None, causal=False, window_size=
         if q_fp8:
             q_scales = validate_descale("q_descale", q_descale, batch, nheads_k, device)
             tensors.update(Q_descale=q_scales, stride_qds=q_scales.stride(0), stride_qdh=q_scales.stride(1))
+    if options.tree:
+        tensors.update(validate_tree_mask(tree_mask, tree_cu_seqlens, batch, seqlen_q, device))
     return AttnCall(options, tensors, dropout(dropout_p, device, rng_state))
 
 

@@ -31,6 +31,7 @@ from .validate_cache import (
     validate_num_splits,
     validate_rotary,
 )
+from .validate_tree import check_tree_call
 
 _INTERPRET = is_interpreter()  # fixed when Triton decorated the kernels, at import
 # `signature`s of CUDA calls whose tensors passed validate_kvcache_inputs: a repeat skips the checks
@@ -62,6 +63,8 @@ def flash_attn_with_kvcache(
     k_descale: Optional[Union[float, torch.Tensor]] = None,
     v_descale: Optional[Union[float, torch.Tensor]] = None,
     kv_saturated: Optional[torch.Tensor] = None,
+    tree_mask: Optional[torch.Tensor] = None,
+    tree_cu_seqlens: Optional[torch.Tensor] = None,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Decode attention over a KV cache, dense or paged, with an optional in-place append, in one
     launch (flash-attn 2's `flash_attn_with_kvcache`, same signature).
@@ -170,6 +173,17 @@ def flash_attn_with_kvcache(
             q's device; the append adds to [b, h, 0] / [b, h, 1] how many of request b's new K / V values
             of KV head h it clamped at +-448 (|value / descale| > 448), in the kernel, with no host sync:
             a caller's sign that its scales are too tight. Indexed like q's batch.
+        tree_mask, tree_cu_seqlens: ours, a speculative-decoding verify step over a draft tree: the seqlen_q
+            query tokens are drafts in tree order and the last seqlen_q keys (with k / v: seqlen_new must
+            equal seqlen_q; without: already in the cache). Every key before them is seen; among them
+            token t sees draft u iff tree_mask says so, and always itself. tree_mask: bool (batch, seqlen_q,
+            seqlen_q), [b, t, u] True iff u is t or an ancestor of t; or, for ragged drafts, a packed 1-D
+            bool with tree_cu_seqlens int32 (batch + 1,) the cumulative draft counts (request b's n_b x n_b
+            matrix row-major, n_b <= seqlen_q; its tokens past n_b are padding no draft sees). Needs
+            causal=True; not with rotary, ALiBi or a window (a draft's position is the prefix length plus
+            its depth: rotate q and k yourself). A host mask is checked (diagonal set, nothing above it); a
+            device one is trusted (no sync; the kernel sets the diagonal and ignores bits above it). Always
+            the decode kernel (never the chunked-prefill path); not replayed; refused under torch.compile.
 
     Returns:
         out: (batch, seqlen_q, nheads, headdim), dtype of q (on Hopper, when the chunked-prefill path
@@ -194,6 +208,9 @@ def flash_attn_with_kvcache(
         if kv_fp8 or k_descale is not None or v_descale is not None or kv_saturated is not None:
             raise NotImplementedError("An FP8 KV cache (k_descale / v_descale) is not supported under torch.compile "
                                       "yet; call flash_attn_with_kvcache eagerly.")
+        if tree_mask is not None or tree_cu_seqlens is not None:
+            raise NotImplementedError("tree_mask is not supported under torch.compile yet; call "
+                                      "flash_attn_with_kvcache eagerly (a CUDA graph of the eager call works).")
         return TRACED["flash_attn_with_kvcache"](
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
             block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
@@ -211,14 +228,22 @@ def flash_attn_with_kvcache(
     call = rotary = None
     if cache_seqlens is None or type(window_size) is not tuple or window_size != (-1, -1) or softcap or (
             alibi_slopes is not None or sinks is not None or rotary_cos is not None or rotary_sin is not None
-            or kv_fp8 or k_descale is not None or v_descale is not None or kv_saturated is not None):
+            or kv_fp8 or k_descale is not None or v_descale is not None or kv_saturated is not None
+            or tree_mask is not None or tree_cu_seqlens is not None):
         kv_fp8 = validate_kvcache_inputs(q, k_cache, v_cache, k, v, block_table is not None)
         capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
         cache_seqlens = capacity if cache_seqlens is None else cache_seqlens
         call = attention_call(q.shape[3], softmax_scale, causal, window_size, softcap, alibi_slopes, sinks,
                               seqlen_k=capacity, batch=q.shape[0], nheads=q.shape[2], device=q.device, kv_fp8=kv_fp8,
                               k_descale=k_descale, v_descale=v_descale, nheads_k=k_cache.shape[2],
-                              kv_saturated=kv_saturated)
+                              kv_saturated=kv_saturated, tree_mask=tree_mask, tree_cu_seqlens=tree_cu_seqlens,
+                              seqlen_q=q.shape[1])
+        if tree_mask is not None:
+            check_tree_call(tree_mask, causal, window_size, alibi_slopes,
+                            rotary=rotary_cos is not None or rotary_sin is not None)
+            if k is not None and k.shape[1] != q.shape[1]:
+                raise InputError(f"Expected k / v with seqlen_q = {q.shape[1]} new tokens with tree_mask (the drafts "
+                                 f"are the tokens being appended), got {k.shape[1]}.")
         if rotary_cos is not None or rotary_sin is not None:
             rotary = validate_rotary(q, k, v, rotary_cos, rotary_sin, capacity, rotary_interleaved)
     return kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, num_splits,

@@ -57,6 +57,9 @@ class AttnOptions:
     kv_fp8: compiled (KV_FP8): the KV cache holds float8_e4m3fn values, dequantized on load with per-(batch,
         KV head) descales (per-call tensors); appended rows are quantized with the same descales
         (`FP8_E4M3_MAX`). Cache kernels only (decode, the cache-mode forward, the append).
+    tree: compiled (HAS_TREE): the query tokens are draft tokens, the last seqlen_q keys, and among them a token
+        sees only the drafts its tree mask names (per-call tensors: the mask, each request's draft count and
+        its mask's offset), always itself, never a later draft; every key before the drafts is seen. Decode only.
     """
 
     head_dim: int
@@ -69,6 +72,7 @@ class AttnOptions:
     sinks: bool = False
     seqused_k: bool = False
     kv_fp8: bool = False
+    tree: bool = False
 
     @property
     def has_window(self) -> bool:
@@ -79,7 +83,7 @@ class AttnOptions:
         """The compiled part, by kernel parameter name."""
         return {**self.tile, "IS_CAUSAL": self.causal, "HAS_WINDOW": self.has_window,
                 "HAS_SOFTCAP": self.softcap > 0.0, "HAS_ALIBI": self.alibi, "HAS_SINKS": self.sinks,
-                "HAS_SEQUSED_K": self.seqused_k, "KV_FP8": self.kv_fp8}
+                "HAS_SEQUSED_K": self.seqused_k, "KV_FP8": self.kv_fp8, "HAS_TREE": self.tree}
 
     @functools.cached_property
     def runtime(self) -> Dict[str, Any]:
@@ -120,7 +124,8 @@ def resolve_scale(softmax_scale, head_dim: int) -> float:
 
 @functools.lru_cache(maxsize=1024)
 def _cached_options(head_dim: int, softmax_scale: Optional[float], causal: bool, window: Tuple[int, int],
-                    softcap: float, alibi: bool, sinks: bool, seqused_k: bool, kv_fp8: bool) -> AttnOptions:
+                    softcap: float, alibi: bool, sinks: bool, seqused_k: bool, kv_fp8: bool,
+                    tree: bool) -> AttnOptions:
     left, right = (max(w, -1) for w in window)  # any negative side is unbounded
     if causal:
         right = 0
@@ -129,11 +134,11 @@ def _cached_options(head_dim: int, softmax_scale: Optional[float], causal: bool,
     if causal and left == -1:
         right = -1  # plain causal: no window
     return AttnOptions(head_dim, resolve_scale(softmax_scale, head_dim), causal, left, right, softcap, alibi, sinks,
-                       seqused_k, kv_fp8)
+                       seqused_k, kv_fp8, tree)
 
 
 def attn_options(head_dim: int, softmax_scale=None, causal=False, window=(-1, -1), softcap=0.0, alibi=False,
-                 sinks=False, seqused_k=False, kv_fp8=False) -> AttnOptions:
+                 sinks=False, seqused_k=False, kv_fp8=False, tree=False) -> AttnOptions:
     """Validated `AttnOptions` (softmax_scale None: head_dim ** -0.5; it must be finite and positive).
 
     window (left, right) is normalised: a negative side is unbounded (-1), causal makes the right side
@@ -149,7 +154,7 @@ def attn_options(head_dim: int, softmax_scale=None, causal=False, window=(-1, -1
         softmax_scale = resolve_scale(softmax_scale, head_dim)
     window = window_pair(window) if type(window) is not tuple or window != (-1, -1) else window
     return _cached_options(head_dim, softmax_scale, causal, window, _resolve_softcap(softcap), bool(alibi),
-                           bool(sinks), bool(seqused_k), bool(kv_fp8))
+                           bool(sinks), bool(seqused_k), bool(kv_fp8), bool(tree))
 
 
 FP8_E4M3_MAX = 448.0  # the largest finite float8_e4m3fn: appended values are clamped to +-this before the cast

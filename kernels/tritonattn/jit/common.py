@@ -499,6 +499,23 @@ def cache_query(q, KV_FP8: tl.constexpr):
 
 
 @triton.jit
+def tree_scores(qk, offs_t, keys, diag, off_b, Tree, Tree_start, Tree_n, HAS_TREE: tl.constexpr):
+    """qk [rows, keys] with the drafts a row's tree hides at -inf (a verify step, [Note] Tree masks in
+    api/validate_tree.py). Key j is draft u = j - diag (diag: the first draft's key, the prefix length);
+    token t sees draft u iff u == t, or u < t < n_b with bit (t, u) of request off_b's mask set (it starts at
+    Tree_start[b], rows of n_b = Tree_n[b]); keys before the drafts pass unchanged. Only bits that can count
+    are loaded, so a device mask never reads out of its request's matrix."""
+    if HAS_TREE:
+        n = tl.load(Tree_n + off_b)
+        u = keys[None, :] - diag
+        t = offs_t[:, None]
+        inside = (u >= 0) & (u < t) & (t < n)
+        bits = tl.load(Tree + tl.load(Tree_start + off_b) + t.to(tl.int64) * n + u, mask=inside, other=0)
+        qk = tl.where((u < 0) | (u == t) | (bits != 0), qk, float("-inf"))
+    return qk
+
+
+@triton.jit
 def quantize_e4m3(x, descale):
     """x (any float tile) as float8_e4m3fn with x ~ result * descale: x / descale (IEEE division), clamped
     to +-E4M3_MAX (an unclamped cast of 1000 gives no 448), rounded to nearest even in fp32 arithmetic and

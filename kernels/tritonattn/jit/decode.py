@@ -70,16 +70,13 @@ takes the masked loop, so the tail comes through the same pipeline; the masks co
 block, which long splits pay more often than the round trip they save, so long splits keep the two
 loops (where the crossover lies on Hopper: docs/perf-notes.md, Decode, "One loop for short splits").
 
-[Note] Empty KV splits. The split size is a fixed multiple of BLOCK_N computed from the allocated
-N_CACHE and num_splits, never from the current lengths (they live on the device). A split
-whose range starts at or past L_b runs no loop iteration and writes an empty partial (lse = -inf,
-weight 0 in the merge). A request whose splits are all empty (L_b = 0, no append) outputs zeros and
-LSE = +inf.
+[Note] Empty KV splits. The split size is a fixed multiple of BLOCK_N from the allocated N_CACHE and num_splits,
+never from the current lengths (on the device). A split starting at or past L_b runs no iteration and writes an
+empty partial (lse = -inf, weight 0); a request whose splits are all empty outputs zeros and LSE = +inf.
 
-[Note] Causal with seqlen_q > 1. Bottom-right aligned over the N_b keys: token t sees key j iff
-j <= t + N_b - M. With a full append (M_NEW = M) every cached key is visible to every token and only
-the new keys are masked (token t sees new keys 0..t); with a partial one or none, cached keys are masked too
-(the last M - M_NEW - 1 for token 0, one fewer for each later token).
+[Note] Causal with seqlen_q > 1. Bottom-right over the N_b keys: token t sees key j iff j <= t + N_b - M. With
+a full append (M_NEW = M) only the new keys are masked (token t sees new keys 0..t), with a partial one or none
+cached keys too. With HAS_TREE the last M keys are drafts masked by a tree (`tree_scores`), in the masked stages.
 
 [Note] Variants in decode. The prefill kernels' semantics (kernels/tritonattn/jit/common.py [Note] Key band), aligned
 bottom-right against each request's current length N_b: token t's diagonal key is t + N_b - M. Softcap
@@ -195,12 +192,10 @@ DECODE_PAGED_WAVE_MIN_BLOCKS in kernels/tritonattn/config/tables.py). Paged agai
 grid, its one point above 5% (P = 16 at D = 128, batch 1 x 16384) and the causes ruled out for it:
 docs/perf-notes.md, Paged decode.
 
-[Note] Bad block-table entries. A CPU block_table is checked on the host (ValueError for an entry
-outside [0, NUM_BLOCKS) among those the call uses). A device block_table cannot be checked without
-a sync, so the kernel guards it: for reads every entry is clamped into [0, NUM_BLOCKS) (a bad entry
-gives wrong results, never a read outside the pool), and an appended row whose entry lies outside
-the pool is dropped (never a write outside it, and -1 fillers past a request's pages, as
-PagedKVCache keeps, are never written through).
+[Note] Bad block-table entries. A CPU block_table is checked on the host (ValueError for an entry outside [0,
+NUM_BLOCKS) among those the call uses). A device one cannot be checked without a sync, so the kernel guards it:
+for reads every entry is clamped into [0, NUM_BLOCKS) (wrong results, never a read outside the pool), and an
+appended row whose entry lies outside the pool is dropped (-1 fillers, as PagedKVCache keeps, never written).
 """
 
 from __future__ import annotations
@@ -225,6 +220,7 @@ from .common import (
     quantize_counted,
     score_units,
     store_rows,
+    tree_scores,
     variant_scores,
     window_extent,
 )
@@ -334,6 +330,7 @@ def decode_kernel(
     KV_FP8: tl.constexpr = False, K_descale=None, stride_kds=None, stride_kdh=None, V_descale=None, stride_vds=None,
     stride_vdh=None,  # an FP8 cache's descales, see [Note] FP8 KV cache in jit/common.py
     Saturated=None,  # with an FP8 cache and an append: int64 (B, H_KV, 2), the clamped values counted
+    HAS_TREE: tl.constexpr = False, Tree=None, Tree_start=None, Tree_n=None,  # a verify step's draft tree
 ):
     tl.static_assert(not HAS_SEQUSED_K, "seqused_k counts packed keys; a cache has cache_seqlens")
     tl.static_assert(BLOCK_H >= 16 and BLOCK_N >= 16 and BLOCK_NEW >= 16, "tl.dot needs tiles of at least 16")
@@ -382,7 +379,9 @@ def decode_kernel(
     hi = tl.minimum(lo + SPLIT_N, seqlen)
     if HAS_WINDOW:  # nothing right of the last token's band
         hi = tl.minimum(hi, diag + M + right)
-    if IS_CAUSAL or HAS_WINDOW:
+    if HAS_TREE:  # the drafts are masked by the tree (tree_scores), the keys before them seen by every row
+        free_end = tl.minimum(hi, diag)
+    elif IS_CAUSAL or HAS_WINDOW:
         free_end = tl.minimum(hi, diag + right + 1)  # keys every row sees on the right
     else:
         free_end = hi
@@ -506,6 +505,7 @@ def decode_kernel(
                       True).to(q.dtype)
         qk = variant_scores(tl.dot(q, tl.trans(k)), offs_t, rows, hi, diag, left, right, cap_scale, slope, True,
                             IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
+        qk = tree_scores(qk, offs_t, rows, diag, off_b, Tree, Tree_start, Tree_n, HAS_TREE)
         p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, True)
         v_offs = kv_block_offsets(blocks, start_n, offs_n, stride_vb, stride_vn, PAGE_SIZE, PAGED, WIDE_PAGES, BLOCK_N)
         v = load_rows(v_head + v_offs[:, None] + offs_d[None, :], in_rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD,
@@ -519,6 +519,7 @@ def decode_kernel(
                 qk = variant_scores(tl.dot(q, tl.trans(kn0.to(q.dtype))), offs_t, seqlen + offs_u, n_total, diag, left,
                                     right, cap_scale, slope, True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
                                     HAS_ALIBI)  # [BLOCK_H, BLOCK_NEW]
+                qk = tree_scores(qk, offs_t, seqlen + offs_u, diag, off_b, Tree, Tree_start, Tree_n, HAS_TREE)
                 p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, True)
                 acc = tl.dot(p.to(q.dtype), vn0.to(q.dtype), acc)
                 if pid_rb == 0:  # one row block writes the cache
@@ -534,6 +535,7 @@ def decode_kernel(
                 qk = variant_scores(tl.dot(q, tl.trans(kn.to(q.dtype))), offs_t, seqlen + us, n_total, diag, left,
                                     right, cap_scale, slope, True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
                                     HAS_ALIBI)  # [BLOCK_H, BLOCK_NEW]
+                qk = tree_scores(qk, offs_t, seqlen + us, diag, off_b, Tree, Tree_start, Tree_n, HAS_TREE)
                 p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, True)
                 vn = load_rows(vn_head + us[:, None].to(tl.int64) * stride_vnm + offs_d[None, :],
                                us, M_NEW, offs_d, HEAD_DIM, HEAD_DIM_PAD, True)

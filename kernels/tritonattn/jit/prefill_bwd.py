@@ -150,11 +150,13 @@ def bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,
     HAS_SEQUSED_K: tl.constexpr, KV_FP8: tl.constexpr = False,  # no cache here: never on
+    HAS_TREE: tl.constexpr = False,  # a verify step's tree: decode only, never on here
     Alibi=None, stride_alibi_b=None, Sinks=None, Seqused_k=None,
     Cu_seqlens_q=None, Cu_seqlens_k=None, stride_lseh=None, IS_VARLEN: tl.constexpr = False,
     Rng=None, keep_threshold=None, dropout_scale=None, HAS_DROPOUT: tl.constexpr = False,
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
+    tl.static_assert(not HAS_TREE, "a tree mask is decode's")
     unit, cap_scale = score_units(softmax_scale, softcap, HAS_SOFTCAP)
     qk_scale = unit * LOG2E
     pid_n = tl.program_id(0)
@@ -314,11 +316,13 @@ def bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,
     HAS_SEQUSED_K: tl.constexpr, KV_FP8: tl.constexpr = False,  # no cache here: never on
+    HAS_TREE: tl.constexpr = False,  # a verify step's tree: decode only, never on here
     Alibi=None, stride_alibi_b=None, Sinks=None, Seqused_k=None,
     Cu_seqlens_q=None, Cu_seqlens_k=None, stride_lseh=None, IS_VARLEN: tl.constexpr = False,
     Rng=None, keep_threshold=None, dropout_scale=None, HAS_DROPOUT: tl.constexpr = False,
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
+    tl.static_assert(not HAS_TREE, "a tree mask is decode's")
     unit, cap_scale = score_units(softmax_scale, softcap, HAS_SOFTCAP)
     qk_scale = unit * LOG2E
     pid_m, pid_bh, off_b, off_h, off_hk = query_block(H, GROUP, IS_CAUSAL)

@@ -240,12 +240,14 @@ def fwd_kernel(
     KV_FP8: tl.constexpr = False, K_descale=None, stride_kds=None, stride_kdh=None, V_descale=None, stride_vds=None,
     stride_vdh=None,  # FP8 K/V (a cache, or the FP8 forward's): [Note] FP8 KV cache, FP8 forward in jit/common.py
     Q_descale=None, stride_qds=None, stride_qdh=None,  # the FP8 forward's (an e4m3 Q)
+    HAS_TREE: tl.constexpr = False,  # a verify step's tree: the decode kernel's, never on here
 ):
     Q_FP8: tl.constexpr = Q.dtype.element_ty == tl.float8e4nv  # the FP8 forward: q, k, v all e4m3
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
     tl.static_assert(IS_KVCACHE or Q_FP8 or not KV_FP8, "FP8 K/V: a cache, or the FP8 forward")
     tl.static_assert(not Q_FP8 or (KV_FP8 and not IS_KVCACHE and not HAS_DROPOUT), "the FP8 forward: dense/packed")
     tl.static_assert(not (KV_FP8 and USE_TMA), "FP8 K/V are read through pointers")
+    tl.static_assert(not HAS_TREE, "a tree mask is decode's")
     tl.static_assert(not (HAS_DROPOUT and IS_KVCACHE), "dropout is a training option: no cache mode")
     tl.static_assert(IS_VARLEN or not HAS_SEQUSED_K, "seqused_k counts the keys of packed sequences")
     # -- which query block and head (off_hk: the KV head this query head reads) ----------------
@@ -430,13 +432,14 @@ def dropout_probs_kernel(
     HAS_SEQUSED_K: tl.constexpr,
     Alibi=None, stride_alibi_b=None, Sinks=None, Seqused_k=None,
     Cu_seqlens_q=None, Cu_seqlens_k=None, IS_VARLEN: tl.constexpr = False, KV_FP8: tl.constexpr = False,
+    HAS_TREE: tl.constexpr = False,
 ):
     """flash-attn's S_dmask, a testing aid: S[b, h, i, j] = exp(s_ij - max_j' s_ij') for the keys row i
     sees (s = the scores as the softmax sees them: scaled, softcapped, with ALiBi; a sink takes no
     part), negated where dropout drops the pair (the forward's own bits, see [Note] Dropout), 0 at keys
     the row does not see. Two passes over the keys (row max, then the values), through masked
     pointers: no speed is asked of it."""
-    tl.static_assert(not KV_FP8, "an FP8 KV cache has no dropout probabilities")
+    tl.static_assert(not KV_FP8 and not HAS_TREE, "no cache, no tree here")
     unit, cap_scale = score_units(softmax_scale, softcap, HAS_SOFTCAP)
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)

@@ -183,6 +183,7 @@ def fwd_kernel_sm90_ws(
     IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
     HAS_SINKS: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,  # dense inputs only: never on here
     KV_FP8: gl.constexpr = False,  # no cache here: never on
+    HAS_TREE: gl.constexpr = False,  # decode's: never on here
     Alibi=None, stride_alibi_b=None, Sinks=None,
     NUM_STAGES: gl.constexpr = 2,
 ):
@@ -190,6 +191,7 @@ def fwd_kernel_sm90_ws(
     (the kernel's 4 warps and a 4-warp worker) that alternate on the tensor cores, and a loader warp."""
     gl.static_assert(HEAD_DIM == HEAD_DIM_PAD, "descriptor tiles cover the head dim exactly")
     gl.static_assert(not KV_FP8, "an FP8 KV cache is read by the cache mode of fwd_kernel")
+    gl.static_assert(not HAS_TREE, "a tree mask is decode's")
     gl.static_assert(gl.num_warps() == 4, "the default partition is one consumer warpgroup")
     ROWS: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = Q.dtype.element_ty

@@ -281,11 +281,13 @@ def launch_kvcache(
     descales = ()  # an FP8 cache's descales (and counter) are pointers Triton specialises on
     if options.kv_fp8:
         descales = (aligned_bits(tensors["K_descale"], tensors["V_descale"], tensors.get("Saturated", q)),)
+    if options.tree:  # the tree mask's tensors likewise
+        descales += (aligned_bits(tensors["Tree"], tensors["Tree_start"], tensors["Tree_n"]),)
     if sig is None:
         sig = signature(q, k_cache, v_cache, k, v, block_table)
     target = device_target(device)
-    if batch > 0 and num_splits == 0 and chunked_prefill_pays(batch, seqlen_q, nheads, head_dim, q.dtype,
-                                                               options.causal, target):
+    if batch > 0 and num_splits == 0 and not options.tree and chunked_prefill_pays(
+            batch, seqlen_q, nheads, head_dim, q.dtype, options.causal, target):  # a tree: the decode kernel
         # Kernels specialise on shapes and strides (sig) and on 16-byte pointer alignment; the table
         # on the device may be a copy of the caller's, with its own stride.
         key = (sig, aligned_bits(q, k_cache, v_cache, k if append else q, v if append else q, cache_seqlens,

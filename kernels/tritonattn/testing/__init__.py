@@ -15,7 +15,7 @@ from .reference import (
     sdpa_supports_enable_gqa,
     window_mask,
 )
-from .requests import per_request_references, references
+from .requests import per_request_references, references, tree_attn_mask
 from .tolerance import (
     AGREEMENT,
     ATOL_FLOOR,
@@ -44,7 +44,8 @@ from .tolerance import (
 __all__ = [
     "attention_ref", "attention_fp8_ref", "attention_padded_keys_ref", "attention_sdpa", "sdpa_supports_enable_gqa",
     "causal_mask", "window_mask", "rotary_ref", "quantize_e4m3_ref", "dequantize_ref", "references",
-    "per_request_references", "rel_err", "error_bound", "check_close", "agreement_tolerance", "lse_tolerance",
+    "per_request_references", "tree_attn_mask", "rel_err", "error_bound", "check_close", "agreement_tolerance",
+    "lse_tolerance",
     "check_lse", "check_dsinks", "FWD_FACTOR", "GRAD_FACTOR", "ATOL_FLOOR", "FP32_RTOL", "FP32_GRAD_RTOL",
     "FP8_KV_RTOL", "FP8_PREFILL_RTOL", "FP8_PREFILL_OUTLIER_RTOL", "FA3_FP8_RMSE", "FP8_KV_OUTLIER_RTOL", "AGREEMENT",
     "FP32_AGREEMENT", "LSE_ATOL", "LSE_FP32_GPU", "ZERO_RMS",

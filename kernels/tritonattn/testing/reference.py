@@ -54,6 +54,7 @@ def attention_ref(
     alibi_slopes: Optional[torch.Tensor] = None,
     sinks: Optional[torch.Tensor] = None,
     upcast: bool = True,
+    attn_mask: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Reference attention over (batch, seqlen, heads, headdim) tensors; returns (out, lse).
 
@@ -64,6 +65,8 @@ def attention_ref(
     key_leftpad (batch,): keys before each batch entry's start are masked too (flash_attn_with_kvcache's
     cache_leftpad, its keys rows [key_leftpad[b], seqlen_k) of k); the causal diagonal does not move:
     query t of batch entry b sees key j iff key_leftpad[b] <= j <= t + seqlen_k - seqlen_q.
+    attn_mask (batch, seqlen_q, seqlen_k) bool, True = seen: ANDed with the masks above (a verify step's tree
+    mask, materialised over all keys).
     dropout_mask (batch, heads, seqlen_q, seqlen_k) bool, True = kept: the probabilities are masked and
     the kept ones scaled by 1 / (1 - dropout_p) before the product with v (the lse is not affected).
 
@@ -105,6 +108,8 @@ def attention_ref(
     if key_leftpad is not None:
         starts = key_leftpad.to(q.device).view(batch, 1, 1, 1)
         visible = visible & (torch.arange(seqlen_k, device=q.device).view(1, 1, 1, -1) >= starts)
+    if attn_mask is not None:
+        visible = visible & attn_mask.to(q.device)[:, None]
     scores = scores.masked_fill(~visible, float("-inf"))
     if sinks is not None:  # one more column per row: the sink's logit, which weighs no value
         sink = sinks.to(device=q.device, dtype=scores.dtype).view(1, nheads, 1, 1).expand(batch, nheads, seqlen_q, 1)
