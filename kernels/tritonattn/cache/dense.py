@@ -37,6 +37,7 @@ from ..config.options import FP8_SCALE_HEADROOM, KV_FP8_DTYPES
 from ..errors import InputError, InputTypeError
 from ..launch.operands import empty_aligned
 from .fp8 import FP8Scales
+from .speculative import accepted_moves, check_tree_step, move_rows, truncated_lengths
 
 NO_WINDOW = (-1, -1)  # flash-attn's window_size for none
 
@@ -129,6 +130,7 @@ class KVCache:
         self._host = np.zeros(int(batch), dtype=np.int64)
         self.batch, self.max_seqlen, self.nheads_k, self.head_dim = shape
         self.dtype, self.device = dtype, device
+        self._drafts = None  # the last decode's draft count when it verified a tree (for accept)
 
     # -- an FP8 cache's scales (None for a 16-bit cache) -------------------------------------------
     @property
@@ -201,6 +203,7 @@ class KVCache:
         index = self._indices(batch_idx)
         self._host[self._host_index(index)] = 0
         self._seqlens[index] = 0
+        self._drafts = None
         if self._fp8 is not None:
             self._fp8.reset(index)
 
@@ -279,11 +282,14 @@ class KVCache:
     def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
                softmax_scale: Optional[float] = None, num_splits: int = 0, window_size=NO_WINDOW,
                softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None,
-               sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+               sinks: Optional[torch.Tensor] = None, tree_mask: Optional[torch.Tensor] = None,
+               tree_cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One decode step for the whole batch: append k/v (batch, seqlen_q, nheads_k, head_dim) at
         each request's length, attend q (batch, seqlen_q, nheads, head_dim) over the cache (with the
         variants given, as flash_attn_with_kvcache takes them), advance the lengths by seqlen_q
-        (device tensor in place, no host sync; host mirror). Returns out."""
+        (device tensor in place, no host sync; host mirror). Returns out. With tree_mask (and
+        tree_cu_seqlens), a speculative-decoding verify step over a draft tree, as flash_attn_with_kvcache
+        takes it; `accept` then keeps one path."""
         if not isinstance(q, torch.Tensor) or q.dim() != 4:
             raise InputError("Expected q of shape (batch, seqlen_q, nheads, head_dim).")
         if k is None or v is None:
@@ -293,10 +299,42 @@ class KVCache:
         if int(self._host.max()) + seqlen_q > self.max_seqlen:
             check_host_lengths(self._host, seqlen_q, self.max_seqlen)
         fp8 = {} if self._fp8 is None else self._fp8.call_args(slice(0, self.batch))  # views: counts in place
+        tree = {} if tree_mask is None else dict(tree_mask=tree_mask, tree_cu_seqlens=tree_cu_seqlens)
         out = flash_attn_with_kvcache(q, self.k_cache, self.v_cache, k, v, cache_seqlens=self._seqlens,
                                       softmax_scale=softmax_scale, causal=causal, num_splits=num_splits,
                                       window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                                      sinks=sinks, **fp8)
+                                      sinks=sinks, **fp8, **tree)
         self._seqlens += seqlen_q
         self._host += seqlen_q
+        self._drafts = seqlen_q if tree else None
         return out
+
+    @eager_only
+    def truncate(self, lengths) -> None:
+        """Shorten requests to `lengths` (an int for all, or a (batch,) sequence / int tensor; a request already
+        shorter keeps its length): the rows past them are forgotten, nothing moves (e.g. a draft model dropping its
+        rejected tokens). A device tensor is applied on the device with no host sync; the host mirror then keeps
+        the old lengths, an upper bound, until `refresh_host_seqlens`."""
+        new = truncated_lengths(lengths, self._seqlens)
+        self._seqlens.copy_(torch.minimum(self._seqlens, new))
+        if not isinstance(lengths, torch.Tensor) or lengths.device.type == "cpu":
+            host = lengths.numpy() if isinstance(lengths, torch.Tensor) else np.asarray(lengths)
+            self._host = np.minimum(self._host, np.broadcast_to(host, self._host.shape)).astype(np.int64)
+        self._drafts = None
+
+    @eager_only
+    def accept(self, accepted: torch.Tensor) -> None:
+        """After a verify step (decode with tree_mask): keep each request's accepted drafts. accepted: integer
+        (batch, A), row b request b's accepted draft indices in tree order (increasing), then -1s (none: all
+        -1). Draft a_i's K/V move to position prefix + i and the length becomes prefix + (accepted count), on
+        the device with no host sync (a device `accepted` is trusted and clamped; a host one is checked, and the
+        host mirror follows it; after a device one the mirror keeps prefix + drafts, an upper bound, until
+        `refresh_host_seqlens`). See cache/speculative.py."""
+        drafts = check_tree_step(self._drafts)
+        src, dst, lengths = accepted_moves(accepted, drafts, self._seqlens, self.max_seqlen)
+        rows = torch.arange(self.batch, device=self.device)[:, None].expand_as(src)
+        move_rows((self.k_cache, self.v_cache), (rows, src), (rows, dst))
+        self._seqlens.copy_(lengths)
+        if accepted.device.type == "cpu":  # the new lengths are host-known: the mirror follows, no sync
+            self._host = self._host - drafts + (accepted >= 0).sum(1).numpy().astype(np.int64)
+        self._drafts = None

@@ -26,6 +26,7 @@ from ..errors import InputError, InputTypeError
 from ..launch.operands import empty_aligned
 from .dense import NO_WINDOW, cache_dtype, check_input_dtype, check_one_key_per_query, eager_only
 from .fp8 import FP8Scales
+from .speculative import accepted_moves, check_tree_step, move_rows, truncated_lengths
 
 
 # ============================================================================================
@@ -131,6 +132,8 @@ class PagedKVCache:
         self._first = np.zeros(self.max_batch, dtype=np.int64)  # its first page still held (sliding_window)
         self._active = np.zeros(self.max_batch, dtype=bool)
         self._free = list(range(self.num_blocks - 1, -1, -1))  # pop() from the end: block 0 first
+        self._tree = None  # (slots, drafts) of the last decode when it verified a tree (for accept)
+        self._shrunk = set()  # slots an accept shortened: their spare pages go back at the next refresh
 
     # -- state ------------------------------------------------------------------------------------
     @property
@@ -182,9 +185,26 @@ class PagedKVCache:
 
     @eager_only
     def refresh_host_seqlens(self) -> list:
-        """Copy the device lengths to the host mirror (one sync), e.g. after CUDA-graph replays."""
+        """Copy the device lengths to the host mirror (one sync), e.g. after CUDA-graph replays; the pages an
+        `accept` left past a request's length return to the pool."""
         self._host_len = self._seqlens.cpu().numpy().astype(np.int64)
+        self._release_spare(sorted(self._shrunk))
         return self.seqlens
+
+    def _release_spare(self, slots) -> None:
+        """Return the pages past each slot's (host-known) length to the pool, e.g. after accept or truncate."""
+        rows = []
+        for s in slots:
+            keep = max(-(-int(self._host_len[s]) // self.page_size), int(self._first[s]))
+            if self._active[s] and keep < self._npages[s]:
+                self._free.extend(reversed(self._host_table[s, keep: self._npages[s]].tolist()))
+                self._host_table[s, keep:] = -1
+                self._npages[s] = keep
+                rows.append(np.concatenate([[s], self._host_table[s]]))
+        self._shrunk.difference_update(slots)
+        if rows:
+            update = torch.from_numpy(np.stack(rows).astype(np.int32)).to(self.device)
+            self.block_table.index_copy_(0, update[:, 0].long(), update[:, 1:])
 
     # -- requests ---------------------------------------------------------------------------------
     @eager_only
@@ -210,6 +230,8 @@ class PagedKVCache:
         self._active[slot] = False
         self.block_table[slot] = -1
         self._seqlens[slot] = 0
+        self._shrunk.discard(slot)
+        self._tree = None
         if self._fp8 is not None:
             self._fp8.reset(slot)
 
@@ -431,14 +453,17 @@ class PagedKVCache:
     @eager_only
     def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, slots=None, causal: bool = True,
                softmax_scale: Optional[float] = None, num_splits: int = 0, window_size=None, softcap: float = 0.0,
-               alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+               alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None,
+               tree_mask: Optional[torch.Tensor] = None,
+               tree_cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One decode step for a batch of requests (default: every active slot, ascending; q's batch
         order is the slots' order): take the pages the new tokens need, append k/v (n, seqlen_q,
         nheads_k, head_dim) at each request's length through the kernel's fused append, attend q
         (n, seqlen_q, nheads, head_dim) over the cache with the variants given (as
         flash_attn_with_kvcache takes them; window_size None: the cache's sliding window), advance the
         lengths by seqlen_q (device tensor in place, no host sync; host mirror). Returns out (n,
-        seqlen_q, nheads, head_dim)."""
+        seqlen_q, nheads, head_dim). With tree_mask (and tree_cu_seqlens) a speculative-decoding verify step
+        over a draft tree, as flash_attn_with_kvcache takes it; `accept` then keeps one path."""
         slots = self._slots(slots)
         if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[0] != len(slots):
             raise InputError(f"Expected q of shape ({len(slots)}, seqlen_q, nheads, head_dim) for slots {slots}, got "
@@ -452,7 +477,8 @@ class PagedKVCache:
         fp8 = {} if self._fp8 is None else self._fp8.call_args(index)
         call = attention_call(q.shape[3], softmax_scale, causal, self._window(window_size, causal), softcap,
                               alibi_slopes, sinks, seqlen_k=self.max_seqlen, batch=len(slots), nheads=q.shape[2],
-                              device=q.device, kv_fp8=kv_fp8, nheads_k=self.nheads_k, **fp8)
+                              device=q.device, kv_fp8=kv_fp8, nheads_k=self.nheads_k, **fp8, tree_mask=tree_mask,
+                              tree_cu_seqlens=tree_cu_seqlens, seqlen_q=q.shape[1])
         validate_num_splits(num_splits)
         seqlen_q = q.shape[1]
         self._reserve(slots, seqlen_q)
@@ -463,4 +489,46 @@ class PagedKVCache:
         self._seqlens[index] += seqlen_q
         self._host_len[slots] += seqlen_q
         self._release_before_window(slots)
+        self._tree = None if tree_mask is None else (slots, seqlen_q)
         return out
+
+    @eager_only
+    def truncate(self, lengths, *, slots=None) -> None:
+        """Shorten the requests of `slots` (default: every active slot, ascending) to `lengths` (an int, or one
+        per slot; a request already shorter keeps its length): nothing moves, the pages past the new lengths
+        return to the pool at the next `refresh_host_seqlens` (immediately when the lengths are host-known)."""
+        slots = self._slots(slots)
+        index = self._index(slots)
+        new = truncated_lengths(lengths, self._seqlens[index])
+        self._seqlens[index] = torch.minimum(self._seqlens[index], new)
+        self._shrunk.update(slots)
+        self._tree = None
+        if not isinstance(lengths, torch.Tensor) or lengths.device.type == "cpu":
+            host = lengths.numpy() if isinstance(lengths, torch.Tensor) else np.asarray(lengths)
+            self._host_len[slots] = np.minimum(self._host_len[slots], np.broadcast_to(host, (len(slots),)))
+            self._release_spare(slots)
+
+    @eager_only
+    def accept(self, accepted: torch.Tensor) -> None:
+        """After a verify step (decode with tree_mask) of slots S: keep each request's accepted drafts. accepted:
+        integer (len(S), A), row i slot S[i]'s accepted draft indices in tree order (increasing), then -1s.
+        Draft a_i's K/V move to position prefix + i through the block table and the length becomes prefix +
+        (accepted count), on the device with no host sync (a device `accepted` is trusted and clamped; a host
+        one is checked, and then the host mirror follows and the pages past the new lengths return to the pool at
+        once; after a device one the mirror keeps prefix + drafts until `refresh_host_seqlens`, which returns
+        them). See cache/speculative.py."""
+        slots, drafts = self._tree or (None, check_tree_step(None))  # the verify step's slots and draft count
+        index = self._index(slots)
+        src, dst, lengths = accepted_moves(accepted, drafts, self._seqlens[index], self.max_seqlen)
+        table = self.block_table[index].long()
+
+        def rows(pos):  # logical positions -> rows of the pool seen as (num_blocks * page_size, ...)
+            page = table.gather(1, pos // self.page_size).clamp(0, self.num_blocks - 1)
+            return (page * self.page_size + pos % self.page_size,)
+        move_rows((self.k_cache.flatten(0, 1), self.v_cache.flatten(0, 1)), rows(src), rows(dst))
+        self._seqlens[index] = lengths
+        self._shrunk.update(slots)
+        self._tree = None
+        if accepted.device.type == "cpu":  # host-known lengths: the mirror follows and spare pages go back now
+            self._host_len[slots] += (accepted >= 0).sum(1).numpy().astype(np.int64) - drafts
+            self._release_spare(slots)
