@@ -1,0 +1,16 @@
+"""Context parallelism over torch.distributed: one sequence's attention split across ranks (ring-flash-attn's
+functions and sharding conventions, on this library's kernels). `ring.py` passes K/V around a ring of ranks;
+`blocks.py` reduces each (query chunk, key chunk) pair to one kernel call with its mask in global positions;
+`comm.py` posts the transfers. Any backend (NCCL on GPUs, gloo on CPU)."""
+
+from .ring import (
+    LAYOUTS,
+    context_parallel_attention,
+    ring_flash_attn_func,
+    shard,
+    unshard,
+    zigzag_ring_flash_attn_func,
+)
+
+__all__ = ["LAYOUTS", "context_parallel_attention", "ring_flash_attn_func", "zigzag_ring_flash_attn_func", "shard",
+           "unshard"]

@@ -1,0 +1,174 @@
+"""Context-parallel attention (tritonattn.parallel) with real process groups: gloo on CPU (under the interpreter),
+2 and 4 ranks spawned once per world size for the whole module, process groups with a 60 s timeout so that a
+bug fails instead of hanging.
+
+Every rank draws the same whole sequence, runs one single-process `flash_attn_func` on it (the reference the
+shards must reproduce), and its shard through each layout, causal or not, with sliding windows in global
+positions, GQA and MQA: output, LSE and all three gradients of its shard against the same shard of the
+reference's, within the agreement tolerance of two kernel paths on the same data.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from helpers import ON_GPU
+from tritonattn.testing import agreement_tolerance, lse_tolerance, rel_err
+
+CASES = {  # name: (layout, causal, window_size, nheads, nheads_k, dtype)
+    f"{layout} {mask} {heads} {dtype}": (layout, causal, window, *heads_kv, dtype)
+    for layout in ("ring", "zigzag")
+    for mask, (causal, window) in {"full": (False, (-1, -1)), "causal": (True, (-1, -1)),
+                                   "causal window 9": (True, (9, 0)), "window (5, 7)": (False, (5, 7))}.items()
+    for heads, heads_kv in {"gqa": (4, 2), "mqa": (4, 1)}.items()
+    for dtype in ("float32", "float16")
+    if heads == "gqa" or mask == "causal"
+}
+CHUNK, HEAD_DIM = 8, 32  # tokens per chunk: a zigzag shard holds two
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_cases(rank: int, world: int, port: int, results) -> None:
+    """One rank: every case against the single-process reference; puts (rank, {case: errors or a traceback})."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    from tritonattn import flash_attn_func
+    from tritonattn.parallel import context_parallel_attention, shard
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    out = {}
+    for name, (layout, causal, window, nheads, nheads_k, dtype) in CASES.items():
+        try:
+            dtype = getattr(torch, dtype)
+            seqlen = CHUNK * world * (2 if layout == "zigzag" else 1)
+            g = torch.Generator().manual_seed(0)
+            q, k, v, dout = (torch.randn(1, seqlen, h, HEAD_DIM, generator=g).to(dtype)
+                             for h in (nheads, nheads_k, nheads_k, nheads))
+            whole = [t.clone().requires_grad_() for t in (q, k, v)]
+            ref, ref_lse = flash_attn_func(*whole, causal=causal, window_size=window, return_softmax_lse=True)
+            ref.backward(dout)
+            mine = [shard(t, layout, rank, world).clone().requires_grad_() for t in (q, k, v)]
+            res, lse, _ = context_parallel_attention(*mine, causal=causal, window_size=window, return_attn_probs=True,
+                                                     layout=layout)
+            res.backward(shard(dout, layout, rank, world))
+            out[name] = {
+                "out": rel_err(res, shard(ref, layout, rank, world)),
+                "lse": (lse - shard(ref_lse, layout, rank, world, dim=2)).abs().max().item(),
+                **{f"d{n}": rel_err(t.grad, shard(w.grad, layout, rank, world)) for n, t, w in zip("qkv", mine, whole)},
+            }
+        except Exception:  # reported by the test of that case, on every rank
+            out[name] = traceback.format_exc()
+    bad = {  # name: keyword arguments of a call that must be refused on every rank, before any transfer
+        "seqlen": {},  # k and v shorter than q, below
+        "dropout": dict(dropout_p=0.1),
+        "alibi": dict(alibi_slopes=torch.ones(2)),
+        "layout": dict(layout="stripes"),
+    }
+    for name, kw in bad.items():
+        args = dict(q=torch.randn(1, 2 * CHUNK, 2, HEAD_DIM), k=torch.randn(1, 2 * CHUNK, 2, HEAD_DIM),
+                    v=torch.randn(1, 2 * CHUNK, 2, HEAD_DIM))
+        args.update(kw)
+        if name == "seqlen":
+            args["k"] = args["v"] = torch.randn(1, 7, 2, HEAD_DIM)
+        try:
+            context_parallel_attention(**args)
+            out[f"bad {name}"] = "not refused"
+        except Exception as e:  # noqa: BLE001  (the message is the result)
+            out[f"bad {name}"] = f"{type(e).__name__}: {e}"
+    results.put((rank, out))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
+def ranks(request):
+    """{rank: {case: errors}} of one spawned world of gloo ranks."""
+    world = request.param
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_run_cases, args=(r, world, port, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(results.get(timeout=280) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return got
+
+
+@pytest.mark.skipif(ON_GPU, reason="gloo ranks on CPU under the interpreter (the GPU runs world size 1 with NCCL)")
+@pytest.mark.parametrize("case", list(CASES))
+def test_shards_equal_the_single_process_attention(ranks, case):
+    dtype = getattr(torch, CASES[case][-1])
+    tol = agreement_tolerance(dtype)
+    atol, _ = lse_tolerance(dtype)
+    for rank, cases in sorted(ranks.items()):
+        errors = cases[case]
+        assert not isinstance(errors, str), f"rank {rank}:\n{errors}"
+        assert errors["lse"] <= atol, (rank, errors)
+        for name in ("out", "dq", "dk", "dv"):
+            assert errors[name] <= tol * (3 if name != "out" else 1), (rank, name, errors)
+
+
+BAD = {"seqlen": "InputError: Expected q, k and v shards of one length divisible into",
+       "dropout": "NotImplementedError: Dropout in context-parallel attention",
+       "alibi": "NotImplementedError: ALiBi in context-parallel attention",
+       "layout": "InputError: Expected a layout in"}
+
+
+@pytest.mark.skipif(ON_GPU, reason="gloo ranks on CPU under the interpreter")
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_input_is_refused_on_every_rank(ranks, name):
+    for rank, cases in sorted(ranks.items()):
+        assert cases[f"bad {name}"].startswith(BAD[name]), (rank, cases[f"bad {name}"])
+
+
+def test_uninitialised_distributed_is_refused():
+    from tritonattn.parallel import ring_flash_attn_func
+
+    if dist.is_available() and dist.is_initialized():
+        pytest.skip("a process group is initialised in this process")
+    q = torch.randn(1, 8, 2, HEAD_DIM)
+    with pytest.raises(ValueError, match="needs torch.distributed initialised"):
+        ring_flash_attn_func(q, q, q)
+
+
+def test_block_calls_are_the_global_masks():
+    """Every (query chunk, key chunk) pair's call (rows, keys, window on that corner, bottom-right) sees
+    exactly the keys the global mask lets each query see: causal or not, windows on either side."""
+    import itertools
+
+    from tritonattn.parallel.blocks import block_call
+    from tritonattn.testing import window_mask
+
+    for chunk, a, b in itertools.product((1, 3, 8), range(4), range(4)):
+        for left, right, causal in itertools.product((-1, 0, 1, 2, 5, 9, 20), (-1, 0, 1, 3, 9, 20), (False, True)):
+            gi = torch.arange(chunk)[:, None] + a * chunk
+            gj = torch.arange(chunk)[None, :] + b * chunk
+            r = (0 if right < 0 else min(right, 0)) if causal else right
+            want = torch.ones(chunk, chunk, dtype=torch.bool)
+            if left >= 0:
+                want &= gj >= gi - left
+            if r >= 0:
+                want &= gj <= gi + r
+            call = block_call(a, b, chunk, (left, right), causal)
+            got = torch.zeros(chunk, chunk, dtype=torch.bool)
+            if call is not None:
+                got[: call.rows, : call.keys] = window_mask(call.rows, call.keys, call.window)
+            assert torch.equal(got, want), (chunk, a, b, left, right, causal, call)
