@@ -11,6 +11,7 @@ reference's, within the agreement tolerance of two kernel paths on the same data
 from __future__ import annotations
 
 import datetime
+import itertools
 import os
 import socket
 import traceback
@@ -25,7 +26,7 @@ from tritonattn.testing import agreement_tolerance, lse_tolerance, rel_err
 
 CASES = {  # name: (layout, causal, window_size, nheads, nheads_k, dtype)
     f"{layout} {mask} {heads} {dtype}": (layout, causal, window, *heads_kv, dtype)
-    for layout in ("ring", "zigzag")
+    for layout in ("ring", "zigzag", "stripe")
     for mask, (causal, window) in {"full": (False, (-1, -1)), "causal": (True, (-1, -1)),
                                    "causal window 9": (True, (9, 0)), "window (5, 7)": (False, (5, 7))}.items()
     for heads, heads_kv in {"gqa": (4, 2), "mqa": (4, 1)}.items()
@@ -150,25 +151,38 @@ def test_uninitialised_distributed_is_refused():
 
 
 def test_block_calls_are_the_global_masks():
-    """Every (query chunk, key chunk) pair's call (rows, keys, window on that corner, bottom-right) sees
-    exactly the keys the global mask lets each query see: causal or not, windows on either side."""
+    """Every pair's call (rows, keys, window on that corner, bottom-right) sees exactly the keys the global mask
+    lets each query see: contiguous chunks and stripes, causal or not, windows on either side."""
     import itertools
 
     from tritonattn.parallel.blocks import block_call
     from tritonattn.testing import window_mask
 
-    for chunk, a, b in itertools.product((1, 3, 8), range(4), range(4)):
+    pairs = [(a * c, b * c, 1, c) for c in (1, 3, 8) for a, b in itertools.product(range(4), range(4))]
+    pairs += [(r, s, w, c) for w in (2, 3, 4) for r, s in itertools.product(range(w), range(w)) for c in (1, 5)]
+    for q_start, k_start, step, chunk in pairs:
         for left, right, causal in itertools.product((-1, 0, 1, 2, 5, 9, 20), (-1, 0, 1, 3, 9, 20), (False, True)):
-            gi = torch.arange(chunk)[:, None] + a * chunk
-            gj = torch.arange(chunk)[None, :] + b * chunk
+            gi = torch.arange(chunk)[:, None] * step + q_start
+            gj = torch.arange(chunk)[None, :] * step + k_start
             r = (0 if right < 0 else min(right, 0)) if causal else right
             want = torch.ones(chunk, chunk, dtype=torch.bool)
             if left >= 0:
                 want &= gj >= gi - left
             if r >= 0:
                 want &= gj <= gi + r
-            call = block_call(a, b, chunk, (left, right), causal)
+            call = block_call(q_start, k_start, step, chunk, (left, right), causal)
             got = torch.zeros(chunk, chunk, dtype=torch.bool)
             if call is not None:
                 got[: call.rows, : call.keys] = window_mask(call.rows, call.keys, call.window)
-            assert torch.equal(got, want), (chunk, a, b, left, right, causal, call)
+            assert torch.equal(got, want), (q_start, k_start, step, chunk, left, right, causal, call)
+
+
+def test_shard_and_unshard_are_inverse():
+    from tritonattn.parallel import LAYOUTS, shard, unshard
+
+    x = torch.arange(2 * 24 * 3).reshape(2, 24, 3)
+    for layout, world in itertools.product(LAYOUTS, (1, 2, 3, 4)):
+        shards = [shard(x, layout, r, world) for r in range(world)]
+        assert sorted(torch.cat(shards, dim=1)[0, :, 0].tolist()) == x[0, :, 0].tolist()
+        assert torch.equal(unshard(shards, layout), x), (layout, world)
+    assert shard(x, "stripe", 1, 4)[0, :, 0].tolist() == [3 * i for i in range(1, 24, 4)]

@@ -8,9 +8,10 @@ from .ring import (
     context_parallel_attention,
     ring_flash_attn_func,
     shard,
+    stripe_flash_attn_func,
     unshard,
     zigzag_ring_flash_attn_func,
 )
 
-__all__ = ["LAYOUTS", "context_parallel_attention", "ring_flash_attn_func", "zigzag_ring_flash_attn_func", "shard",
-           "unshard"]
+__all__ = ["LAYOUTS", "context_parallel_attention", "ring_flash_attn_func", "zigzag_ring_flash_attn_func",
+           "stripe_flash_attn_func", "shard", "unshard"]

@@ -1,11 +1,12 @@
 """Context-parallel attention over a ring of ranks, forward and backward (ring-flash-attn's functions and
 sharding conventions).
 
-Each rank holds a shard of one sequence's q, k and v: chunks of it, by a layout (`LAYOUTS`): "ring", chunk
-`rank` of `world`; "zigzag", chunks `rank` and `2 * world - 1 - rank` of `2 * world` (each rank then does the
-same causal work). K and V travel around the ring: at step t a rank holds the K/V shard of rank
-`(rank - t) % world`, posts the next transfer before it computes (so the two overlap), and attends its
-queries to the visiting keys chunk pair by chunk pair, each pair reduced to a call of the kernels by
+Each rank holds a shard of one sequence's q, k and v, by a layout (`LAYOUTS`): "ring", chunk `rank` of
+`world`; "zigzag", chunks `rank` and `2 * world - 1 - rank` of `2 * world` (each rank then does the same
+causal work); "stripe", tokens rank, rank + world, rank + 2 * world, ... (likewise balanced). K and V
+travel around the ring: at step t a rank holds the K/V shard of rank `(rank - t) % world`, posts the next
+transfer before it computes (so the two overlap), and attends its queries to the visiting keys chunk pair
+by chunk pair, each pair reduced to a call of the kernels by
 `blocks.block_call` (masks and windows in global positions; pairs no query sees are skipped). The partial
 outputs are written by the kernels in float32 and merged by log-sum-exp in float32, never rounded per
 step. The backward walks the same ring: dQ stays and accumulates in float32, the dK/dV sums travel with
@@ -32,16 +33,25 @@ from ..launch.prefill import launch_prefill
 from .blocks import block_call
 from .comm import Ring
 
-LAYOUTS = ("ring", "zigzag")
+LAYOUTS = ("ring", "zigzag", "stripe")
 
 
 def layout_chunks(layout: str, rank: int, world: int) -> List[int]:
-    """The global chunk indices rank `rank` holds, in local order."""
+    """The global chunk indices rank `rank` holds, in local order ("stripe": one, its stripe)."""
     if layout == "ring":
         return [rank]
     if layout == "zigzag":
         return [rank, 2 * world - 1 - rank]
+    if layout == "stripe":
+        return [rank]
     raise InputError(f"Expected a layout in {LAYOUTS}, got {layout!r}.")
+
+
+def _starts(layout: str, chunk_index: int, chunk: int, world: int) -> Tuple[int, int]:
+    """(global position of the chunk's first token, step between its tokens)."""
+    if layout == "stripe":  # rank r's stripe: tokens r, r + world, r + 2 * world, ...
+        return chunk_index, world
+    return chunk_index * chunk, 1
 
 
 def _pairs(layout: str, rank: int, src: int, world: int, chunk: int, options: AttnOptions):
@@ -50,7 +60,8 @@ def _pairs(layout: str, rank: int, src: int, world: int, chunk: int, options: At
     window = (options.window_left, options.window_right)
     for qi, a in enumerate(layout_chunks(layout, rank, world)):
         for ki, b in enumerate(layout_chunks(layout, src, world)):
-            call = block_call(a, b, chunk, window, options.causal)
+            (q_start, step), (k_start, _) = _starts(layout, a, chunk, world), _starts(layout, b, chunk, world)
+            call = block_call(q_start, k_start, step, chunk, window, options.causal)
             if call is None:
                 continue
             block = attn_options(options.head_dim, options.softmax_scale, window=call.window, softcap=options.softcap)
@@ -157,6 +168,15 @@ def ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Fals
                                       deterministic, return_attn_probs, group, layout="ring")
 
 
+def stripe_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=True, window_size=(-1, -1),
+                           alibi_slopes=None, deterministic=False, return_attn_probs=False, group=None):
+    """ring-flash-attn's `stripe_flash_attn_func`: rank r holds tokens r, r + world, r + 2 * world, ... of the
+    sequence; see `context_parallel_attention`. Unlike ring-flash-attn's, not only causal, and windows count
+    global positions."""
+    return context_parallel_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
+                                      deterministic, return_attn_probs, group, layout="stripe")
+
+
 def zigzag_ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=True, window_size=(-1, -1),
                                 alibi_slopes=None, deterministic=False, return_attn_probs=False, group=None):
     """ring-flash-attn's `zigzag_ring_flash_attn_func`: the sequence cut into 2 * world chunks, rank r holding
@@ -168,6 +188,8 @@ def zigzag_ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, caus
 
 def shard(x: torch.Tensor, layout: str, rank: int, world: int, dim: int = 1) -> torch.Tensor:
     """Rank's shard of a whole-sequence tensor (sequence along `dim`) under `layout`."""
+    if layout == "stripe":  # tokens rank, rank + world, rank + 2 * world, ...
+        return x.index_select(dim, torch.arange(rank, x.shape[dim], world, device=x.device))
     parts = x.chunk(len(layout_chunks(layout, 0, world)) * world, dim=dim)
     return torch.cat([parts[c] for c in layout_chunks(layout, rank, world)], dim=dim)
 
@@ -175,6 +197,8 @@ def shard(x: torch.Tensor, layout: str, rank: int, world: int, dim: int = 1) -> 
 def unshard(shards: List[torch.Tensor], layout: str, dim: int = 1) -> torch.Tensor:
     """The whole-sequence tensor from every rank's shard (shards[r] is rank r's)."""
     world = len(shards)
+    if layout == "stripe":  # token t of rank r is global token t * world + r
+        return torch.stack(shards, dim=dim + 1).flatten(dim, dim + 1)
     per = len(layout_chunks(layout, 0, world))
     chunks: List[Optional[torch.Tensor]] = [None] * (per * world)
     for rank, s in enumerate(shards):
