@@ -72,6 +72,30 @@ def _run_cases(rank: int, world: int, port: int, results) -> None:
             }
         except Exception:  # reported by the test of that case, on every rank
             out[name] = traceback.format_exc()
+    import tritonattn.parallel as cp
+
+    for layout, prefix in (("ring", "ring"), ("zigzag", "zigzag_ring"), ("stripe", "stripe")):
+        try:  # the packed forms: the same values and gradients as the unpacked function
+            seqlen = CHUNK * world * (2 if layout == "zigzag" else 1)
+            g = torch.Generator().manual_seed(1)
+            qkv = shard(torch.randn(1, seqlen, 3, 2, HEAD_DIM, generator=g), layout, rank, world)
+            dout = torch.randn(qkv[:, :, 0].shape, generator=g)
+            results_ = []
+            for form in ("", "qkvpacked_", "kvpacked_"):
+                fn = getattr(cp, f"{prefix}_flash_attn_{form}func")
+                leaf = qkv.clone().requires_grad_()
+                if form == "qkvpacked_":
+                    o = fn(leaf, causal=True)
+                elif form == "kvpacked_":
+                    o = fn(leaf[:, :, 0], leaf[:, :, 1:], causal=True)
+                else:
+                    o = fn(leaf[:, :, 0], leaf[:, :, 1], leaf[:, :, 2], causal=True)
+                o.backward(dout)
+                results_.append((o.detach(), leaf.grad))
+            out[f"packed {layout}"] = max(max(rel_err(a, results_[0][0]), rel_err(b, results_[0][1]))
+                                          for a, b in results_[1:])
+        except Exception:
+            out[f"packed {layout}"] = traceback.format_exc()
     bad = {  # name: keyword arguments of a call that must be refused on every rank, before any transfer
         "seqlen": {},  # k and v shorter than q, below
         "dropout": dict(dropout_p=0.1),
@@ -186,3 +210,28 @@ def test_shard_and_unshard_are_inverse():
         assert sorted(torch.cat(shards, dim=1)[0, :, 0].tolist()) == x[0, :, 0].tolist()
         assert torch.equal(unshard(shards, layout), x), (layout, world)
     assert shard(x, "stripe", 1, 4)[0, :, 0].tolist() == [3 * i for i in range(1, 24, 4)]
+
+
+@pytest.mark.skipif(ON_GPU, reason="gloo ranks on CPU under the interpreter")
+@pytest.mark.parametrize("layout", ["ring", "zigzag", "stripe"])
+def test_packed_forms_equal_the_unpacked(ranks, layout):
+    for rank, cases in sorted(ranks.items()):
+        err = cases[f"packed {layout}"]
+        assert not isinstance(err, str), f"rank {rank}:\n{err}"
+        assert err == 0.0, (rank, err)
+
+
+def test_signatures_are_ring_flash_attns():
+    """ring-flash-attn's public functions: names and parameters in its order and with its defaults."""
+    import inspect
+
+    import tritonattn.parallel as cp
+
+    tail = "dropout_p=0.0 softmax_scale=None causal=False window_size=(-1, -1) alibi_slopes=None " \
+           "deterministic=False return_attn_probs=False group=None"
+    for prefix in ("ring", "zigzag_ring", "stripe"):
+        for form, head in (("", "q k v"), ("qkvpacked_", "qkv"), ("kvpacked_", "q kv")):
+            fn = getattr(cp, f"{prefix}_flash_attn_{form}func")
+            params = " ".join(p.name if p.default is inspect.Parameter.empty else f"{p.name}={p.default!r}"
+                              for p in inspect.signature(fn).parameters.values())
+            assert params == f"{head} {tail}", (fn.__name__, params)

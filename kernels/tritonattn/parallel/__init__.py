@@ -7,11 +7,21 @@ from .ring import (
     LAYOUTS,
     context_parallel_attention,
     ring_flash_attn_func,
+    ring_flash_attn_kvpacked_func,
+    ring_flash_attn_qkvpacked_func,
     shard,
     stripe_flash_attn_func,
+    stripe_flash_attn_kvpacked_func,
+    stripe_flash_attn_qkvpacked_func,
     unshard,
     zigzag_ring_flash_attn_func,
+    zigzag_ring_flash_attn_kvpacked_func,
+    zigzag_ring_flash_attn_qkvpacked_func,
 )
 
-__all__ = ["LAYOUTS", "context_parallel_attention", "ring_flash_attn_func", "zigzag_ring_flash_attn_func",
-           "stripe_flash_attn_func", "shard", "unshard"]
+__all__ = [
+    "LAYOUTS", "context_parallel_attention", "shard", "unshard",
+    "ring_flash_attn_func", "ring_flash_attn_kvpacked_func", "ring_flash_attn_qkvpacked_func",
+    "zigzag_ring_flash_attn_func", "zigzag_ring_flash_attn_kvpacked_func", "zigzag_ring_flash_attn_qkvpacked_func",
+    "stripe_flash_attn_func", "stripe_flash_attn_kvpacked_func", "stripe_flash_attn_qkvpacked_func",
+]

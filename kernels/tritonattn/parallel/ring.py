@@ -168,7 +168,7 @@ def ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Fals
                                       deterministic, return_attn_probs, group, layout="ring")
 
 
-def stripe_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=True, window_size=(-1, -1),
+def stripe_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                            alibi_slopes=None, deterministic=False, return_attn_probs=False, group=None):
     """ring-flash-attn's `stripe_flash_attn_func`: rank r holds tokens r, r + world, r + 2 * world, ... of the
     sequence; see `context_parallel_attention`. Unlike ring-flash-attn's, not only causal, and windows count
@@ -177,13 +177,38 @@ def stripe_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Tr
                                       deterministic, return_attn_probs, group, layout="stripe")
 
 
-def zigzag_ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=True, window_size=(-1, -1),
+def zigzag_ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                                 alibi_slopes=None, deterministic=False, return_attn_probs=False, group=None):
     """ring-flash-attn's `zigzag_ring_flash_attn_func`: the sequence cut into 2 * world chunks, rank r holding
     chunks r and 2 * world - 1 - r (concatenated); see `context_parallel_attention`. Unlike ring-flash-attn's,
     not only causal."""
     return context_parallel_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
                                       deterministic, return_attn_probs, group, layout="zigzag")
+
+
+def _packed(func):
+    """func's qkvpacked and kvpacked forms (ring-flash-attn's): qkv (batch, seqlen, 3, nheads, headdim), kv
+    (batch, seqlen, 2, nheads_k, headdim); gradients flow back into the packed tensors."""
+    def qkvpacked(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), alibi_slopes=None,
+                  deterministic=False, return_attn_probs=False, group=None):
+        return func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal, window_size,
+                    alibi_slopes, deterministic, return_attn_probs, group)
+
+    def kvpacked(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), alibi_slopes=None,
+                 deterministic=False, return_attn_probs=False, group=None):
+        return func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, alibi_slopes,
+                    deterministic, return_attn_probs, group)
+
+    base = func.__name__[: -len("_func")]
+    for form, name in ((qkvpacked, "qkvpacked"), (kvpacked, "kvpacked")):
+        form.__name__ = form.__qualname__ = f"{base}_{name}_func"
+        form.__doc__ = f"`{func.__name__}` on {name} inputs (ring-flash-attn's `{base}_{name}_func`)."
+    return qkvpacked, kvpacked
+
+
+ring_flash_attn_qkvpacked_func, ring_flash_attn_kvpacked_func = _packed(ring_flash_attn_func)
+zigzag_ring_flash_attn_qkvpacked_func, zigzag_ring_flash_attn_kvpacked_func = _packed(zigzag_ring_flash_attn_func)
+stripe_flash_attn_qkvpacked_func, stripe_flash_attn_kvpacked_func = _packed(stripe_flash_attn_func)
 
 
 def shard(x: torch.Tensor, layout: str, rank: int, world: int, dim: int = 1) -> torch.Tensor:
