@@ -73,6 +73,31 @@ def _run_cases(rank: int, world: int, port: int, results) -> None:
         except Exception:  # reported by the test of that case, on every rank
             out[name] = traceback.format_exc()
     import tritonattn.parallel as cp
+    from tritonattn import flash_attn_varlen_func
+
+    for causal, dtype in ((False, torch.float32), (True, torch.float32), (True, torch.float16)):
+        name = f"varlen ring {'causal' if causal else 'full'} {dtype}"
+        try:  # packed sequences, each cut into world chunks, rank r holding chunk r of every one
+            lengths = [8 * world, 2 * world, 12 * world]
+            cu = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32)
+            g = torch.Generator().manual_seed(2)
+            q, k, v, dout = (torch.randn(int(cu[-1]), h, HEAD_DIM, generator=g).to(dtype) for h in (4, 2, 2, 4))
+            whole = [t.clone().requires_grad_() for t in (q, k, v)]
+            ref, ref_lse, _ = flash_attn_varlen_func(*whole, cu, cu, max(lengths), max(lengths), causal=causal,
+                                                     return_attn_probs=True)
+            ref.backward(dout)
+            mine = [cp.shard_varlen(t, cu, rank, world).clone().requires_grad_() for t in (q, k, v)]
+            res, lse, _ = cp.ring_flash_attn_varlen_func(*mine, cu // world, max(lengths) // world, causal=causal,
+                                                         return_attn_probs=True)
+            res.backward(cp.shard_varlen(dout, cu, rank, world))
+            out[name] = {
+                "out": rel_err(res, cp.shard_varlen(ref, cu, rank, world)),
+                "lse": (lse - cp.shard_varlen(ref_lse.T, cu, rank, world).T).abs().max().item(),
+                **{f"d{n}": rel_err(t.grad, cp.shard_varlen(w.grad, cu, rank, world))
+                   for n, t, w in zip("qkv", mine, whole)},
+            }
+        except Exception:
+            out[name] = traceback.format_exc()
 
     for layout, prefix in (("ring", "ring"), ("zigzag", "zigzag_ring"), ("stripe", "stripe")):
         try:  # the packed forms: the same values and gradients as the unpacked function
@@ -235,3 +260,24 @@ def test_signatures_are_ring_flash_attns():
             params = " ".join(p.name if p.default is inspect.Parameter.empty else f"{p.name}={p.default!r}"
                               for p in inspect.signature(fn).parameters.values())
             assert params == f"{head} {tail}", (fn.__name__, params)
+    varlen = " ".join(p.name if p.default is inspect.Parameter.empty else f"{p.name}={p.default!r}"
+                      for p in inspect.signature(cp.ring_flash_attn_varlen_func).parameters.values())
+    assert varlen == f"q k v cu_seqlens max_seqlen {tail}", varlen
+
+
+VARLEN = {f"varlen ring {mask} {dtype}": dtype for mask, dtype in
+          (("full", torch.float32), ("causal", torch.float32), ("causal", torch.float16))}
+
+
+@pytest.mark.skipif(ON_GPU, reason="gloo ranks on CPU under the interpreter")
+@pytest.mark.parametrize("case", list(VARLEN))
+def test_varlen_shards_equal_the_single_process_attention(ranks, case):
+    """Packed sequences of different lengths, each cut into world chunks: every rank's output, LSE and
+    gradients equal its chunks of one single-process flash_attn_varlen_func."""
+    tol, (atol, _) = agreement_tolerance(VARLEN[case]), lse_tolerance(VARLEN[case])
+    for rank, cases in sorted(ranks.items()):
+        errors = cases[case]
+        assert not isinstance(errors, str), f"rank {rank}:\n{errors}"
+        assert errors["lse"] <= atol, (rank, errors)
+        for name in ("out", "dq", "dk", "dv"):
+            assert errors[name] <= tol * (3 if name != "out" else 1), (rank, name, errors)
