@@ -18,10 +18,16 @@ from .ring import (
     zigzag_ring_flash_attn_kvpacked_func,
     zigzag_ring_flash_attn_qkvpacked_func,
 )
-from .varlen import ring_flash_attn_varlen_func, shard_varlen
+from .varlen import (
+    context_parallel_varlen_attention,
+    ring_flash_attn_varlen_func,
+    shard_varlen,
+    zigzag_ring_flash_attn_varlen_func,
+)
 
 __all__ = [
-    "LAYOUTS", "context_parallel_attention", "shard", "unshard", "shard_varlen", "ring_flash_attn_varlen_func",
+    "LAYOUTS", "context_parallel_attention", "shard", "unshard", "shard_varlen", "context_parallel_varlen_attention",
+    "ring_flash_attn_varlen_func", "zigzag_ring_flash_attn_varlen_func",
     "ring_flash_attn_func", "ring_flash_attn_kvpacked_func", "ring_flash_attn_qkvpacked_func",
     "zigzag_ring_flash_attn_func", "zigzag_ring_flash_attn_kvpacked_func", "zigzag_ring_flash_attn_qkvpacked_func",
     "stripe_flash_attn_func", "stripe_flash_attn_kvpacked_func", "stripe_flash_attn_qkvpacked_func",
