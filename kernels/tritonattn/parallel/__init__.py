@@ -1,8 +1,16 @@
 """Context parallelism over torch.distributed: one sequence's attention split across ranks (ring-flash-attn's
 functions and sharding conventions, on this library's kernels). `ring.py` passes K/V around a ring of ranks;
 `blocks.py` reduces each (query chunk, key chunk) pair to one kernel call with its mask in global positions;
-`comm.py` posts the transfers. Any backend (NCCL on GPUs, gloo on CPU)."""
+`comm.py` posts the transfers; `llama3.py` gathers K/V instead (the all-gather form); `agree.py` checks a
+call on every rank before any transfer. Any backend (NCCL on GPUs, gloo on CPU)."""
 
+from .llama3 import (
+    llama3_flash_attn_prepare_cu_seqlens,
+    llama3_flash_attn_varlen_func,
+    llama3_flash_attn_varlen_kvpacked_func,
+    llama3_flash_attn_varlen_qkvpacked_func,
+    shard_llama3,
+)
 from .ring import (
     LAYOUTS,
     context_parallel_attention,
@@ -31,4 +39,6 @@ __all__ = [
     "ring_flash_attn_func", "ring_flash_attn_kvpacked_func", "ring_flash_attn_qkvpacked_func",
     "zigzag_ring_flash_attn_func", "zigzag_ring_flash_attn_kvpacked_func", "zigzag_ring_flash_attn_qkvpacked_func",
     "stripe_flash_attn_func", "stripe_flash_attn_kvpacked_func", "stripe_flash_attn_qkvpacked_func",
+    "llama3_flash_attn_prepare_cu_seqlens", "llama3_flash_attn_varlen_func", "llama3_flash_attn_varlen_kvpacked_func",
+    "llama3_flash_attn_varlen_qkvpacked_func", "shard_llama3",
 ]

@@ -30,6 +30,7 @@ from ..config.tables import prefill_fwd_config
 from ..errors import InputError
 from ..launch.backward import launch_backward
 from ..launch.prefill import launch_prefill
+from .agree import checked_call
 from .blocks import block_call
 from .comm import Ring
 
@@ -135,28 +136,37 @@ class _RingAttention(torch.autograd.Function):
 
 def context_parallel_attention(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                                alibi_slopes=None, deterministic=False, return_attn_probs=False, group=None, *,
-                               layout: str = "ring"):
+                               layout: str = "ring", softcap=0.0):
     """ring-flash-attn's functions, one body: this rank's shard of q (batch, seqlen, nheads, headdim), k and v
     (batch, seqlen, nheads_k, headdim), split by `layout`; returns out (and, with return_attn_probs, (out,
-    softmax_lse, None), softmax_lse float32 (batch, nheads, seqlen)), checked before any transfer."""
-    layout_chunks(layout, 0, 1)
-    validate_qkv(q, k, v)
-    if not dist.is_available() or not dist.is_initialized():
-        raise InputError("Context-parallel attention needs torch.distributed initialised (init_process_group).")
-    world = dist.get_world_size(group)
-    parts = len(layout_chunks(layout, 0, world))
-    if q.shape[1] != k.shape[1] or q.shape[1] % parts:
-        raise InputError(f"Expected q, k and v shards of one length divisible into {parts} chunks (layout "
-                         f"{layout!r}), got seqlen_q {q.shape[1]} and seqlen_k {k.shape[1]} on rank "
-                         f"{dist.get_rank(group)}.")
-    if dropout_p:
-        raise NotImplementedError("Dropout in context-parallel attention is not supported: its mask would differ from "
-                                  "the single-GPU one (pass dropout_p=0).")
-    if alibi_slopes is not None:
-        raise NotImplementedError("ALiBi in context-parallel attention is not supported yet.")
-    call = attention_call(q.shape[3], softmax_scale, causal, window_size, 0.0, None, None,
-                          seqlen_k=q.shape[1] * parts * world, batch=q.shape[0], nheads=q.shape[2], device=q.device)
-    out, lse = _RingAttention.apply(q, k, v, call.options, layout, group)
+    softmax_lse, None), softmax_lse float32 (batch, nheads, seqlen)). Checked on every rank before any transfer
+    (`agree.checked_call`): bad input on any rank raises on all of them. softcap: flash-attn's, keyword-only."""
+    world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    window = tuple(window_size) if isinstance(window_size, (tuple, list)) else (window_size,)
+    built = {}
+
+    def local_checks():
+        layout_chunks(layout, 0, 1)
+        validate_qkv(q, k, v)
+        parts = len(layout_chunks(layout, 0, world))
+        if q.shape[1] != k.shape[1] or q.shape[1] % parts:
+            raise InputError(f"Expected q, k and v shards of one length divisible into {parts} chunks (layout "
+                             f"{layout!r}), got seqlen_q {q.shape[1]} and seqlen_k {k.shape[1]} on rank "
+                             f"{dist.get_rank(group)}.")
+        if dropout_p:
+            raise NotImplementedError("Dropout in context-parallel attention is not supported: its mask would differ "
+                                      "from the single-GPU one (pass dropout_p=0).")
+        if alibi_slopes is not None:
+            raise NotImplementedError("ALiBi in the ring layouts is not supported: the kernels measure ALiBi distances "
+                                      "from each block's own diagonal; use llama3_flash_attn_varlen_func (causal), "
+                                      "whose one call per rank puts them at their global positions.")
+        built["call"] = attention_call(q.shape[3], softmax_scale, causal, window_size, softcap, None, None,
+                                       seqlen_k=q.shape[1] * parts * world, batch=q.shape[0], nheads=q.shape[2],
+                                       device=q.device)
+
+    checked_call(group, (q, k, v), (LAYOUTS.index(layout) if layout in LAYOUTS else -1, int(bool(causal)), *window),
+                 local_checks)
+    out, lse = _RingAttention.apply(q, k, v, built["call"].options, layout, group)
     return (out, lse, None) if return_attn_probs else out
 
 

@@ -27,6 +27,7 @@ from ..config.tables import prefill_fwd_config
 from ..errors import InputError
 from ..launch.backward import launch_varlen_backward
 from ..launch.prefill import launch_varlen
+from .agree import checked_call
 from .comm import Ring
 
 
@@ -148,29 +149,36 @@ class _RingVarlenAttention(torch.autograd.Function):
 
 def context_parallel_varlen_attention(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
                                       causal=False, window_size=(-1, -1), alibi_slopes=None, deterministic=False,
-                                      return_attn_probs=False, group=None, *, layout: str = "ring"):
+                                      return_attn_probs=False, group=None, *, layout: str = "ring", softcap=0.0):
     """ring-flash-attn's packed functions, one body: this rank's packed shard of q (total, nheads, headdim), k and
     v (total, nheads_k, headdim) by `cu_seqlens` (int32 (batch + 1,), this rank's) and `max_seqlen`; returns out
     (with return_attn_probs (out, softmax_lse (nheads, total), None)), checked before any transfer."""
-    if not dist.is_available() or not dist.is_initialized():
-        raise InputError("Context-parallel attention needs torch.distributed initialised (init_process_group).")
-    max_seqlen, _ = validate_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
-    if dropout_p:
-        raise NotImplementedError("Dropout in context-parallel attention is not supported: its mask would differ from "
-                                  "the single-GPU one (pass dropout_p=0).")
-    if alibi_slopes is not None:
-        raise NotImplementedError("ALiBi in context-parallel attention is not supported yet.")
-    if tuple(window_size) != (-1, -1):
-        raise NotImplementedError("A sliding window in the packed context-parallel functions is not supported yet "
-                                  "(the dense ones take it, in global positions).")
-    if layout == "zigzag" and bool(((cu_seqlens[1:] - cu_seqlens[:-1]) % 2 != 0).any()):
-        raise InputError(f"Expected every sequence's local length even for the zigzag layout (two chunks each), got "
-                         f"cu_seqlens {cu_seqlens.tolist()} on rank {dist.get_rank(group)}.")
-    world = dist.get_world_size(group)
-    parts = pieces(layout, cu_seqlens.contiguous(), max_seqlen)
-    call = attention_call(q.shape[2], softmax_scale, causal, window_size, 0.0, None, None,
-                          seqlen_k=max_seqlen * world, batch=cu_seqlens.numel() - 1, nheads=q.shape[1],
-                          device=q.device)
+    world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    window = tuple(window_size) if isinstance(window_size, (tuple, list)) else (window_size,)
+    built = {}
+
+    def local_checks():
+        built["max"], _ = validate_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
+        if dropout_p:
+            raise NotImplementedError("Dropout in context-parallel attention is not supported: its mask would differ "
+                                      "from the single-GPU one (pass dropout_p=0).")
+        if alibi_slopes is not None:
+            raise NotImplementedError("ALiBi in the ring layouts is not supported: the kernels measure ALiBi distances "
+                                      "from each block's own diagonal; use llama3_flash_attn_varlen_func (causal).")
+        if window != (-1, -1):
+            raise NotImplementedError("A sliding window in the packed ring layouts is not supported (a chunk pair's "
+                                      "band depends on each sequence's length); use llama3_flash_attn_varlen_func "
+                                      "(causal), or the dense functions, which take windows in global positions.")
+        if layout == "zigzag" and bool(((cu_seqlens[1:] - cu_seqlens[:-1]) % 2 != 0).any()):
+            raise InputError(f"Expected every sequence's local length even for the zigzag layout (two chunks each), "
+                             f"got cu_seqlens {cu_seqlens.tolist()} on rank {dist.get_rank(group)}.")
+        built["call"] = attention_call(q.shape[2], softmax_scale, causal, window_size, softcap, None, None,
+                                       seqlen_k=built["max"] * world, batch=cu_seqlens.numel() - 1,
+                                       nheads=q.shape[1], device=q.device)
+
+    checked_call(group, (q, k, v, cu_seqlens), (0 if layout == "ring" else 1, int(bool(causal))), local_checks)
+    parts = pieces(layout, cu_seqlens.contiguous(), built["max"])
+    call = built["call"]
     out, lse = _RingVarlenAttention.apply(q, k, v, parts, call.options, group)
     return (out, lse, None) if return_attn_probs else out
 
