@@ -572,7 +572,7 @@ def test_merge_in_fp32_beats_rounding_each_step(layout):
     from tritonattn import attention_ref, flash_attn_func
     from tritonattn.api.args import attention_call
     from tritonattn.api.primitives import merge_attention
-    from tritonattn.parallel.ring import _pairs, ring_forward, shard, unshard
+    from tritonattn.parallel.ring import chunk_pairs, ring_forward, shard, unshard
 
     g = torch.Generator(device="cuda").manual_seed(0)
     n = 8192
@@ -592,7 +592,7 @@ def test_merge_in_fp32_beats_rounding_each_step(layout):
             lse = torch.full((1, 8, shards[r][0].shape[1]), float("inf"), device="cuda")
             for step in range(world):  # ring-flash-attn's: each block's output in bf16, merged in fp32
                 src = (r - step) % world
-                for rows, keys, block in _pairs(layout, r, src, world, chunk, options):
+                for rows, keys, block in chunk_pairs(layout, r, src, world, chunk, options):
                     part, part_lse = _bf16_block(shards[r][0][:, rows], kv[src][0][:, keys], kv[src][1][:, keys], block)
                     acc[:, rows], lse[:, :, rows] = merge_attention(acc[:, rows], lse[:, :, rows], part.float(),
                                                                     part_lse)

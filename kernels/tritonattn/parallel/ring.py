@@ -55,7 +55,7 @@ def _starts(layout: str, chunk_index: int, chunk: int, world: int) -> Tuple[int,
     return chunk_index * chunk, 1
 
 
-def _pairs(layout: str, rank: int, src: int, world: int, chunk: int, options: AttnOptions):
+def chunk_pairs(layout: str, rank: int, src: int, world: int, chunk: int, options: AttnOptions):
     """(query slice, key slice, block options) of every chunk pair of rank's queries and src's keys that
     some query sees."""
     window = (options.window_left, options.window_right)
@@ -81,7 +81,7 @@ def ring_forward(q, k, v, options: AttnOptions, layout: str, ring: Ring) -> Tupl
     for step in range(ring.world):
         pending = ring.shift(kv) if step + 1 < ring.world else None
         src = (ring.rank - step) % ring.world
-        for rows, keys, block in _pairs(layout, ring.rank, src, ring.world, chunk, options):
+        for rows, keys, block in chunk_pairs(layout, ring.rank, src, ring.world, chunk, options):
             part = torch.empty(q[:, rows].shape, dtype=torch.float32, device=q.device)
             part, part_lse = launch_prefill(q[:, rows], kv[0][:, keys], kv[1][:, keys], block, config=config, out=part)
             out[:, rows], lse[:, :, rows] = merge_attention(out[:, rows], lse[:, :, rows], part, part_lse)
@@ -100,7 +100,7 @@ def ring_backward(dout, q, k, v, out, lse, options: AttnOptions, layout: str,
         pending = ring.shift(kv) if step + 1 < ring.world else None
         src = (ring.rank - step) % ring.world
         dkv = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in kv]
-        for rows, keys, block in _pairs(layout, ring.rank, src, ring.world, chunk, options):
+        for rows, keys, block in chunk_pairs(layout, ring.rank, src, ring.world, chunk, options):
             grads = tuple(torch.empty(t.shape, dtype=torch.float32, device=t.device)
                           for t in (q[:, rows], kv[0][:, keys], kv[1][:, keys]))
             launch_backward(dout[:, rows], q[:, rows], kv[0][:, keys], kv[1][:, keys], out[:, rows],
