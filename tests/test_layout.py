@@ -177,6 +177,7 @@ LAYERS = {
     "api": {"errors", "config", "launch"},
     "cache": {"errors", "config", "launch", "api"},
     "compile": {"errors", "config", "launch", "api"},
+    "parallel": {"errors", "config", "launch", "api"},
     "integrations": {"errors", "config", "api"},
     "testing": {"errors", "config", "api", "cache"},
     "errors": set(),

@@ -1,0 +1,214 @@
+"""Context-parallel attention over packed sequences (ring-flash-attn's `ring_flash_attn_varlen_func` and
+`zigzag_ring_flash_attn_varlen_func`).
+
+Every sequence of the packed batch is cut into chunks and rank r holds the same chunks of each, packed in the
+same order: "ring", chunk r of `world` (its `cu_seqlens` are the whole batch's divided by `world`, ring-flash-
+attn's convention); "zigzag", chunks r and 2 * world - 1 - r of 2 * world, concatenated per sequence. K and V
+travel around the ring as in ring.py. A shard is one or two pieces (one chunk of every sequence, `pieces`), and
+a pair of pieces has the same relation in every sequence (the key chunk before, at, or after the query
+chunk), so one packed call per pair covers the whole batch: all keys seen, causal, or skipped (causal only).
+Partial outputs in float32 merged by LSE in float32; gradients accumulated in float32,
+dK/dV travelling with their K/V, as in ring.py.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, NamedTuple, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..api.args import attention_call
+from ..api.primitives import merge_attention
+from ..api.validate import validate_varlen
+from ..config.hardware import device_target
+from ..config.options import AttnOptions, attn_options
+from ..config.tables import prefill_fwd_config
+from ..errors import InputError
+from ..launch.backward import launch_varlen_backward
+from ..launch.prefill import launch_varlen
+from .agree import checked_call
+from .comm import Ring
+
+
+class Piece(NamedTuple):
+    """One chunk of every sequence in a rank's packed shard: its rows (None: all of them), their cu_seqlens
+    and longest length, and a function giving the chunk's global index on a rank."""
+
+    rows: Optional[torch.Tensor]
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    chunk_of: Callable[[int, int], int]
+
+
+def pieces(layout: str, cu_seqlens: torch.Tensor, max_seqlen: int) -> List[Piece]:
+    """A rank's packed shard as pieces: "ring", one (chunk rank of world of every sequence); "zigzag", two
+    (chunks rank and 2 * world - 1 - rank, the two halves of each sequence's local rows)."""
+    if layout == "ring":
+        return [Piece(None, cu_seqlens, max_seqlen, lambda rank, world: rank)]
+    if layout != "zigzag":
+        raise InputError(f"Expected a packed layout in ('ring', 'zigzag'), got {layout!r}.")
+    bounds = cu_seqlens.tolist()
+    halves = []
+    for h in range(2):
+        rows = [torch.arange(a + h * (b - a) // 2, a + (h + 1) * (b - a) // 2) for a, b in zip(bounds[:-1], bounds[1:])]
+        halves.append(torch.cat(rows).to(cu_seqlens.device) if rows else torch.zeros(0, dtype=torch.long))
+    cu_half = cu_seqlens // 2
+    chunk_of = (lambda rank, world: rank, lambda rank, world: 2 * world - 1 - rank)
+    return [Piece(halves[h], cu_half, max_seqlen // 2, chunk_of[h]) for h in range(2)]
+
+
+def _pair_options(options: AttnOptions, a: int, b: int) -> Optional[AttnOptions]:
+    """The packed call of query chunk a against key chunk b (the same in every sequence): all keys seen (b
+    before a, or no mask), causal (b is a), or None (b after a, causal)."""
+    if not options.causal:
+        return options
+    if b > a:
+        return None
+    return attn_options(options.head_dim, options.softmax_scale, causal=a == b, softcap=options.softcap)
+
+
+def _take(t: torch.Tensor, rows: Optional[torch.Tensor]) -> torch.Tensor:
+    return t if rows is None else t.index_select(0, rows)
+
+
+def _pairs(parts: List[Piece], options: AttnOptions, rank: int, src: int, world: int):
+    for qp in parts:
+        for kp in parts:
+            block = _pair_options(options, qp.chunk_of(rank, world), kp.chunk_of(src, world))
+            if block is not None:
+                yield qp, kp, block
+
+
+def ring_varlen_forward(q, k, v, parts: List[Piece], options: AttnOptions,
+                        ring: Ring) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(out float32 (total, nheads, headdim), lse float32 (nheads, total)) of this rank's packed queries."""
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), float("inf"), dtype=torch.float32, device=q.device)
+    config = prefill_fwd_config(options.head_dim_pad, q.dtype, False, device_target(q.device))  # fwd_kernel
+    kv = [k, v]
+    for step in range(ring.world):
+        pending = ring.shift(kv) if step + 1 < ring.world else None
+        for qp, kp, block in _pairs(parts, options, ring.rank, (ring.rank - step) % ring.world, ring.world):
+            qs = _take(q, qp.rows)
+            part = torch.empty(qs.shape, dtype=torch.float32, device=q.device)
+            part, part_lse = launch_varlen(qs, _take(kv[0], kp.rows), _take(kv[1], kp.rows), qp.cu_seqlens,
+                                           kp.cu_seqlens, qp.max_seqlen, kp.max_seqlen, block, config=config, out=part)
+            if qp.rows is None:
+                out, lse = merge_attention(out, lse, part, part_lse)
+            else:
+                merged, merged_lse = merge_attention(out[qp.rows], lse[:, qp.rows], part, part_lse)
+                out[qp.rows], lse[:, qp.rows] = merged, merged_lse
+        if pending is not None:
+            kv = pending.wait()
+    return out, lse
+
+
+def ring_varlen_backward(dout, q, k, v, out, lse, parts: List[Piece], options: AttnOptions, ring: Ring):
+    """(dq, dk, dv) float32 of this rank's packed shard; out, lse: `ring_varlen_forward`'s."""
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    kv, travelling = [k, v], None
+    for step in range(ring.world):
+        pending = ring.shift(kv) if step + 1 < ring.world else None
+        dkv = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in kv]
+        for qp, kp, block in _pairs(parts, options, ring.rank, (ring.rank - step) % ring.world, ring.world):
+            qs, ks, vs = _take(q, qp.rows), _take(kv[0], kp.rows), _take(kv[1], kp.rows)
+            grads = tuple(torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in (qs, ks, vs))
+            launch_varlen_backward(_take(dout, qp.rows), qs, ks, vs, _take(out, qp.rows),
+                                   lse if qp.rows is None else lse[:, qp.rows].contiguous(), qp.cu_seqlens,
+                                   kp.cu_seqlens, qp.max_seqlen, kp.max_seqlen, block, grads=grads)
+            for acc, grad, rows in ((dq, grads[0], qp.rows), (dkv[0], grads[1], kp.rows), (dkv[1], grads[2], kp.rows)):
+                if rows is None:
+                    acc += grad
+                else:
+                    acc.index_add_(0, rows, grad)
+        if travelling is not None:
+            dkv = [a + b for a, b in zip(travelling.wait(), dkv)]
+        travelling = ring.shift(dkv)
+        if pending is not None:
+            kv = pending.wait()
+    dk, dv = travelling.wait()
+    return dq, dk, dv
+
+
+class _RingVarlenAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, parts, options, group):
+        out, lse = ring_varlen_forward(q, k, v, parts, options, Ring(group))
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.parts, ctx.options, ctx.group = parts, options, group
+        ctx.mark_non_differentiable(lse)
+        return out.to(q.dtype), lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ring_varlen_backward(dout, q, k, v, out, lse, ctx.parts, ctx.options, Ring(ctx.group))
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+def context_parallel_varlen_attention(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
+                                      causal=False, window_size=(-1, -1), alibi_slopes=None, deterministic=False,
+                                      return_attn_probs=False, group=None, *, layout: str = "ring", softcap=0.0):
+    """ring-flash-attn's packed functions, one body: this rank's packed shard of q (total, nheads, headdim), k and
+    v (total, nheads_k, headdim) by `cu_seqlens` (int32 (batch + 1,), this rank's) and `max_seqlen`; returns out
+    (with return_attn_probs (out, softmax_lse (nheads, total), None)), checked before any transfer."""
+    world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    window = tuple(window_size) if isinstance(window_size, (tuple, list)) else (window_size,)
+    built = {}
+
+    def local_checks():
+        built["max"], _ = validate_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
+        if dropout_p:
+            raise NotImplementedError("Dropout in context-parallel attention is not supported: its mask would differ "
+                                      "from the single-GPU one (pass dropout_p=0).")
+        if alibi_slopes is not None:
+            raise NotImplementedError("ALiBi in the ring layouts is not supported: the kernels measure ALiBi distances "
+                                      "from each block's own diagonal; use llama3_flash_attn_varlen_func (causal).")
+        if window != (-1, -1):
+            raise NotImplementedError("A sliding window in the packed ring layouts is not supported (a chunk pair's "
+                                      "band depends on each sequence's length); use llama3_flash_attn_varlen_func "
+                                      "(causal), or the dense functions, which take windows in global positions.")
+        if layout == "zigzag" and bool(((cu_seqlens[1:] - cu_seqlens[:-1]) % 2 != 0).any()):
+            raise InputError(f"Expected every sequence's local length even for the zigzag layout (two chunks each), "
+                             f"got cu_seqlens {cu_seqlens.tolist()} on rank {dist.get_rank(group)}.")
+        built["call"] = attention_call(q.shape[2], softmax_scale, causal, window_size, softcap, None, None,
+                                       seqlen_k=built["max"] * world, batch=cu_seqlens.numel() - 1,
+                                       nheads=q.shape[1], device=q.device)
+
+    checked_call(group, (q, k, v, cu_seqlens), (0 if layout == "ring" else 1, int(bool(causal))), local_checks)
+    parts = pieces(layout, cu_seqlens.contiguous(), built["max"])
+    call = built["call"]
+    out, lse = _RingVarlenAttention.apply(q, k, v, parts, call.options, group)
+    return (out, lse, None) if return_attn_probs else out
+
+
+def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
+                                window_size=(-1, -1), alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                                group=None):
+    """ring-flash-attn's `ring_flash_attn_varlen_func`: rank r holds chunk r of world of every sequence, packed;
+    cu_seqlens are the whole batch's divided by world; see `context_parallel_varlen_attention`."""
+    return context_parallel_varlen_attention(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal,
+                                             window_size, alibi_slopes, deterministic, return_attn_probs, group,
+                                             layout="ring")
+
+
+def zigzag_ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
+                                       causal=False, window_size=(-1, -1), alibi_slopes=None, deterministic=False,
+                                       return_attn_probs=False, group=None):
+    """ring-flash-attn's `zigzag_ring_flash_attn_varlen_func`: every sequence cut into 2 * world chunks, rank r
+    holding chunks r and 2 * world - 1 - r of each (concatenated, packed); see
+    `context_parallel_varlen_attention`."""
+    return context_parallel_varlen_attention(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal,
+                                             window_size, alibi_slopes, deterministic, return_attn_probs, group,
+                                             layout="zigzag")
+
+
+def shard_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor, rank: int, world: int,
+                 layout: str = "ring") -> torch.Tensor:
+    """Rank's packed shard of a packed whole batch (sequence along dim 0) under `layout`: chunk `rank` of `world`
+    of each sequence ("ring"), or chunks rank and 2 * world - 1 - rank of 2 * world ("zigzag")."""
+    bounds = cu_seqlens.tolist()
+    chunks = [rank] if layout == "ring" else [rank, 2 * world - 1 - rank]
+    parts = world if layout == "ring" else 2 * world
+    return torch.cat([x[a:b].chunk(parts, dim=0)[c] for a, b in zip(bounds[:-1], bounds[1:]) for c in chunks], dim=0)
