@@ -18,7 +18,9 @@ Written once so their semantics cannot drift between kernels:
   decode kernel and the cache-mode forward agree on.
 - `kv_descales`, `quantize_e4m3`, `quantize_counted`: an FP8 cache's descales for one (request, KV head),
   the quantization of appended rows and the count of their values it clamps (see [Note] FP8 KV cache);
-  a K/V tile is dequantized by `.to(q.dtype)` right after its load, exact for e4m3 in fp16 and bf16.
+  a K/V tile is dequantized by `.to(q.dtype)` right after its load, exact for e4m3 in fp16 and bf16;
+  `cache_query` puts a bf16 q in fp16 for decode over such a cache.
+- `tree_scores`: a speculative verify step's tree mask over the drafts (decode's masked stages).
 - `probs_for_values`: the probabilities in V's dtype for the P V product (e4m3 in the FP8 forward,
   [Note] FP8 forward).
 - `dropout_keep`: which attention probabilities dropout keeps (forward, backward and the S_dmask
@@ -42,9 +44,9 @@ the LSE (backward: exp(s - lse) = 0; split merges: weight exp(lse_i - lse) = 0) 
 descale per (request, KV head) (`kv_descales`; a per-tensor scale is the same number everywhere). A
 program reads one (request, KV head), so its descales are two scalars: a K/V tile is converted to q's
 16-bit dtype on load (exact; decode converts to fp16 and takes a bf16 q there too: `cache_query`), K's
-descale multiplies softmax_scale before `score_units` (so softcap,
-ALiBi and the base-2 logits all see the true scores), and V's multiplies the normalised output (before a
-split's partial is stored, so the combine merges true values). New rows are quantized
+descale multiplies softmax_scale before `score_units` (so softcap, ALiBi and the base-2 logits all see the
+true scores), and V's multiplies the normalised output (before a split's partial is stored, so the combine
+merges true values). New rows are quantized
 (`quantize_e4m3`), stored, and attended over as stored, so a step sees what the next step will read;
 with a counter (Saturated, int64 (B, H_KV, 2)) the program that stores them adds how many K and V values
 were clamped at +-448 (`quantize_counted`), so a caller learns its scales are too tight without a sync.
