@@ -55,6 +55,18 @@ def ran(cases: dict, case: str) -> dict:
     return cases[case]
 
 
+def assert_shards_agree(ranks: dict, case: str, dtype: torch.dtype) -> None:
+    """Every rank's errors of `case` against the single-process reference: LSE within its tolerance, the output
+    within the agreement tolerance of two kernel paths, the gradients within three times it."""
+    tol, (atol, _) = agreement_tolerance(dtype), lse_tolerance(dtype)
+    for rank, cases in sorted(ranks.items()):
+        errors = ran(cases, case)
+        assert not isinstance(errors, str), f"rank {rank}:\n{errors}"
+        assert errors["lse"] <= atol, (rank, errors)
+        for name in ("out", "dq", "dk", "dv"):
+            assert errors[name] <= tol * (3 if name != "out" else 1), (rank, name, errors)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -296,15 +308,7 @@ def ranks(request):
 @pytest.mark.skipif(ON_GPU, reason="gloo ranks on CPU under the interpreter (the GPU runs world size 1 with NCCL)")
 @pytest.mark.parametrize("case", list(CASES))
 def test_shards_equal_the_single_process_attention(ranks, case):
-    dtype = getattr(torch, CASES[case][-1])
-    tol = agreement_tolerance(dtype)
-    atol, _ = lse_tolerance(dtype)
-    for rank, cases in sorted(ranks.items()):
-        errors = ran(cases, case)
-        assert not isinstance(errors, str), f"rank {rank}:\n{errors}"
-        assert errors["lse"] <= atol, (rank, errors)
-        for name in ("out", "dq", "dk", "dv"):
-            assert errors[name] <= tol * (3 if name != "out" else 1), (rank, name, errors)
+    assert_shards_agree(ranks, case, getattr(torch, CASES[case][-1]))
 
 
 BAD = {"seqlen": ("InputError", "Expected q, k and v shards of one length divisible into"),
@@ -339,14 +343,7 @@ def test_llama3_shards_equal_the_single_process_attention(ranks, case):
     """The all-gather form (equal token ranges, sequences crossing shard borders, KV heads gathered one or two at
     a time): output, LSE and gradients equal one single-process flash_attn_varlen_func, windows, ALiBi and
     softcap at their global positions."""
-    dtype = LLAMA3[case][-1]
-    tol, (atol, _) = agreement_tolerance(dtype), lse_tolerance(dtype)
-    for rank, cases in sorted(ranks.items()):
-        errors = ran(cases, case)
-        assert not isinstance(errors, str), f"rank {rank}:\n{errors}"
-        assert errors["lse"] <= atol, (rank, errors)
-        for name in ("out", "dq", "dk", "dv"):
-            assert errors[name] <= tol * (3 if name != "out" else 1), (rank, name, errors)
+    assert_shards_agree(ranks, case, LLAMA3[case][-1])
 
 
 def test_llama3_prepare_matches_ring_flash_attn():
@@ -457,13 +454,7 @@ VARLEN = {f"varlen {layout} {mask} {dtype}": dtype for layout, mask, dtype in
 def test_varlen_shards_equal_the_single_process_attention(ranks, case):
     """Packed sequences of different lengths, each cut into world chunks: every rank's output, LSE and
     gradients equal its chunks of one single-process flash_attn_varlen_func."""
-    tol, (atol, _) = agreement_tolerance(VARLEN[case]), lse_tolerance(VARLEN[case])
-    for rank, cases in sorted(ranks.items()):
-        errors = ran(cases, case)
-        assert not isinstance(errors, str), f"rank {rank}:\n{errors}"
-        assert errors["lse"] <= atol, (rank, errors)
-        for name in ("out", "dq", "dk", "dv"):
-            assert errors[name] <= tol * (3 if name != "out" else 1), (rank, name, errors)
+    assert_shards_agree(ranks, case, VARLEN[case])
 
 
 @pytest.mark.skipif(ON_GPU, reason="gloo ranks on CPU under the interpreter")

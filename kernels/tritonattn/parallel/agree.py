@@ -95,3 +95,11 @@ def checked_call(group: Optional[dist.ProcessGroup], tensors: Sequence[torch.Ten
                          f"{differ} others; every rank must pass its shard of the same call (same shapes, dtypes, "
                          f"causal, window and layout).")
     _CHECKED.add(key)
+
+
+def refuse_dropout(dropout_p) -> None:
+    """Every context-parallel form refuses dropout: each rank would draw its blocks' bits in its own local
+    coordinates, so the mask would differ from the single-GPU one."""
+    if dropout_p:
+        raise NotImplementedError("Dropout in context-parallel attention is not supported: its mask would differ "
+                                  "from the single-GPU one (pass dropout_p=0).")

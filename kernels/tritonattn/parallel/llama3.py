@@ -23,7 +23,7 @@ from ..config.tables import prefill_fwd_config
 from ..errors import InputError
 from ..launch.backward import launch_varlen_backward
 from ..launch.prefill import launch_varlen
-from .agree import checked_call
+from .agree import checked_call, refuse_dropout
 
 
 def llama3_flash_attn_prepare_cu_seqlens(cu_seqlens: torch.Tensor, causal: bool, rank: int, world_size: int):
@@ -77,6 +77,18 @@ def _head_calls(call: AttnCall, stride: int, group_size: int, nheads: int) -> Li
             for first in range(0, nheads // group_size, stride)]
 
 
+def gathered_heads(k, v, stride: int, group_size: int, group):
+    """(n, first, kv, heads) per group of `stride` KV heads [first, first + stride): kv their gathered K/V
+    (`_Gather`), heads the slice of the query heads that read them; the next group's gather is posted before this
+    one is handed out, so it runs under the caller's attention."""
+    pending = _Gather(k, v, 0, stride, group)
+    for n, first in enumerate(range(0, k.shape[1], stride)):
+        kv = pending.wait()
+        if first + stride < k.shape[1]:
+            pending = _Gather(k, v, first + stride, stride, group)
+        yield n, first, kv, slice(first * group_size, (first + stride) * group_size)
+
+
 def llama3_forward(q, k, v, meta, calls: List[AttnCall], group) -> Tuple[torch.Tensor, torch.Tensor]:
     """(out float32 (total_q, nheads, headdim), lse float32 (nheads, total_q)) of this rank's packed queries."""
     cu_q, cu_k, max_q, max_k, k_rows, stride = meta
@@ -84,12 +96,7 @@ def llama3_forward(q, k, v, meta, calls: List[AttnCall], group) -> Tuple[torch.T
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
     config = prefill_fwd_config(calls[0].options.head_dim_pad, q.dtype, False, device_target(q.device))  # fwd_kernel
-    pending = _Gather(k, v, 0, stride, group)
-    for n, first in enumerate(range(0, k.shape[1], stride)):
-        kv = pending.wait()
-        if first + stride < k.shape[1]:
-            pending = _Gather(k, v, first + stride, stride, group)
-        heads = slice(first * group_size, (first + stride) * group_size)
+    for n, _, kv, heads in gathered_heads(k, v, stride, group_size, group):
         part = torch.empty((q.shape[0], stride * group_size, q.shape[2]), dtype=torch.float32, device=q.device)
         part, part_lse = launch_varlen(q[:, heads], kv[0][k_rows], kv[1][k_rows], cu_q, cu_k, max_q, max_k,
                                        calls[n].options, config=config, tensors=calls[n].tensors, out=part)
@@ -103,12 +110,7 @@ def llama3_backward(dout, q, k, v, out, lse, meta, calls: List[AttnCall], group)
     group_size = q.shape[1] // k.shape[1]
     dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     dk, dv = (torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in (k, v))
-    pending = _Gather(k, v, 0, stride, group)
-    for n, first in enumerate(range(0, k.shape[1], stride)):
-        kv = pending.wait()
-        if first + stride < k.shape[1]:
-            pending = _Gather(k, v, first + stride, stride, group)
-        heads = slice(first * group_size, (first + stride) * group_size)
+    for n, first, kv, heads in gathered_heads(k, v, stride, group_size, group):
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
         grads = (torch.empty(q[:, heads].shape, dtype=torch.float32, device=q.device), dkv[0][k_rows], dkv[1][k_rows])
         launch_varlen_backward(dout[:, heads], q[:, heads], kv[0][k_rows], kv[1][k_rows], out[:, heads],
@@ -154,9 +156,7 @@ def llama3_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
 
     def local_checks():
         validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_q, max_seqlen_q, max_seqlen_q)
-        if dropout_p:
-            raise NotImplementedError("Dropout in context-parallel attention is not supported: its mask would differ "
-                                      "from the single-GPU one (pass dropout_p=0).")
+        refuse_dropout(dropout_p)
         if not causal and (window != (-1, -1) or alibi_slopes is not None):
             raise NotImplementedError("A window or ALiBi with causal=False is not supported by the all-gather form: "
                                       "the last sequence's queries are not aligned to the end of its keys.")

@@ -30,7 +30,7 @@ from ..config.tables import prefill_fwd_config
 from ..errors import InputError
 from ..launch.backward import launch_backward
 from ..launch.prefill import launch_prefill
-from .agree import checked_call
+from .agree import checked_call, refuse_dropout
 from .blocks import block_call
 from .comm import Ring
 
@@ -153,9 +153,7 @@ def context_parallel_attention(q, k, v, dropout_p=0.0, softmax_scale=None, causa
             raise InputError(f"Expected q, k and v shards of one length divisible into {parts} chunks (layout "
                              f"{layout!r}), got seqlen_q {q.shape[1]} and seqlen_k {k.shape[1]} on rank "
                              f"{dist.get_rank(group)}.")
-        if dropout_p:
-            raise NotImplementedError("Dropout in context-parallel attention is not supported: its mask would differ "
-                                      "from the single-GPU one (pass dropout_p=0).")
+        refuse_dropout(dropout_p)
         if alibi_slopes is not None:
             raise NotImplementedError("ALiBi in the ring layouts is not supported: the kernels measure ALiBi distances "
                                       "from each block's own diagonal; use llama3_flash_attn_varlen_func (causal), "

@@ -27,7 +27,7 @@ from ..config.tables import prefill_fwd_config
 from ..errors import InputError
 from ..launch.backward import launch_varlen_backward
 from ..launch.prefill import launch_varlen
-from .agree import checked_call
+from .agree import checked_call, refuse_dropout
 from .comm import Ring
 
 
@@ -159,9 +159,7 @@ def context_parallel_varlen_attention(q, k, v, cu_seqlens, max_seqlen, dropout_p
 
     def local_checks():
         built["max"], _ = validate_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
-        if dropout_p:
-            raise NotImplementedError("Dropout in context-parallel attention is not supported: its mask would differ "
-                                      "from the single-GPU one (pass dropout_p=0).")
+        refuse_dropout(dropout_p)
         if alibi_slopes is not None:
             raise NotImplementedError("ALiBi in the ring layouts is not supported: the kernels measure ALiBi distances "
                                       "from each block's own diagonal; use llama3_flash_attn_varlen_func (causal).")
