@@ -15,6 +15,7 @@ bf16 forward at >= 4096 keys. Rows go to results/<gpu>/bench_fp8.csv:
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 
@@ -64,12 +65,11 @@ def decode_cases(dtype: torch.dtype = torch.bfloat16):
         pools[0][perm] = k8.view(-1, PAGE, H_KV, D)
         pools[1][perm] = v8.view(-1, PAGE, H_KV, D)
         ref, _ = attention_ref(q[:1].double(), k[:1].double(), v[:1].double())
-        steps = {
-            "bf16": (0, lambda: flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths)),
-            "e4m3": (0, lambda: flash_attn_with_kvcache(q, k8, v8, cache_seqlens=lengths, k_descale=kd, v_descale=vd)),
-            "e4m3 paged": (PAGE, lambda: flash_attn_with_kvcache(q, *pools, cache_seqlens=lengths, block_table=table,
-                                                                 k_descale=kd, v_descale=vd)),
-        }
+        caches = {"bf16": (0, (k, v), {}), "e4m3": (0, (k8, v8), dict(k_descale=kd, v_descale=vd)),
+                  "e4m3 paged": (PAGE, pools, dict(block_table=table, k_descale=kd, v_descale=vd))}
+        # each step binds this shape's tensors now (a closure over the loop's names would see the last shape's)
+        steps = {name: (page, functools.partial(flash_attn_with_kvcache, q, *kv, cache_seqlens=lengths, **kw))
+                 for name, (page, kv, kw) in caches.items()}
         for name, (page, step) in steps.items():
             yield name, batch, keys, page, step, rel_err(step()[:1], ref)
 
@@ -84,10 +84,10 @@ def prefill_cases():
         q8, k8, v8 = (_quantize(t, d) for t, d in zip((q, k, v), ds))
         for causal in (False, True):  # the error of request 0's last 256 rows (causal: aligned bottom-right)
             ref, _ = attention_ref(q[:1, -256:].double(), k[:1].double(), v[:1].double(), causal=causal)
-            calls = {
-                "bf16": lambda causal=causal: flash_attn_func(q, k, v, causal=causal),
-                "e4m3": lambda causal=causal: flash_attn_func(q8, k8, v8, causal=causal, q_descale=ds[0],
-                                                              k_descale=ds[1], v_descale=ds[2]),
+            calls = {  # bound to this shape's tensors now, as the decode steps
+                "bf16": functools.partial(flash_attn_func, q, k, v, causal=causal),
+                "e4m3": functools.partial(flash_attn_func, q8, k8, v8, causal=causal, q_descale=ds[0],
+                                          k_descale=ds[1], v_descale=ds[2]),
             }
             for name, call in calls.items():
                 err = rel_err(call()[:1, -256:], ref)

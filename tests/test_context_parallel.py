@@ -24,16 +24,19 @@ import torch.multiprocessing as mp
 from helpers import ON_GPU
 from tritonattn.testing import agreement_tolerance, lse_tolerance, rel_err
 
-CASES = {  # name: (layout, causal, window_size, nheads, nheads_k, dtype)
-    f"{layout} {mask} {heads} {dtype}": (layout, causal, window, *heads_kv, dtype)
+CASES = {  # name: (layout, causal, window_size, alibi, nheads, nheads_k, dtype)
+    f"{layout} {mask} {heads} {dtype}": (layout, causal, window, alibi, *heads_kv, dtype)
     for layout in ("ring", "zigzag", "stripe")
-    for mask, (causal, window) in {"full": (False, (-1, -1)), "causal": (True, (-1, -1)),
-                                   "causal window 9": (True, (9, 0)), "window (5, 7)": (False, (5, 7))}.items()
+    for mask, (causal, window, alibi) in {
+        "full": (False, (-1, -1), False), "causal": (True, (-1, -1), False), "causal window 9": (True, (9, 0), False),
+        "window (5, 7)": (False, (5, 7), False), "causal alibi": (True, (-1, -1), True),
+        "window (5, 7) alibi": (False, (5, 7), True)}.items()
     for heads, heads_kv in {"gqa": (4, 2), "mqa": (4, 1)}.items()
     for dtype in ("float32", "float16")
     if (heads == "gqa" or mask == "causal")
     and (dtype == "float32" or (heads == "gqa" and mask in ("causal", "window (5, 7)")))  # fp16: two masks
 }
+SLOPES = torch.tensor([0.5, 0.25, 0.125, 0.0625])  # ALiBi's, one per query head
 CHUNK, HEAD_DIM = 8, 32  # tokens per chunk: a zigzag shard holds two
 AT_FOUR = "float32"  # 4 ranks run the float32 GQA/MQA cases only (the module's time); 2 ranks run every case
 LLAMA3 = {  # name: (causal, window_size, alibi, softcap, heads_k_stride, dtype)
@@ -108,7 +111,7 @@ def _run_cases(rank: int, world: int, port: int, results) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     out = {}
-    for name, (layout, causal, window, nheads, nheads_k, dtype) in CASES.items():
+    for name, (layout, causal, window, alibi, nheads, nheads_k, dtype) in CASES.items():
         if world == 4 and (dtype != AT_FOUR or mask_name(name) == "full"):
             continue
         try:
@@ -118,11 +121,13 @@ def _run_cases(rank: int, world: int, port: int, results) -> None:
             q, k, v, dout = (torch.randn(1, seqlen, h, HEAD_DIM, generator=g).to(dtype)
                              for h in (nheads, nheads_k, nheads_k, nheads))
             whole = [t.clone().requires_grad_() for t in (q, k, v)]
-            ref, ref_lse = flash_attn_func(*whole, causal=causal, window_size=window, return_softmax_lse=True)
+            slopes = SLOPES[:nheads] if alibi else None
+            ref, ref_lse = flash_attn_func(*whole, causal=causal, window_size=window, alibi_slopes=slopes,
+                                           return_softmax_lse=True)
             ref.backward(dout)
             mine = [shard(t, layout, rank, world).clone().requires_grad_() for t in (q, k, v)]
-            res, lse, _ = context_parallel_attention(*mine, causal=causal, window_size=window, return_attn_probs=True,
-                                                     layout=layout)
+            res, lse, _ = context_parallel_attention(*mine, causal=causal, window_size=window, alibi_slopes=slopes,
+                                                     return_attn_probs=True, layout=layout)
             res.backward(shard(dout, layout, rank, world))
             out[name] = {
                 "out": rel_err(res, shard(ref, layout, rank, world)),
@@ -134,9 +139,10 @@ def _run_cases(rank: int, world: int, port: int, results) -> None:
     import tritonattn.parallel as cp
     from tritonattn import flash_attn_varlen_func
 
-    for layout, causal, dtype in itertools.product(("ring", "zigzag"), (False, True), (torch.float32, torch.float16)):
-        name = f"varlen {layout} {'causal' if causal else 'full'} {dtype}"
-        if world == 4 and dtype != torch.float32:
+    for layout, causal, alibi, dtype in itertools.product(("ring", "zigzag"), (False, True), (False, True),
+                                                          (torch.float32, torch.float16)):
+        name = f"varlen {layout} {'causal' if causal else 'full'}{' alibi' if alibi else ''} {dtype}"
+        if (world == 4 or alibi) and dtype != torch.float32:
             continue
         try:  # packed sequences, each cut into world chunks, rank r holding chunk r of every one
             lengths = [8 * world, 2 * world, 12 * world]
@@ -144,15 +150,17 @@ def _run_cases(rank: int, world: int, port: int, results) -> None:
             g = torch.Generator().manual_seed(2)
             q, k, v, dout = (torch.randn(int(cu[-1]), h, HEAD_DIM, generator=g).to(dtype) for h in (4, 2, 2, 4))
             whole = [t.clone().requires_grad_() for t in (q, k, v)]
+            slopes = SLOPES if alibi else None
             ref, ref_lse, _ = flash_attn_varlen_func(*whole, cu, cu, max(lengths), max(lengths), causal=causal,
-                                                     return_attn_probs=True)
+                                                     alibi_slopes=slopes, return_attn_probs=True)
             ref.backward(dout)
             def local(t):
                 return cp.shard_varlen(t, cu, rank, world, layout)
 
             fn = cp.ring_flash_attn_varlen_func if layout == "ring" else cp.zigzag_ring_flash_attn_varlen_func
             mine = [local(t).clone().requires_grad_() for t in (q, k, v)]
-            res, lse, _ = fn(*mine, cu // world, max(lengths) // world, causal=causal, return_attn_probs=True)
+            res, lse, _ = fn(*mine, cu // world, max(lengths) // world, causal=causal, alibi_slopes=slopes,
+                             return_attn_probs=True)
             res.backward(local(dout))
             out[name] = {
                 "out": rel_err(res, local(ref)),
@@ -267,7 +275,7 @@ def _run_cases(rank: int, world: int, port: int, results) -> None:
     bad = {  # name: keyword arguments of a call that must be refused on every rank, before any transfer
         "seqlen": {},  # k and v shorter than q, below
         "dropout": dict(dropout_p=0.1),
-        "alibi": dict(alibi_slopes=torch.ones(2)),
+        "alibi": dict(alibi_slopes=torch.ones(3)),  # two heads
         "layout": dict(layout="stripes"),
     }
     for name, kw in bad.items():
@@ -313,7 +321,7 @@ def test_shards_equal_the_single_process_attention(ranks, case):
 
 BAD = {"seqlen": ("InputError", "Expected q, k and v shards of one length divisible into"),
        "dropout": ("NotImplementedError", "Dropout in context-parallel attention"),
-       "alibi": ("NotImplementedError", "ALiBi in the ring layouts"),
+       "alibi": ("InputError", "Expected alibi_slopes of shape (2,) or (1, 2)"),
        "layout": ("InputError", "Expected a layout in")}
 
 
@@ -416,6 +424,32 @@ def test_shard_and_unshard_are_inverse():
     assert shard(x, "stripe", 1, 4)[0, :, 0].tolist() == [3 * i for i in range(1, 24, 4)]
 
 
+@pytest.mark.parametrize("layout", ["ring", "zigzag", "stripe"])
+def test_alibi_counts_global_positions_in_a_simulated_ring(layout):
+    """A ring of 3 ranks simulated in one process (a stripe's ALiBi origin is then a fraction of the step): the
+    forward of every rank with ALiBi, per-batch slopes, causal or with a two-sided window, equals its shard of one
+    flash_attn_func on the whole sequence, output and LSE."""
+    from tritonattn import flash_attn_func
+    from tritonattn.api.args import attention_call
+    from tritonattn.parallel.ring import ring_forward, shard
+
+    world, chunk, nheads = 3, 8, 2
+    seqlen = chunk * world * (2 if layout == "zigzag" else 1)
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, seqlen, nheads, HEAD_DIM, generator=g) for _ in range(3))
+    slopes = torch.rand(2, nheads, generator=g)
+    for causal, window in ((True, (-1, -1)), (False, (-1, -1)), (False, (4, 6))):
+        ref, ref_lse = flash_attn_func(q, k, v, causal=causal, window_size=window, alibi_slopes=slopes,
+                                       return_softmax_lse=True)
+        call = attention_call(HEAD_DIM, None, causal, window, 0.0, slopes, seqlen_k=seqlen, batch=2, nheads=nheads,
+                              device=q.device)
+        shards = [[shard(t, layout, r, world) for t in (q, k, v)] for r in range(world)]
+        for r in range(world):
+            out, lse = ring_forward(*shards[r], call, layout, _SimulatedRing(r, world, [s[1:] for s in shards]))
+            assert rel_err(out, shard(ref, layout, r, world)) <= agreement_tolerance(torch.float32), (causal, r)
+            assert (lse - shard(ref_lse, layout, r, world, dim=2)).abs().max() <= lse_tolerance(torch.float32)[0]
+
+
 @pytest.mark.skipif(ON_GPU, reason="gloo ranks on CPU under the interpreter")
 @pytest.mark.parametrize("layout", ["ring", "zigzag", "stripe"])
 def test_packed_forms_equal_the_unpacked(ranks, layout):
@@ -446,14 +480,15 @@ def test_signatures_are_ring_flash_attns():
 
 
 VARLEN = {f"varlen {layout} {mask} {dtype}": dtype for layout, mask, dtype in
-          itertools.product(("ring", "zigzag"), ("full", "causal"), (torch.float32, torch.float16))}
+          itertools.product(("ring", "zigzag"), ("full", "causal", "full alibi", "causal alibi"),
+                            (torch.float32, torch.float16)) if "alibi" not in mask or dtype == torch.float32}
 
 
 @pytest.mark.skipif(ON_GPU, reason="gloo ranks on CPU under the interpreter")
 @pytest.mark.parametrize("case", list(VARLEN))
 def test_varlen_shards_equal_the_single_process_attention(ranks, case):
     """Packed sequences of different lengths, each cut into world chunks: every rank's output, LSE and
-    gradients equal its chunks of one single-process flash_attn_varlen_func."""
+    gradients equal its chunks of one single-process flash_attn_varlen_func, ALiBi at global positions."""
     assert_shards_agree(ranks, case, VARLEN[case])
 
 
@@ -570,20 +605,20 @@ def test_merge_in_fp32_beats_rounding_each_step(layout):
     q, k, v = (torch.randn(1, n, h, 128, device="cuda", dtype=torch.bfloat16, generator=g) for h in (8, 2, 2))
     ref = attention_ref(q.double(), k.double(), v.double(), causal=True)[0]
     single = rel_err(flash_attn_func(q, k, v, causal=True), ref)
-    options = attention_call(128, None, True, seqlen_k=n, batch=1, nheads=8, device=q.device).options
+    call = attention_call(128, None, True, seqlen_k=n, batch=1, nheads=8, device=q.device)
     for world in (2, 4, 8):
         shards = [[shard(t, layout, r, world) for t in (q, k, v)] for r in range(world)]
         ours, theirs = [], []
         for r in range(world):
             kv = [[s[1], s[2]] for s in shards]
-            out, _ = ring_forward(*shards[r], options, layout, _SimulatedRing(r, world, kv))
+            out, _ = ring_forward(*shards[r], call, layout, _SimulatedRing(r, world, kv))
             ours.append(out.to(torch.bfloat16))
             chunk = shards[r][0].shape[1] // (2 if layout == "zigzag" else 1)
             acc = torch.zeros(shards[r][0].shape, dtype=torch.float32, device="cuda")
             lse = torch.full((1, 8, shards[r][0].shape[1]), float("inf"), device="cuda")
             for step in range(world):  # ring-flash-attn's: each block's output in bf16, merged in fp32
                 src = (r - step) % world
-                for rows, keys, block in chunk_pairs(layout, r, src, world, chunk, options):
+                for rows, keys, block, _ in chunk_pairs(layout, r, src, world, chunk, call):
                     part, part_lse = _bf16_block(shards[r][0][:, rows], kv[src][0][:, keys], kv[src][1][:, keys], block)
                     acc[:, rows], lse[:, :, rows] = merge_attention(acc[:, rows], lse[:, :, rows], part.float(),
                                                                     part_lse)

@@ -15,7 +15,8 @@ them) and hands it down. No launcher lists an option by hand:
   launch by parameter name, so a call with another runtime value reuses the launch with its own value.
 
 A per-call tensor (ALiBi slopes, sinks, seqused_k) is a compiled flag here (HAS_ALIBI, ...) and a kernel
-argument the translation validates (`AttnCall.tensors`). Attention kernels take `**options.constexprs,
+argument the translation validates (`AttnCall.tensors`; context parallelism adds ALiBi's origin shift for a
+block of a longer sequence, Alibi_shift: [Note] ALiBi origin in jit/common.py). Attention kernels take `**options.constexprs,
 **options.runtime, **tensors`; helper kernels that do no attention (the backward's preprocessing, the
 cache append, the split combine) take `**options.tile`. A kernel that lacks a parameter for an option
 fails at its first launch (an unexpected keyword), never silently. The recipe for a new option, and

@@ -5,8 +5,8 @@ Written once so their semantics cannot drift between kernels:
 - `gqa_kv_head`, `gqa_q_head`: the GQA head mapping (query head h reads KV head h // G).
 - `window_extent`, `key_range`, `in_band`, `mask_scores`: which keys a row sees (length, bottom-right
   causal mask, sliding window), which key blocks a query block visits, and the mask itself.
-- `score_units`, `score_mods`, `tanh`, `variant_scores`: the variants' scores (softcap, ALiBi), and a
-  block's scores made ready for the softmax (mods, then masks).
+- `score_units`, `alibi_terms`, `score_mods`, `tanh`, `variant_scores`: the variants' scores (softcap, ALiBi),
+  and a block's scores made ready for the softmax (mods, then masks).
 - `online_softmax`: one step of the streaming softmax (FlashAttention-2, base 2).
 - `finalize`: the epilogue that turns (acc, m_i, l_i) into the output and its log-sum-exp.
 - `load_rows`: a [rows, HEAD_DIM_PAD] tile load masked by row count and by head-dim padding.
@@ -34,6 +34,13 @@ log2(e)), l_i the running sum of exp2(scaled score - m_i), acc the unnormalised 
 window bounds either side, and an unbounded side is M + N (`window_extent`). A query block's keys
 split into whole blocks (no mask) and the band's two edges (masked), and blocks outside the band are
 never visited (`key_range`), so a window costs what its width costs, not what N costs.
+
+[Note] ALiBi origin. ALiBi adds -slope * |i + N - M - j| to query i's score for key j: the distance from
+the row's diagonal key. A call that computes one block of a longer sequence (context parallelism: queries
+at global positions q0 + i * step, keys at k0 + j * step, step 1 for contiguous chunks and the world size
+for stripes) needs |gi - gj| = step * |i - j + (q0 - k0) / step| instead. Its caller scales the slopes by
+step and passes Alibi_shift[b] = (q0 - k0) / step - (N - M) (float32), so the origin `alibi_terms` returns
+is (q0 - k0) / step; distances are then summed in float32, exact for integers below 2^24.
 
 [Note] Fully masked rows. A query row that sees no key keeps m_i = -inf and l_i = 0. `online_softmax`
 with MASKED=True subtracts 0 instead of -inf, so no `-inf - -inf = NaN` appears; `finalize` turns
@@ -188,29 +195,50 @@ def score_units(softmax_scale, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def score_mods(qk, q_pos, k_pos, diag, cap_scale, slope, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
-    """The variants' scores, in `score_units`: (u, t) with u = t - slope * |q_pos + diag - k_pos| and t =
-    tanh(qk * cap_scale) with HAS_SOFTCAP (else t = qk); slope is ALiBi's slope divided by the unit.
-    q_pos, k_pos broadcast against qk. t is what the backward needs for tanh's derivative 1 - t^2."""
+def alibi_terms(Alibi, stride_alibi_b, Alibi_shift, off_b, off_h, unit, diag, HAS_ALIBI: tl.constexpr):
+    """ALiBi's (slope, origin) for batch entry (or packed sequence) off_b and head off_h: the `alibi` of
+    `score_mods`. slope is the head's slope in score units (divided by `unit`); origin is diag, plus
+    Alibi_shift[off_b] (float32) where given: a block of a longer sequence (context parallelism) measures
+    distances from its rows' true positions, not from its own corner (see [Note] ALiBi origin). Without
+    ALiBi: (0.0, diag), never read."""
+    if HAS_ALIBI:
+        slope = tl.load(Alibi + off_b * stride_alibi_b + off_h) / unit
+        if Alibi_shift is None:
+            origin = diag
+        else:
+            origin = diag + tl.load(Alibi_shift + off_b)
+    else:
+        slope = 0.0
+        origin = diag
+    return slope, origin
+
+
+@triton.jit
+def score_mods(qk, q_pos, k_pos, cap_scale, alibi, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """The variants' scores, in `score_units`: (u, t) with u = t - slope * |q_pos + origin - k_pos| and t =
+    tanh(qk * cap_scale) with HAS_SOFTCAP (else t = qk); alibi = (slope, origin) (`alibi_terms`: slope is
+    ALiBi's slope divided by the unit, origin the rows' diagonal offset). q_pos, k_pos broadcast against qk.
+    t is what the backward needs for tanh's derivative 1 - t^2."""
     if HAS_SOFTCAP:
         t = tanh(qk * cap_scale)
     else:
         t = qk
     u = t
     if HAS_ALIBI:
-        u = u - slope * tl.abs(q_pos + diag - k_pos).to(tl.float32)
+        slope, origin = alibi
+        u = u - slope * tl.abs((q_pos - k_pos).to(tl.float32) + origin)
     return u, t
 
 
 @triton.jit
-def variant_scores(qk, offs_m, offs_n, n_end, diag, left, right, cap_scale, slope, MASKED: tl.constexpr,
+def variant_scores(qk, offs_m, offs_n, n_end, diag, left, right, cap_scale, alibi, MASKED: tl.constexpr,
                    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                    HAS_ALIBI: tl.constexpr):
     """A block's raw scores qk [rows, BLOCK_N] made ready for `online_softmax`: softcap and ALiBi
-    applied (`score_mods`; slope a scalar, or [rows, 1] when the rows are of several heads), then, in
-    a masked block, the length and band mask (`mask_scores`). offs_m are the rows' query positions."""
+    applied (`score_mods`; alibi's slope a scalar, or [rows, 1] when the rows are of several heads), then,
+    in a masked block, the length and band mask (`mask_scores`). offs_m are the rows' query positions."""
     if HAS_SOFTCAP or HAS_ALIBI:
-        qk, _ = score_mods(qk, offs_m[:, None], offs_n[None, :], diag, cap_scale, slope, HAS_SOFTCAP, HAS_ALIBI)
+        qk, _ = score_mods(qk, offs_m[:, None], offs_n[None, :], cap_scale, alibi, HAS_SOFTCAP, HAS_ALIBI)
     if MASKED:
         qk = mask_scores(qk, offs_m, offs_n, n_end, diag, left, right, IS_CAUSAL, HAS_WINDOW)
     return qk

@@ -431,10 +431,10 @@ def decode_kernel(
                 vn0 = quantize_counted(vn0, v_scale, Saturated, (off_b * H_KV + off_hk) * 2 + 1, stores)
 
     row_ok = offs_r < rows_total
-    if HAS_ALIBI:  # each row's q head's slope, in score units, as a column against the keys
-        slope = (tl.load(Alibi + off_b * stride_alibi_b + offs_h, mask=row_ok, other=0.0) / unit)[:, None]
+    if HAS_ALIBI:  # (each row's q head's slope in score units as a column, diag): `alibi_terms`
+        alibi = ((tl.load(Alibi + off_b * stride_alibi_b + offs_h, mask=row_ok, other=0.0) / unit)[:, None], diag)
     else:
-        slope = 0.0
+        alibi = (0.0, diag)
     if HAS_SINKS and not SPLIT:  # the sink starts each row's max and sum; split, the combine adds it
         m_i = tl.load(Sinks + offs_h, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
         l_i = tl.full([BLOCK_H], 1.0, dtype=tl.float32)
@@ -457,7 +457,7 @@ def decode_kernel(
             in_rows = tl.where(rows >= band_lo, rows, hi)  # rows before the band: not loaded (zeros)
             k = load_rows(k_head + k_offs[:, None] + offs_d[None, :], in_rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD,
                           True).to(q.dtype)
-            qk = variant_scores(tl.dot(q, tl.trans(k)), offs_t, rows, hi, diag, left, right, cap_scale, slope, True,
+            qk = variant_scores(tl.dot(q, tl.trans(k)), offs_t, rows, hi, diag, left, right, cap_scale, alibi, True,
                                 IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
             p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, True)
             v_offs = kv_block_offsets(blocks, start_n, offs_n, stride_vb, stride_vn, PAGE_SIZE, PAGED, WIDE_PAGES,
@@ -478,7 +478,7 @@ def decode_kernel(
                                       BLOCK_N)
             k = load_rows(k_head + k_offs[:, None] + offs_d[None, :], rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD,
                           False).to(q.dtype)  # [BLOCK_N, D_PAD], an FP8 tile dequantized (its scale: unit)
-            qk = variant_scores(tl.dot(q, tl.trans(k)), offs_t, rows, hi, diag, left, right, cap_scale, slope, False,
+            qk = variant_scores(tl.dot(q, tl.trans(k)), offs_t, rows, hi, diag, left, right, cap_scale, alibi, False,
                                 IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)  # [BLOCK_H, BLOCK_N]
             p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, False)
             v_offs = kv_block_offsets(blocks, start_n, offs_n, stride_vb, stride_vn, PAGE_SIZE, PAGED, WIDE_PAGES,
@@ -503,7 +503,7 @@ def decode_kernel(
         k_offs = kv_block_offsets(blocks, start_n, offs_n, stride_kb, stride_kn, PAGE_SIZE, PAGED, WIDE_PAGES, BLOCK_N)
         k = load_rows(k_head + k_offs[:, None] + offs_d[None, :], in_rows, hi, offs_d, HEAD_DIM, HEAD_DIM_PAD,
                       True).to(q.dtype)
-        qk = variant_scores(tl.dot(q, tl.trans(k)), offs_t, rows, hi, diag, left, right, cap_scale, slope, True,
+        qk = variant_scores(tl.dot(q, tl.trans(k)), offs_t, rows, hi, diag, left, right, cap_scale, alibi, True,
                             IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
         qk = tree_scores(qk, offs_t, rows, diag, off_b, Tree, Tree_start, Tree_n, HAS_TREE)
         p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, True)
@@ -517,7 +517,7 @@ def decode_kernel(
         if split == num_splits - 1:
             if EARLY_NEW:  # the first chunk, loaded at the start
                 qk = variant_scores(tl.dot(q, tl.trans(kn0.to(q.dtype))), offs_t, seqlen + offs_u, n_total, diag, left,
-                                    right, cap_scale, slope, True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
+                                    right, cap_scale, alibi, True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
                                     HAS_ALIBI)  # [BLOCK_H, BLOCK_NEW]
                 qk = tree_scores(qk, offs_t, seqlen + offs_u, diag, off_b, Tree, Tree_start, Tree_n, HAS_TREE)
                 p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, True)
@@ -533,7 +533,7 @@ def decode_kernel(
                 if KV_FP8:  # stored and attended over as stored
                     kn = quantize_counted(kn, k_scale, Saturated, (off_b * H_KV + off_hk) * 2, pid_rb == 0)
                 qk = variant_scores(tl.dot(q, tl.trans(kn.to(q.dtype))), offs_t, seqlen + us, n_total, diag, left,
-                                    right, cap_scale, slope, True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
+                                    right, cap_scale, alibi, True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
                                     HAS_ALIBI)  # [BLOCK_H, BLOCK_NEW]
                 qk = tree_scores(qk, offs_t, seqlen + us, diag, off_b, Tree, Tree_start, Tree_n, HAS_TREE)
                 p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, True)

@@ -11,6 +11,7 @@ import triton.language as tl
 
 from .common import (
     LOG2E,
+    alibi_terms,
     dropout_keep,
     gqa_q_head,
     in_band,
@@ -76,7 +77,7 @@ def bwd_preprocess_kernel(
 def bwd_dkdv_inner(
     dk, dv, k, v,
     q_src, do_src, lse_base, delta_base, stride_qm, stride_dom,
-    offs_n, offs_d, M, diag, left, right, qk_scale, cap_scale, slope, lo, hi, dropout,
+    offs_n, offs_d, M, diag, left, right, qk_scale, cap_scale, alibi, lo, hi, dropout,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
@@ -104,7 +105,7 @@ def bwd_dkdv_inner(
             lse2 = tl.load(lse_base + offs_m) * LOG2E
         qkT = tl.dot(k, tl.trans(q))  # [BLOCK_N, BLOCK_M]
         if HAS_SOFTCAP or HAS_ALIBI:
-            qkT, tT = score_mods(qkT, offs_m[None, :], offs_n[:, None], diag, cap_scale, slope, HAS_SOFTCAP, HAS_ALIBI)
+            qkT, tT = score_mods(qkT, offs_m[None, :], offs_n[:, None], cap_scale, alibi, HAS_SOFTCAP, HAS_ALIBI)
         pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])  # [BLOCK_N, BLOCK_M]
         if MASKED and (IS_CAUSAL or HAS_WINDOW):
             pT = tl.where(in_band(offs_m[None, :], offs_n[:, None], diag, left, right, IS_CAUSAL, HAS_WINDOW), pT, 0.0)
@@ -151,7 +152,7 @@ def bwd_dkdv_kernel(
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,
     HAS_SEQUSED_K: tl.constexpr, KV_FP8: tl.constexpr = False,  # no cache here: never on
     HAS_TREE: tl.constexpr = False,  # a verify step's tree: decode only, never on here
-    Alibi=None, stride_alibi_b=None, Sinks=None, Seqused_k=None,
+    Alibi=None, stride_alibi_b=None, Sinks=None, Seqused_k=None, Alibi_shift=None,
     Cu_seqlens_q=None, Cu_seqlens_k=None, stride_lseh=None, IS_VARLEN: tl.constexpr = False,
     Rng=None, keep_threshold=None, dropout_scale=None, HAS_DROPOUT: tl.constexpr = False,
 ):
@@ -239,20 +240,17 @@ def bwd_dkdv_kernel(
             dropout = (seed, salt, off_b * H + off_h, start_n, keep_threshold, dropout_scale)
         else:
             dropout = (0, 0, 0, 0, 0, 0.0)
-        if HAS_ALIBI:  # this q head's slope, in score units
-            slope = tl.load(Alibi + off_b * stride_alibi_b + off_h) / unit
-        else:
-            slope = 0.0
+        alibi = alibi_terms(Alibi, stride_alibi_b, Alibi_shift, off_b, off_h, unit, diag, HAS_ALIBI)
         dk, dv = bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qm, stride_dom,
-                                 offs_n, offs_d, M, diag, left, right, qk_scale, cap_scale, slope, m_lo, m_band_end,
+                                 offs_n, offs_d, M, diag, left, right, qk_scale, cap_scale, alibi, m_lo, m_band_end,
                                  dropout, BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, IS_CAUSAL, True, USE_TMA,
                                  HAS_DROPOUT, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
         dk, dv = bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qm, stride_dom,
-                                 offs_n, offs_d, M, diag, left, right, qk_scale, cap_scale, slope, m_mid, m_whole,
+                                 offs_n, offs_d, M, diag, left, right, qk_scale, cap_scale, alibi, m_mid, m_whole,
                                  dropout, BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, IS_CAUSAL, False, USE_TMA,
                                  HAS_DROPOUT, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
         dk, dv = bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qm, stride_dom,
-                                 offs_n, offs_d, M, diag, left, right, qk_scale, cap_scale, slope, m_tail, m_end,
+                                 offs_n, offs_d, M, diag, left, right, qk_scale, cap_scale, alibi, m_tail, m_end,
                                  dropout, BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, IS_CAUSAL, True, USE_TMA,
                                  HAS_DROPOUT, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
 
@@ -266,7 +264,7 @@ def bwd_dkdv_kernel(
 @triton.jit
 def bwd_dq_inner(
     dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, lo, hi,
-    offs_m, offs_n, offs_d, n_end, diag, left, right, qk_scale, cap_scale, slope, dropout,
+    offs_m, offs_n, offs_d, n_end, diag, left, right, qk_scale, cap_scale, alibi, dropout,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, MASKED: tl.constexpr,
     USE_TMA: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
@@ -286,7 +284,7 @@ def bwd_dq_inner(
                           HEAD_DIM, HEAD_DIM_PAD, MASKED)
         qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N]
         if HAS_SOFTCAP or HAS_ALIBI:
-            qk, t = score_mods(qk, offs_m[:, None], (start_n + offs_n)[None, :], diag, cap_scale, slope, HAS_SOFTCAP,
+            qk, t = score_mods(qk, offs_m[:, None], (start_n + offs_n)[None, :], cap_scale, alibi, HAS_SOFTCAP,
                                HAS_ALIBI)
         if MASKED:
             qk = mask_scores(qk, offs_m, start_n + offs_n, n_end, diag, left, right, IS_CAUSAL, HAS_WINDOW)
@@ -317,7 +315,7 @@ def bwd_dq_kernel(
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,
     HAS_SEQUSED_K: tl.constexpr, KV_FP8: tl.constexpr = False,  # no cache here: never on
     HAS_TREE: tl.constexpr = False,  # a verify step's tree: decode only, never on here
-    Alibi=None, stride_alibi_b=None, Sinks=None, Seqused_k=None,
+    Alibi=None, stride_alibi_b=None, Sinks=None, Seqused_k=None, Alibi_shift=None,
     Cu_seqlens_q=None, Cu_seqlens_k=None, stride_lseh=None, IS_VARLEN: tl.constexpr = False,
     Rng=None, keep_threshold=None, dropout_scale=None, HAS_DROPOUT: tl.constexpr = False,
 ):
@@ -373,27 +371,23 @@ def bwd_dq_kernel(
         dropout = (tl.load(Rng), tl.load(Rng + 1), pid_bh, keep_threshold, dropout_scale)
     else:
         dropout = (0, 0, 0, 0, 0.0)
-    if HAS_ALIBI:
-        slope = tl.load(Alibi + off_b * stride_alibi_b + off_h) / unit
-    else:
-        slope = 0.0
-
     diag = N - M
+    alibi = alibi_terms(Alibi, stride_alibi_b, Alibi_shift, off_b, off_h, unit, diag, HAS_ALIBI)
     left, right = window_extent(window_left, window_right, M, N, IS_CAUSAL, HAS_WINDOW)
     n_lo, n_full_lo, n_full, n_end = key_range(start_m, BLOCK_M, BLOCK_N, diag, N, left, right, IS_CAUSAL, HAS_WINDOW)
     if HAS_WINDOW:  # the window's left edge
         dq = bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, n_lo, n_full_lo,
-                          offs_m, offs_n, offs_d, n_end, diag, left, right, qk_scale, cap_scale, slope, dropout,
+                          offs_m, offs_n, offs_d, n_end, diag, left, right, qk_scale, cap_scale, alibi, dropout,
                           BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, USE_TMA, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
                           HAS_ALIBI, HAS_DROPOUT)
     # blocks every row sees whole
     dq = bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, n_full_lo, n_full,
-                      offs_m, offs_n, offs_d, n_end, diag, left, right, qk_scale, cap_scale, slope, dropout,
+                      offs_m, offs_n, offs_d, n_end, diag, left, right, qk_scale, cap_scale, alibi, dropout,
                       BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, USE_TMA, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
                       HAS_ALIBI, HAS_DROPOUT)
     # the diagonal band (or the window's right edge) and the ragged tail
     dq = bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, n_full, n_end,
-                      offs_m, offs_n, offs_d, n_end, diag, left, right, qk_scale, cap_scale, slope, dropout,
+                      offs_m, offs_n, offs_d, n_end, diag, left, right, qk_scale, cap_scale, alibi, dropout,
                       BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, USE_TMA, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
                       HAS_ALIBI, HAS_DROPOUT)
 

@@ -103,6 +103,7 @@ import triton.language as tl
 
 from .common import (
     LOG2E,
+    alibi_terms,
     dropout_keep,
     finalize,
     gqa_kv_head,
@@ -141,7 +142,7 @@ def page_row(Table, start_n, n_rows, NUM_BLOCKS, PAGE_SIZE: tl.constexpr):
 @triton.jit
 def fwd_inner(
     acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, lo, hi, whole_lo, whole_hi,
-    offs_m, offs_n, offs_d, n_end, diag, left, right, qk_scale, cap_scale, slope, dropout,
+    offs_m, offs_n, offs_d, n_end, diag, left, right, qk_scale, cap_scale, alibi, dropout,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, MASKED: tl.constexpr,
     USE_TMA: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, EDGES: tl.constexpr = False,
@@ -166,7 +167,7 @@ def fwd_inner(
             k = load_rows(k_src + tl.cast(start_n, tl.int64) * stride_kn + k_rel, rows_in, n_end, offs_d,
                           HEAD_DIM, HEAD_DIM_PAD, MASKED or EDGES).to(q.dtype)  # an FP8 cache: dequantized
         qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N]
-        qk = variant_scores(qk, offs_m, start_n + offs_n, n_end, diag, left, right, cap_scale, slope, MASKED,
+        qk = variant_scores(qk, offs_m, start_n + offs_n, n_end, diag, left, right, cap_scale, alibi, MASKED,
                             IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
         if EDGES:
             if (start_n < whole_lo) | (start_n >= whole_hi):
@@ -189,7 +190,7 @@ def fwd_inner(
 @triton.jit
 def paged_fwd_inner(
     acc, m_i, l_i, q, k_desc, v_desc, table, next_row, lo, hi, offs_m, offs_n, n_end, diag, left, right, qk_scale,
-    cap_scale, slope, band_lo, NUM_BLOCKS, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
+    cap_scale, alibi, band_lo, NUM_BLOCKS, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
 ):
     """Stream key blocks [lo, hi) of a paged pool into (acc, m_i, l_i) through descriptors of the whole
@@ -204,7 +205,7 @@ def paged_fwd_inner(
         next_row = page_row(table, start_n + BLOCK_N, n_end, NUM_BLOCKS, PAGE_SIZE)
         k = k_desc.load([row, 0])
         qk = tl.dot(q, tl.trans(k))
-        qk = variant_scores(qk, offs_m, start_n + offs_n, n_end, diag, left, right, cap_scale, slope, MASKED,
+        qk = variant_scores(qk, offs_m, start_n + offs_n, n_end, diag, left, right, cap_scale, alibi, MASKED,
                             IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
         p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, MASKED)
         v = v_desc.load([row, 0])
@@ -230,7 +231,7 @@ def fwd_kernel(
     IS_CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,
     HAS_SEQUSED_K: tl.constexpr,
-    Alibi=None, stride_alibi_b=None, Sinks=None, Seqused_k=None,
+    Alibi=None, stride_alibi_b=None, Sinks=None, Seqused_k=None, Alibi_shift=None,
     Cu_seqlens_q=None, Cu_seqlens_k=None, stride_lseh=None, IS_VARLEN: tl.constexpr = False,
     Rng=None, keep_threshold=None, dropout_scale=None, HAS_DROPOUT: tl.constexpr = False,
     Cache_seqlens=None, Block_table=None, stride_btb=None, NUM_BLOCKS=None, stride_kblk=None, stride_vblk=None,
@@ -300,10 +301,7 @@ def fwd_kernel(
         band_lo = tl.maximum(start_m + diag - left, 0)
     else:
         band_lo = 0
-    if HAS_ALIBI:  # in score units: the scores are divided by `unit` until the softmax
-        slope = tl.load(Alibi + off_b * stride_alibi_b + off_h) / unit
-    else:
-        slope = 0.0
+    alibi = alibi_terms(Alibi, stride_alibi_b, Alibi_shift, off_b, off_h, unit, diag, HAS_ALIBI)  # score units
 
     if HAS_SINKS:  # the sink is a key of score `sink` and no value: it starts the row's max and sum
         m_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32) + tl.load(Sinks + off_h).to(tl.float32) * LOG2E
@@ -332,17 +330,17 @@ def fwd_kernel(
             if HAS_WINDOW:  # the band's left edge, masked
                 acc, m_i, l_i, next_row = paged_fwd_inner(
                     acc, m_i, l_i, q, k_desc, v_desc, table, next_row, n_lo, n_full_lo, offs_m, offs_n, n_end, diag,
-                    left, right, qk_scale, cap_scale, slope, band_lo, NUM_BLOCKS, BLOCK_N, PAGE_SIZE, True, IS_CAUSAL,
+                    left, right, qk_scale, cap_scale, alibi, band_lo, NUM_BLOCKS, BLOCK_N, PAGE_SIZE, True, IS_CAUSAL,
                     HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
             # blocks every row sees whole, no mask
             acc, m_i, l_i, next_row = paged_fwd_inner(
                 acc, m_i, l_i, q, k_desc, v_desc, table, next_row, n_full_lo, n_full, offs_m, offs_n, n_end, diag,
-                left, right, qk_scale, cap_scale, slope, band_lo, NUM_BLOCKS, BLOCK_N, PAGE_SIZE, False, IS_CAUSAL,
+                left, right, qk_scale, cap_scale, alibi, band_lo, NUM_BLOCKS, BLOCK_N, PAGE_SIZE, False, IS_CAUSAL,
                 HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
             # the diagonal band and the ragged tail, masked
             acc, m_i, l_i, next_row = paged_fwd_inner(
                 acc, m_i, l_i, q, k_desc, v_desc, table, next_row, n_full, n_end, offs_m, offs_n, n_end, diag, left,
-                right, qk_scale, cap_scale, slope, band_lo, NUM_BLOCKS, BLOCK_N, PAGE_SIZE, True, IS_CAUSAL,
+                right, qk_scale, cap_scale, alibi, band_lo, NUM_BLOCKS, BLOCK_N, PAGE_SIZE, True, IS_CAUSAL,
                 HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
         else:  # pointer path over a paged pool: each key block finds its rows through the block table
             q = load_rows(tile_ptrs(q_base, start_m, stride_qm, BLOCK_M, offs_d), offs_m, M, offs_d,
@@ -363,7 +361,7 @@ def fwd_kernel(
                 k = load_rows(k_base + k_offs[:, None] + offs_d[None, :], rows_in, n_end, offs_d, HEAD_DIM,
                               HEAD_DIM_PAD, True).to(q.dtype)
                 qk = tl.dot(q, tl.trans(k))
-                qk = variant_scores(qk, offs_m, rows, n_end, diag, left, right, cap_scale, slope, True, IS_CAUSAL,
+                qk = variant_scores(qk, offs_m, rows, n_end, diag, left, right, cap_scale, alibi, True, IS_CAUSAL,
                                     HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
                 p, m_i, l_i, acc = online_softmax(qk, m_i, l_i, acc, qk_scale, True)
                 v_offs = kv_block_offsets(blocks, start_n, offs_n, stride_vblk, stride_vn, PAGE_SIZE, True,
@@ -387,17 +385,17 @@ def fwd_kernel(
         if HAS_WINDOW:  # one loop over the band, its two edges masked in place (a few blocks each)
             acc, m_i, l_i = fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, n_lo, n_end, n_full_lo,
                                       n_full, offs_m, offs_n, offs_d, n_end, diag, left, right, qk_scale, cap_scale,
-                                      slope, dropout, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, USE_TMA, IS_CAUSAL,
+                                      alibi, dropout, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, USE_TMA, IS_CAUSAL,
                                       HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, True, band_lo, IS_KVCACHE)
         else:
             # stage 1: blocks every row sees whole, no mask
             acc, m_i, l_i = fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, 0, n_full, 0, 0,
-                                      offs_m, offs_n, offs_d, n_end, diag, left, right, qk_scale, cap_scale, slope,
+                                      offs_m, offs_n, offs_d, n_end, diag, left, right, qk_scale, cap_scale, alibi,
                                       dropout, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, USE_TMA, IS_CAUSAL, HAS_WINDOW,
                                       HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
             # stage 2: the diagonal band and the ragged tail, masked
             acc, m_i, l_i = fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, n_full, n_end, 0, 0,
-                                      offs_m, offs_n, offs_d, n_end, diag, left, right, qk_scale, cap_scale, slope,
+                                      offs_m, offs_n, offs_d, n_end, diag, left, right, qk_scale, cap_scale, alibi,
                                       dropout, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, USE_TMA, IS_CAUSAL, HAS_WINDOW,
                                       HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
 
@@ -430,7 +428,7 @@ def dropout_probs_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,
     HAS_SEQUSED_K: tl.constexpr,
-    Alibi=None, stride_alibi_b=None, Sinks=None, Seqused_k=None,
+    Alibi=None, stride_alibi_b=None, Sinks=None, Seqused_k=None, Alibi_shift=None,
     Cu_seqlens_q=None, Cu_seqlens_k=None, IS_VARLEN: tl.constexpr = False, KV_FP8: tl.constexpr = False,
     HAS_TREE: tl.constexpr = False,
 ):
@@ -466,10 +464,7 @@ def dropout_probs_kernel(
     diag = N - M  # each sequence's own alignment, also where S cuts it
     left, right = window_extent(window_left, window_right, M, N, IS_CAUSAL, HAS_WINDOW)
     n_lo, _, _, n_end = key_range(start_m, BLOCK_M, BLOCK_N, diag, N, left, right, IS_CAUSAL, HAS_WINDOW)
-    if HAS_ALIBI:
-        slope = tl.load(Alibi + off_b * stride_alibi_b + off_h) / unit
-    else:
-        slope = 0.0
+    alibi = alibi_terms(Alibi, stride_alibi_b, Alibi_shift, off_b, off_h, unit, diag, HAS_ALIBI)
     seed = tl.load(Rng)
     salt = tl.load(Rng + 1)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -477,7 +472,7 @@ def dropout_probs_kernel(
         k = load_rows(tile_ptrs(k_base, start_n, stride_kn, BLOCK_N, offs_d), start_n + offs_n, n_end, offs_d,
                       HEAD_DIM, HEAD_DIM_PAD, True)
         s = variant_scores(tl.dot(q, tl.trans(k)), offs_m, start_n + offs_n, n_end, diag, left, right, cap_scale,
-                           slope, True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI) * unit
+                           alibi, True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI) * unit
         m_i = tl.maximum(m_i, tl.max(s, 1))
     m_i = tl.where(m_i == float("-inf"), 0.0, m_i)  # a row that sees no key: every exp is 0
     s_base = S + off_b * stride_sb + off_h.to(tl.int64) * stride_sh  # zero-filled: keys past n_end stay 0
@@ -485,7 +480,7 @@ def dropout_probs_kernel(
         k = load_rows(tile_ptrs(k_base, start_n, stride_kn, BLOCK_N, offs_d), start_n + offs_n, n_end, offs_d,
                       HEAD_DIM, HEAD_DIM_PAD, True)
         s = variant_scores(tl.dot(q, tl.trans(k)), offs_m, start_n + offs_n, n_end, diag, left, right, cap_scale,
-                           slope, True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI) * unit
+                           alibi, True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI) * unit
         e = tl.exp(s - m_i[:, None])
         e = tl.where(dropout_keep(seed, salt, pid_bh, offs_m, start_n, BLOCK_N, keep_threshold), e, -e)
         cols = start_n + offs_n

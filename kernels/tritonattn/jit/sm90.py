@@ -74,16 +74,16 @@ def _ws_loader(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empt
 
 
 @gluon.jit
-def _block_scores(qk, start_n, offs_m, offs_n, n_full_lo, n_full, n_end, diag, left, right, cap_scale, slope,
+def _block_scores(qk, start_n, offs_m, offs_n, n_full_lo, n_full, n_end, diag, left, right, cap_scale, alibi,
                   IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
                   HAS_ALIBI: gl.constexpr):
     """`variant_scores` of the key block at start_n, masked only outside [n_full_lo, n_full), the blocks
     every row of the program sees whole."""
     if (start_n < n_full_lo) | (start_n >= n_full):
-        qk = variant_scores(qk, offs_m, start_n + offs_n, n_end, diag, left, right, cap_scale, slope, True,
+        qk = variant_scores(qk, offs_m, start_n + offs_n, n_end, diag, left, right, cap_scale, alibi, True,
                             IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
     else:
-        qk = variant_scores(qk, offs_m, start_n + offs_n, n_end, diag, left, right, cap_scale, slope, False,
+        qk = variant_scores(qk, offs_m, start_n + offs_n, n_end, diag, left, right, cap_scale, alibi, False,
                             IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
     return qk
 
@@ -111,9 +111,9 @@ def _ws_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_rea
     offs_m = row0 + gl.arange(0, ROWS, layout=rows_s)
     offs_n = gl.arange(0, BLOCK_N, layout=cols_s)
     if HAS_ALIBI:
-        slope = gl.load(Alibi + off_b * stride_alibi_b + off_h) / unit
+        alibi = (gl.load(Alibi + off_b * stride_alibi_b + off_h) / unit, diag)  # `alibi_terms`, no shift here
     else:
-        slope = 0.0
+        alibi = (0.0, diag)
     if HAS_SINKS:
         m_i = gl.full([ROWS], 0.0, gl.float32, layout=rows_s) + gl.load(Sinks + off_h).to(gl.float32) * LOG2E
         l_i = gl.full([ROWS], 1.0, gl.float32, layout=rows_s)
@@ -131,7 +131,7 @@ def _ws_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_rea
         mbarrier.arrive(turn.index(1 - WG), count=1)
         qk = warpgroup_mma_wait(0, deps=(qk,))
         mbarrier.arrive(k_empty.index(0), count=1)
-        qk = _block_scores(qk, n_lo, offs_m, offs_n, n_full_lo, n_full, n_end, diag, left, right, cap_scale, slope,
+        qk = _block_scores(qk, n_lo, offs_m, offs_n, n_full_lo, n_full, n_end, diag, left, right, cap_scale, alibi,
                            IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
         p32, m_i, l_i, alpha = softmax_step(qk, m_i, l_i, qk_scale, True)
         p = p32.to(dtype)
@@ -150,7 +150,7 @@ def _ws_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_rea
             mbarrier.arrive(k_empty.index(slot), count=1)
             # block j's softmax while P_{j-1} V_{j-1} runs (and the other warpgroup's products)
             qk = _block_scores(qk, start_n, offs_m, offs_n, n_full_lo, n_full, n_end, diag, left, right, cap_scale,
-                               slope, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
+                               alibi, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
             p32, m_i, l_i, alpha = softmax_step(qk, m_i, l_i, qk_scale, True)
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(v_empty.index(prev), count=1)

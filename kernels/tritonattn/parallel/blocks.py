@@ -14,11 +14,16 @@ with rows = min(chunk, chunk - c_lo) (later rows see no key of the chunk) and ke
 (later keys are seen by no row). Then keys - rows lies in [c_lo, c_hi], and the window
 (keys - rows - c_lo, c_hi - (keys - rows)) relative to that corner's diagonal is exactly the band, both
 sides >= 0 (or -1 where the global side is unbounded). A pair that no query sees is None.
+
+ALiBi distances are global positions' too: |gi - gj| = step * |i - j + (q_start - k_start) / step|, which the
+kernels compute from the corner's call given the slopes times step and an ALiBi origin shift (`alibi_block`).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Tuple
+from typing import Any, Dict, NamedTuple, Optional, Tuple, Union
+
+import torch
 
 
 class BlockCall(NamedTuple):
@@ -49,3 +54,16 @@ def block_call(q_start: int, k_start: int, step: int, chunk: int, window: Tuple[
     keys = chunk if c_hi is None else min(chunk, chunk + c_hi)
     diag = keys - rows
     return BlockCall(rows, keys, (-1 if c_lo is None else diag - c_lo, -1 if c_hi is None else c_hi - diag))
+
+
+def alibi_block(tensors: Dict[str, Any], shift: Union[float, torch.Tensor], step: int, batch: int) -> Dict[str, Any]:
+    """The per-call tensors of one block of a longer sequence: the call's `tensors` (`AttnCall.tensors`), and with
+    ALiBi its slopes times `step` and Alibi_shift, float32 (batch,), from `shift` (one number for every batch entry,
+    or a tensor per packed sequence) = (q0 - k0) / step - (seqlen_k - seqlen_q) of the block's call, so that the
+    kernels measure ALiBi distances between global positions ([Note] ALiBi origin in jit/common.py)."""
+    if "Alibi" not in tensors:
+        return tensors
+    slopes = tensors["Alibi"]
+    if not isinstance(shift, torch.Tensor):
+        shift = torch.full((batch,), float(shift), dtype=torch.float32, device=slopes.device)
+    return {**tensors, "Alibi": slopes * step if step != 1 else slopes, "Alibi_shift": shift.to(torch.float32)}

@@ -7,7 +7,8 @@ causal work); "stripe", tokens rank, rank + world, rank + 2 * world, ... (likewi
 travel around the ring: at step t a rank holds the K/V shard of rank `(rank - t) % world`, posts the next
 transfer before it computes (so the two overlap), and attends its queries to the visiting keys chunk pair
 by chunk pair, each pair reduced to a call of the kernels by
-`blocks.block_call` (masks and windows in global positions; pairs no query sees are skipped). The partial
+`blocks.block_call` (masks, windows and ALiBi distances in global positions; pairs no query sees are
+skipped). The partial
 outputs are written by the kernels in float32 and merged by log-sum-exp in float32, never rounded per
 step. The backward walks the same ring: dQ stays and accumulates in float32, the dK/dV sums travel with
 the K/V they belong to (float32) and are home after `world` shifts; every block's gradient uses the
@@ -21,17 +22,17 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..api.args import attention_call
+from ..api.args import AttnCall, attention_call
 from ..api.primitives import merge_attention
 from ..api.validate import validate_qkv
 from ..config.hardware import device_target
-from ..config.options import AttnOptions, attn_options
+from ..config.options import attn_options
 from ..config.tables import prefill_fwd_config
 from ..errors import InputError
 from ..launch.backward import launch_backward
 from ..launch.prefill import launch_prefill
 from .agree import checked_call, refuse_dropout
-from .blocks import block_call
+from .blocks import alibi_block, block_call
 from .comm import Ring
 
 LAYOUTS = ("ring", "zigzag", "stripe")
@@ -55,42 +56,46 @@ def _starts(layout: str, chunk_index: int, chunk: int, world: int) -> Tuple[int,
     return chunk_index * chunk, 1
 
 
-def chunk_pairs(layout: str, rank: int, src: int, world: int, chunk: int, options: AttnOptions):
-    """(query slice, key slice, block options) of every chunk pair of rank's queries and src's keys that
-    some query sees."""
+def chunk_pairs(layout: str, rank: int, src: int, world: int, chunk: int, call: AttnCall, batch: int = 1):
+    """(query slice, key slice, block options, block tensors) of every chunk pair of rank's queries and src's
+    keys that some query sees; `call` is the whole sequence's (`attention_call`), batch its batch size."""
+    options = call.options
     window = (options.window_left, options.window_right)
     for qi, a in enumerate(layout_chunks(layout, rank, world)):
         for ki, b in enumerate(layout_chunks(layout, src, world)):
             (q_start, step), (k_start, _) = _starts(layout, a, chunk, world), _starts(layout, b, chunk, world)
-            call = block_call(q_start, k_start, step, chunk, window, options.causal)
-            if call is None:
+            pair = block_call(q_start, k_start, step, chunk, window, options.causal)
+            if pair is None:
                 continue
-            block = attn_options(options.head_dim, options.softmax_scale, window=call.window, softcap=options.softcap)
-            yield slice(qi * chunk, qi * chunk + call.rows), slice(ki * chunk, ki * chunk + call.keys), block
+            block = attn_options(options.head_dim, options.softmax_scale, window=pair.window, softcap=options.softcap,
+                                 alibi=options.alibi)
+            tensors = alibi_block(call.tensors, (q_start - k_start) / step - (pair.keys - pair.rows), step, batch)
+            yield slice(qi * chunk, qi * chunk + pair.rows), slice(ki * chunk, ki * chunk + pair.keys), block, tensors
 
 
-def ring_forward(q, k, v, options: AttnOptions, layout: str, ring: Ring) -> Tuple[torch.Tensor, torch.Tensor]:
+def ring_forward(q, k, v, call: AttnCall, layout: str, ring: Ring) -> Tuple[torch.Tensor, torch.Tensor]:
     """(out float32 (batch, seqlen, nheads, headdim), lse float32 (batch, nheads, seqlen)) of this rank's queries
-    over the whole sequence's keys."""
+    over the whole sequence's keys; `call`: the whole sequence's options and per-call tensors."""
     batch, seqlen, nheads, head_dim = q.shape
     chunk = seqlen // len(layout_chunks(layout, ring.rank, ring.world))
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full((batch, nheads, seqlen), float("inf"), dtype=torch.float32, device=q.device)
-    config = prefill_fwd_config(options.head_dim_pad, q.dtype, False, device_target(q.device))  # fwd_kernel
+    config = prefill_fwd_config(call.options.head_dim_pad, q.dtype, False, device_target(q.device))  # fwd_kernel
     kv = [k, v]
     for step in range(ring.world):
         pending = ring.shift(kv) if step + 1 < ring.world else None
         src = (ring.rank - step) % ring.world
-        for rows, keys, block in chunk_pairs(layout, ring.rank, src, ring.world, chunk, options):
+        for rows, keys, block, tensors in chunk_pairs(layout, ring.rank, src, ring.world, chunk, call, batch):
             part = torch.empty(q[:, rows].shape, dtype=torch.float32, device=q.device)
-            part, part_lse = launch_prefill(q[:, rows], kv[0][:, keys], kv[1][:, keys], block, config=config, out=part)
+            part, part_lse = launch_prefill(q[:, rows], kv[0][:, keys], kv[1][:, keys], block, config=config,
+                                            tensors=tensors, out=part)
             out[:, rows], lse[:, :, rows] = merge_attention(out[:, rows], lse[:, :, rows], part, part_lse)
         if pending is not None:
             kv = pending.wait()
     return out, lse
 
 
-def ring_backward(dout, q, k, v, out, lse, options: AttnOptions, layout: str,
+def ring_backward(dout, q, k, v, out, lse, call: AttnCall, layout: str,
                   ring: Ring) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) float32 of this rank's shard; out, lse: `ring_forward`'s."""
     chunk = q.shape[1] // len(layout_chunks(layout, ring.rank, ring.world))
@@ -100,11 +105,11 @@ def ring_backward(dout, q, k, v, out, lse, options: AttnOptions, layout: str,
         pending = ring.shift(kv) if step + 1 < ring.world else None
         src = (ring.rank - step) % ring.world
         dkv = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in kv]
-        for rows, keys, block in chunk_pairs(layout, ring.rank, src, ring.world, chunk, options):
+        for rows, keys, block, tensors in chunk_pairs(layout, ring.rank, src, ring.world, chunk, call, q.shape[0]):
             grads = tuple(torch.empty(t.shape, dtype=torch.float32, device=t.device)
                           for t in (q[:, rows], kv[0][:, keys], kv[1][:, keys]))
             launch_backward(dout[:, rows], q[:, rows], kv[0][:, keys], kv[1][:, keys], out[:, rows],
-                            lse[:, :, rows].contiguous(), block, grads=grads)
+                            lse[:, :, rows].contiguous(), block, grads=grads, tensors=tensors)
             dq[:, rows] += grads[0]
             dkv[0][:, keys] += grads[1]
             dkv[1][:, keys] += grads[2]
@@ -119,18 +124,18 @@ def ring_backward(dout, q, k, v, out, lse, options: AttnOptions, layout: str,
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, options, layout, group):
+    def forward(ctx, q, k, v, call, layout, group):
         ring = Ring(group)
-        out, lse = ring_forward(q, k, v, options, layout, ring)
+        out, lse = ring_forward(q, k, v, call, layout, ring)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.options, ctx.layout, ctx.group = options, layout, group
+        ctx.call, ctx.layout, ctx.group = call, layout, group
         ctx.mark_non_differentiable(lse)
         return out.to(q.dtype), lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.options, ctx.layout, Ring(ctx.group))
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.call, ctx.layout, Ring(ctx.group))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
@@ -140,7 +145,9 @@ def context_parallel_attention(q, k, v, dropout_p=0.0, softmax_scale=None, causa
     """ring-flash-attn's functions, one body: this rank's shard of q (batch, seqlen, nheads, headdim), k and v
     (batch, seqlen, nheads_k, headdim), split by `layout`; returns out (and, with return_attn_probs, (out,
     softmax_lse, None), softmax_lse float32 (batch, nheads, seqlen)). Checked on every rank before any transfer
-    (`agree.checked_call`): bad input on any rank raises on all of them. softcap: flash-attn's, keyword-only."""
+    (`agree.checked_call`): bad input on any rank raises on all of them. Causal masks, windows and ALiBi
+    (alibi_slopes (nheads,) or (batch, nheads), flash-attn's) count global positions. softcap: flash-attn's,
+    keyword-only."""
     world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
     window = tuple(window_size) if isinstance(window_size, (tuple, list)) else (window_size,)
     built = {}
@@ -154,17 +161,13 @@ def context_parallel_attention(q, k, v, dropout_p=0.0, softmax_scale=None, causa
                              f"{layout!r}), got seqlen_q {q.shape[1]} and seqlen_k {k.shape[1]} on rank "
                              f"{dist.get_rank(group)}.")
         refuse_dropout(dropout_p)
-        if alibi_slopes is not None:
-            raise NotImplementedError("ALiBi in the ring layouts is not supported: the kernels measure ALiBi distances "
-                                      "from each block's own diagonal; use llama3_flash_attn_varlen_func (causal), "
-                                      "whose one call per rank puts them at their global positions.")
-        built["call"] = attention_call(q.shape[3], softmax_scale, causal, window_size, softcap, None, None,
+        built["call"] = attention_call(q.shape[3], softmax_scale, causal, window_size, softcap, alibi_slopes, None,
                                        seqlen_k=q.shape[1] * parts * world, batch=q.shape[0], nheads=q.shape[2],
                                        device=q.device)
 
-    checked_call(group, (q, k, v), (LAYOUTS.index(layout) if layout in LAYOUTS else -1, int(bool(causal)), *window),
-                 local_checks)
-    out, lse = _RingAttention.apply(q, k, v, built["call"].options, layout, group)
+    checked_call(group, (q, k, v), (LAYOUTS.index(layout) if layout in LAYOUTS else -1, int(bool(causal)), *window,
+                                    int(alibi_slopes is not None)), local_checks)
+    out, lse = _RingAttention.apply(q, k, v, built["call"], layout, group)
     return (out, lse, None) if return_attn_probs else out
 
 

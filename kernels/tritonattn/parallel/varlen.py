@@ -7,6 +7,8 @@ attn's convention); "zigzag", chunks r and 2 * world - 1 - r of 2 * world, conca
 travel around the ring as in ring.py. A shard is one or two pieces (one chunk of every sequence, `pieces`), and
 a pair of pieces has the same relation in every sequence (the key chunk before, at, or after the query
 chunk), so one packed call per pair covers the whole batch: all keys seen, causal, or skipped (causal only).
+ALiBi counts global positions: the pair's call measures distances from origin (a - b) * L_s in sequence s (chunks
+a and b of L_s tokens each; a per-sequence Alibi_shift, `blocks.alibi_block`). Sliding windows are refused.
 Partial outputs in float32 merged by LSE in float32; gradients accumulated in float32,
 dK/dV travelling with their K/V, as in ring.py.
 """
@@ -18,7 +20,7 @@ from typing import Callable, List, NamedTuple, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..api.args import attention_call
+from ..api.args import AttnCall, attention_call
 from ..api.primitives import merge_attention
 from ..api.validate import validate_varlen
 from ..config.hardware import device_target
@@ -28,6 +30,7 @@ from ..errors import InputError
 from ..launch.backward import launch_varlen_backward
 from ..launch.prefill import launch_varlen
 from .agree import checked_call, refuse_dropout
+from .blocks import alibi_block
 from .comm import Ring
 
 
@@ -65,35 +68,41 @@ def _pair_options(options: AttnOptions, a: int, b: int) -> Optional[AttnOptions]
         return options
     if b > a:
         return None
-    return attn_options(options.head_dim, options.softmax_scale, causal=a == b, softcap=options.softcap)
+    return attn_options(options.head_dim, options.softmax_scale, causal=a == b, softcap=options.softcap,
+                        alibi=options.alibi)
 
 
 def _take(t: torch.Tensor, rows: Optional[torch.Tensor]) -> torch.Tensor:
     return t if rows is None else t.index_select(0, rows)
 
 
-def _pairs(parts: List[Piece], options: AttnOptions, rank: int, src: int, world: int):
+def _pairs(parts: List[Piece], call: AttnCall, rank: int, src: int, world: int):
+    """(query piece, key piece, block options, block tensors) of every pair some query sees. A pair's chunks
+    hold the same number of tokens L_s of sequence s, so its call's ALiBi origin is (a - b) * L_s."""
     for qp in parts:
         for kp in parts:
-            block = _pair_options(options, qp.chunk_of(rank, world), kp.chunk_of(src, world))
+            a, b = qp.chunk_of(rank, world), kp.chunk_of(src, world)
+            block = _pair_options(call.options, a, b)
             if block is not None:
-                yield qp, kp, block
+                shift = (a - b) * (qp.cu_seqlens[1:] - qp.cu_seqlens[:-1]) if call.options.alibi else 0.0
+                yield qp, kp, block, alibi_block(call.tensors, shift, 1, qp.cu_seqlens.numel() - 1)
 
 
-def ring_varlen_forward(q, k, v, parts: List[Piece], options: AttnOptions,
+def ring_varlen_forward(q, k, v, parts: List[Piece], call: AttnCall,
                         ring: Ring) -> Tuple[torch.Tensor, torch.Tensor]:
     """(out float32 (total, nheads, headdim), lse float32 (nheads, total)) of this rank's packed queries."""
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full((q.shape[1], q.shape[0]), float("inf"), dtype=torch.float32, device=q.device)
-    config = prefill_fwd_config(options.head_dim_pad, q.dtype, False, device_target(q.device))  # fwd_kernel
+    config = prefill_fwd_config(call.options.head_dim_pad, q.dtype, False, device_target(q.device))  # fwd_kernel
     kv = [k, v]
     for step in range(ring.world):
         pending = ring.shift(kv) if step + 1 < ring.world else None
-        for qp, kp, block in _pairs(parts, options, ring.rank, (ring.rank - step) % ring.world, ring.world):
+        for qp, kp, block, tensors in _pairs(parts, call, ring.rank, (ring.rank - step) % ring.world, ring.world):
             qs = _take(q, qp.rows)
             part = torch.empty(qs.shape, dtype=torch.float32, device=q.device)
             part, part_lse = launch_varlen(qs, _take(kv[0], kp.rows), _take(kv[1], kp.rows), qp.cu_seqlens,
-                                           kp.cu_seqlens, qp.max_seqlen, kp.max_seqlen, block, config=config, out=part)
+                                           kp.cu_seqlens, qp.max_seqlen, kp.max_seqlen, block, config=config,
+                                           tensors=tensors, out=part)
             if qp.rows is None:
                 out, lse = merge_attention(out, lse, part, part_lse)
             else:
@@ -104,19 +113,19 @@ def ring_varlen_forward(q, k, v, parts: List[Piece], options: AttnOptions,
     return out, lse
 
 
-def ring_varlen_backward(dout, q, k, v, out, lse, parts: List[Piece], options: AttnOptions, ring: Ring):
+def ring_varlen_backward(dout, q, k, v, out, lse, parts: List[Piece], call: AttnCall, ring: Ring):
     """(dq, dk, dv) float32 of this rank's packed shard; out, lse: `ring_varlen_forward`'s."""
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kv, travelling = [k, v], None
     for step in range(ring.world):
         pending = ring.shift(kv) if step + 1 < ring.world else None
         dkv = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in kv]
-        for qp, kp, block in _pairs(parts, options, ring.rank, (ring.rank - step) % ring.world, ring.world):
+        for qp, kp, block, tensors in _pairs(parts, call, ring.rank, (ring.rank - step) % ring.world, ring.world):
             qs, ks, vs = _take(q, qp.rows), _take(kv[0], kp.rows), _take(kv[1], kp.rows)
             grads = tuple(torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in (qs, ks, vs))
             launch_varlen_backward(_take(dout, qp.rows), qs, ks, vs, _take(out, qp.rows),
                                    lse if qp.rows is None else lse[:, qp.rows].contiguous(), qp.cu_seqlens,
-                                   kp.cu_seqlens, qp.max_seqlen, kp.max_seqlen, block, grads=grads)
+                                   kp.cu_seqlens, qp.max_seqlen, kp.max_seqlen, block, grads=grads, tensors=tensors)
             for acc, grad, rows in ((dq, grads[0], qp.rows), (dkv[0], grads[1], kp.rows), (dkv[1], grads[2], kp.rows)):
                 if rows is None:
                     acc += grad
@@ -133,17 +142,17 @@ def ring_varlen_backward(dout, q, k, v, out, lse, parts: List[Piece], options: A
 
 class _RingVarlenAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, parts, options, group):
-        out, lse = ring_varlen_forward(q, k, v, parts, options, Ring(group))
+    def forward(ctx, q, k, v, parts, call, group):
+        out, lse = ring_varlen_forward(q, k, v, parts, call, Ring(group))
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.parts, ctx.options, ctx.group = parts, options, group
+        ctx.parts, ctx.call, ctx.group = parts, call, group
         ctx.mark_non_differentiable(lse)
         return out.to(q.dtype), lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_varlen_backward(dout, q, k, v, out, lse, ctx.parts, ctx.options, Ring(ctx.group))
+        dq, dk, dv = ring_varlen_backward(dout, q, k, v, out, lse, ctx.parts, ctx.call, Ring(ctx.group))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
@@ -160,9 +169,6 @@ def context_parallel_varlen_attention(q, k, v, cu_seqlens, max_seqlen, dropout_p
     def local_checks():
         built["max"], _ = validate_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
         refuse_dropout(dropout_p)
-        if alibi_slopes is not None:
-            raise NotImplementedError("ALiBi in the ring layouts is not supported: the kernels measure ALiBi distances "
-                                      "from each block's own diagonal; use llama3_flash_attn_varlen_func (causal).")
         if window != (-1, -1):
             raise NotImplementedError("A sliding window in the packed ring layouts is not supported (a chunk pair's "
                                       "band depends on each sequence's length); use llama3_flash_attn_varlen_func "
@@ -170,14 +176,14 @@ def context_parallel_varlen_attention(q, k, v, cu_seqlens, max_seqlen, dropout_p
         if layout == "zigzag" and bool(((cu_seqlens[1:] - cu_seqlens[:-1]) % 2 != 0).any()):
             raise InputError(f"Expected every sequence's local length even for the zigzag layout (two chunks each), "
                              f"got cu_seqlens {cu_seqlens.tolist()} on rank {dist.get_rank(group)}.")
-        built["call"] = attention_call(q.shape[2], softmax_scale, causal, window_size, softcap, None, None,
+        built["call"] = attention_call(q.shape[2], softmax_scale, causal, window_size, softcap, alibi_slopes, None,
                                        seqlen_k=built["max"] * world, batch=cu_seqlens.numel() - 1,
                                        nheads=q.shape[1], device=q.device)
 
-    checked_call(group, (q, k, v, cu_seqlens), (0 if layout == "ring" else 1, int(bool(causal))), local_checks)
+    signature = (0 if layout == "ring" else 1, int(bool(causal)), int(alibi_slopes is not None))
+    checked_call(group, (q, k, v, cu_seqlens), signature, local_checks)
     parts = pieces(layout, cu_seqlens.contiguous(), built["max"])
-    call = built["call"]
-    out, lse = _RingVarlenAttention.apply(q, k, v, parts, call.options, group)
+    out, lse = _RingVarlenAttention.apply(q, k, v, parts, built["call"], group)
     return (out, lse, None) if return_attn_probs else out
 
 
