@@ -16,11 +16,11 @@ them) and hands it down. No launcher lists an option by hand:
 
 A per-call tensor (ALiBi slopes, sinks, seqused_k) is a compiled flag here (HAS_ALIBI, ...) and a kernel
 argument the translation validates (`AttnCall.tensors`; context parallelism adds ALiBi's origin shift for a
-block of a longer sequence, Alibi_shift: [Note] ALiBi origin in jit/common.py). Attention kernels take `**options.constexprs,
-**options.runtime, **tensors`; helper kernels that do no attention (the backward's preprocessing, the
-cache append, the split combine) take `**options.tile`. A kernel that lacks a parameter for an option
-fails at its first launch (an unexpected keyword), never silently. The recipe for a new option, and
-the files it touches: docs/design.md.
+block of a longer sequence, Alibi_shift: [Note] ALiBi origin in jit/common.py). Attention kernels take
+`**options.constexprs, **options.runtime, **tensors`; helper kernels that do no attention (the backward's
+preprocessing, the cache append, the split combine) take `**options.tile`. A kernel that lacks a parameter
+for an option fails at its first launch (an unexpected keyword), never silently. The recipe for a new
+option, and the files it touches: docs/design.md.
 """
 
 from __future__ import annotations

@@ -6,13 +6,12 @@ Each rank holds a shard of one sequence's q, k and v, by a layout (`LAYOUTS`): "
 causal work); "stripe", tokens rank, rank + world, rank + 2 * world, ... (likewise balanced). K and V
 travel around the ring: at step t a rank holds the K/V shard of rank `(rank - t) % world`, posts the next
 transfer before it computes (so the two overlap), and attends its queries to the visiting keys chunk pair
-by chunk pair, each pair reduced to a call of the kernels by
-`blocks.block_call` (masks, windows and ALiBi distances in global positions; pairs no query sees are
-skipped). The partial
-outputs are written by the kernels in float32 and merged by log-sum-exp in float32, never rounded per
-step. The backward walks the same ring: dQ stays and accumulates in float32, the dK/dV sums travel with
-the K/V they belong to (float32) and are home after `world` shifts; every block's gradient uses the
-merged output and LSE, which is what makes the per-block gradients sum to the whole's.
+by chunk pair, each pair reduced to a call of the kernels by `blocks.block_call` (masks, windows and ALiBi
+distances in global positions; pairs no query sees are skipped). The partial outputs are written by the
+kernels in float32 and merged by log-sum-exp in float32, never rounded per step. The backward walks the
+same ring: dQ stays and accumulates in float32, the dK/dV sums travel with the K/V they belong to (float32)
+and are home after `world` shifts; every block's gradient uses the merged output and LSE, which is what makes
+the per-block gradients sum to the whole's.
 """
 
 from __future__ import annotations
