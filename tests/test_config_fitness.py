@@ -107,8 +107,15 @@ def _prefill_calls(dtype: torch.dtype, target: Target):
             k = _empty(1, 2048, 2, head_dim, dtype=dtype)
             flash_attn_func(q, k, k, causal=causal)
 
+        def long_variants(head_dim=head_dim, causal=causal):  # the same with every variant Hopper's kernel takes
+            q = _empty(1, 2048, 4, head_dim, dtype=dtype)
+            k = _empty(1, 2048, 2, head_dim, dtype=dtype)
+            flash_attn_func(q, k, k, causal=causal, window_size=(700, 0 if causal else 300), softcap=5.0,
+                            alibi_slopes=torch.ones(4, device=DEVICE), sinks=torch.zeros(4, device=DEVICE))
+
         yield f"prefill D={head_dim} causal={causal}", dense
         yield f"long prefill D={head_dim} causal={causal}", dense_long
+        yield f"long prefill variants D={head_dim} causal={causal}", long_variants
         yield f"varlen D={head_dim} causal={causal}", packed
         yield f"dropout D={head_dim} causal={causal}", dropout
         yield f"variants D={head_dim} causal={causal}", variants
