@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from helpers import ON_GPU
+from helpers import DEVICE, ON_GPU
 from tritonattn.testing import agreement_tolerance, lse_tolerance, rel_err
 
 CASES = {  # name: (layout, causal, window_size, alibi, nheads, nheads_k, dtype)
@@ -434,8 +434,8 @@ def test_alibi_counts_global_positions_in_a_simulated_ring(layout):
     world, chunk, nheads = 3, 8, 2
     seqlen = chunk * world * (2 if layout == "zigzag" else 1)
     g = torch.Generator().manual_seed(7)
-    q, k, v = (torch.randn(2, seqlen, nheads, HEAD_DIM, generator=g) for _ in range(3))
-    slopes = torch.rand(2, nheads, generator=g)
+    q, k, v = (torch.randn(2, seqlen, nheads, HEAD_DIM, generator=g).to(DEVICE) for _ in range(3))
+    slopes = torch.rand(2, nheads, generator=g).to(DEVICE)
     for causal, window in ((True, (-1, -1)), (False, (-1, -1)), (False, (4, 6))):
         ref, ref_lse = flash_attn_func(q, k, v, causal=causal, window_size=window, alibi_slopes=slopes,
                                        return_softmax_lse=True)
