@@ -36,10 +36,18 @@ CASES = {  # name: (layout, causal, window_size, alibi, nheads, nheads_k, dtype)
     if (heads == "gqa" or mask == "causal")
     and (dtype == "float32" or (heads == "gqa" and mask in ("causal", "window (5, 7)")))  # fp16: two masks
 }
+VARLEN_MASKS = {  # name: (causal, window_size, alibi) of the packed ring forms' cases
+    "full": (False, (-1, -1), False), "causal": (True, (-1, -1), False), "full alibi": (False, (-1, -1), True),
+    "causal alibi": (True, (-1, -1), True), "causal window 9": (True, (9, 0), False),
+    "window (5, 7)": (False, (5, 7), False), "causal window 9 alibi": (True, (9, 0), True)}
+VARLEN = {f"varlen {layout} {mask} {dtype}": dtype for layout, mask, dtype in
+          itertools.product(("ring", "zigzag"), VARLEN_MASKS, (torch.float32, torch.float16))
+          if dtype == torch.float32 or mask in ("full", "causal")}  # fp16: two masks
+VARLEN_AT_FOUR = [name for name in VARLEN if "alibi" not in name and "float32" in name and "(5, 7)" not in name]
 SLOPES = torch.tensor([0.5, 0.25, 0.125, 0.0625])  # ALiBi's, one per query head
 CHUNK, HEAD_DIM = 8, 32  # tokens per chunk: a zigzag shard holds two
 # 2 ranks run every case; 4 ranks (four processes on CI's two cores: the module's time) the causal float32 GQA
-# masks, and packed sequences in float32 without ALiBi
+# masks, and packed sequences in float32 without ALiBi or the two-sided window
 AT_FOUR = [name for name in CASES if name.endswith(" gqa float32") and name.split(" ", 1)[1].startswith("causal")]
 LLAMA3 = {  # name: (causal, window_size, alibi, softcap, heads_k_stride, dtype)
     "llama3 full float32": (False, (-1, -1), False, 0.0, 1, torch.float32),
@@ -52,7 +60,8 @@ LLAMA3 = {  # name: (causal, window_size, alibi, softcap, heads_k_stride, dtype)
 def ran(cases: dict, case: str) -> dict:
     """The rank's results of `case`, or a skip where this world size does not run it (AT_FOUR)."""
     if case not in cases:
-        pytest.skip("not run at this world size (4 ranks: causal float32 GQA cases, packed float32 without ALiBi)")
+        pytest.skip("not run at this world size (4 ranks: causal float32 GQA cases, packed float32 without ALiBi or "
+                    "the two-sided window)")
     return cases[case]
 
 
@@ -137,11 +146,12 @@ def _run_cases(rank: int, world: int, port: int, results) -> None:
     import tritonattn.parallel as cp
     from tritonattn import flash_attn_varlen_func
 
-    for layout, causal, alibi, dtype in itertools.product(("ring", "zigzag"), (False, True), (False, True),
-                                                          (torch.float32, torch.float16)):
-        name = f"varlen {layout} {'causal' if causal else 'full'}{' alibi' if alibi else ''} {dtype}"
-        if ((world == 4 or alibi) and dtype != torch.float32) or (world == 4 and alibi):
+    for (layout, mask), dtype in itertools.product(itertools.product(("ring", "zigzag"), VARLEN_MASKS),
+                                                   (torch.float32, torch.float16)):
+        name = f"varlen {layout} {mask} {dtype}"
+        if name not in VARLEN or (world == 4 and name not in VARLEN_AT_FOUR):
             continue
+        causal, window, alibi = VARLEN_MASKS[mask]
         try:  # packed sequences, each cut into world chunks, rank r holding chunk r of every one
             lengths = [8 * world, 2 * world, 12 * world]
             cu = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32)
@@ -150,15 +160,15 @@ def _run_cases(rank: int, world: int, port: int, results) -> None:
             whole = [t.clone().requires_grad_() for t in (q, k, v)]
             slopes = SLOPES if alibi else None
             ref, ref_lse, _ = flash_attn_varlen_func(*whole, cu, cu, max(lengths), max(lengths), causal=causal,
-                                                     alibi_slopes=slopes, return_attn_probs=True)
+                                                     window_size=window, alibi_slopes=slopes, return_attn_probs=True)
             ref.backward(dout)
             def local(t):
                 return cp.shard_varlen(t, cu, rank, world, layout)
 
             fn = cp.ring_flash_attn_varlen_func if layout == "ring" else cp.zigzag_ring_flash_attn_varlen_func
             mine = [local(t).clone().requires_grad_() for t in (q, k, v)]
-            res, lse, _ = fn(*mine, cu // world, max(lengths) // world, causal=causal, alibi_slopes=slopes,
-                             return_attn_probs=True)
+            res, lse, _ = fn(*mine, cu // world, max(lengths) // world, causal=causal, window_size=window,
+                             alibi_slopes=slopes, return_attn_probs=True)
             res.backward(local(dout))
             out[name] = {
                 "out": rel_err(res, local(ref)),
@@ -477,16 +487,12 @@ def test_signatures_are_ring_flash_attns():
         assert varlen == f"q k v cu_seqlens max_seqlen {tail}", (fn.__name__, varlen)
 
 
-VARLEN = {f"varlen {layout} {mask} {dtype}": dtype for layout, mask, dtype in
-          itertools.product(("ring", "zigzag"), ("full", "causal", "full alibi", "causal alibi"),
-                            (torch.float32, torch.float16)) if "alibi" not in mask or dtype == torch.float32}
-
-
 @pytest.mark.skipif(ON_GPU, reason="gloo ranks on CPU under the interpreter")
 @pytest.mark.parametrize("case", list(VARLEN))
 def test_varlen_shards_equal_the_single_process_attention(ranks, case):
     """Packed sequences of different lengths, each cut into world chunks: every rank's output, LSE and
-    gradients equal its chunks of one single-process flash_attn_varlen_func, ALiBi at global positions."""
+    gradients equal its chunks of one single-process flash_attn_varlen_func, windows and ALiBi at global
+    positions (the sequences' lengths put a window's edge inside some chunk pairs, past others, before others)."""
     assert_shards_agree(ranks, case, VARLEN[case])
 
 

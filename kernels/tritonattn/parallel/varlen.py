@@ -6,16 +6,23 @@ same order: "ring", chunk r of `world` (its `cu_seqlens` are the whole batch's d
 attn's convention); "zigzag", chunks r and 2 * world - 1 - r of 2 * world, concatenated per sequence. K and V
 travel around the ring as in ring.py. A shard is one or two pieces (one chunk of every sequence, `pieces`), and
 a pair of pieces has the same relation in every sequence (the key chunk before, at, or after the query
-chunk), so one packed call per pair covers the whole batch: all keys seen, causal, or skipped (causal only).
+chunk), so without a window one packed call per pair covers the whole batch: all keys seen, causal, or skipped
+(causal only).
 ALiBi counts global positions: the pair's call measures distances from origin (a - b) * L_s in sequence s (chunks
-a and b of L_s tokens each; a per-sequence Alibi_shift, `blocks.alibi_block`). Sliding windows are refused.
-Partial outputs in float32 merged by LSE in float32; gradients accumulated in float32,
-dK/dV travelling with their K/V, as in ring.py.
+a and b of L_s tokens each; a per-sequence Alibi_shift, `blocks.alibi_block`).
+
+A sliding window is a band in global positions too, and its place in a chunk pair depends on L_s: each
+sequence's pair becomes a corner call (`blocks.block_call`: its first rows and keys, a window on that corner),
+and sequences whose corner windows are equal share one packed call (the varlen kernels align each sequence's
+mask to its own bottom-right corner). Pairs that see every key of their chunk pair share the unmasked call;
+sequences whose pair is outside the band are left out. Partial outputs in float32 merged by LSE in float32;
+gradients accumulated in float32, dK/dV travelling with their K/V, as in ring.py.
 """
 
 from __future__ import annotations
 
-from typing import Callable, List, NamedTuple, Optional, Tuple
+import itertools
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -30,7 +37,7 @@ from ..errors import InputError
 from ..launch.backward import launch_varlen_backward
 from ..launch.prefill import launch_varlen
 from .agree import checked_call, refuse_dropout
-from .blocks import alibi_block
+from .blocks import alibi_block, block_call
 from .comm import Ring
 
 
@@ -42,50 +49,104 @@ class Piece(NamedTuple):
     cu_seqlens: torch.Tensor
     max_seqlen: int
     chunk_of: Callable[[int, int], int]
+    lengths: Tuple[int, ...]  # the chunk's tokens per sequence (cu_seqlens' differences, on the host)
 
 
 def pieces(layout: str, cu_seqlens: torch.Tensor, max_seqlen: int) -> List[Piece]:
     """A rank's packed shard as pieces: "ring", one (chunk rank of world of every sequence); "zigzag", two
     (chunks rank and 2 * world - 1 - rank, the two halves of each sequence's local rows)."""
+    bounds = cu_seqlens.tolist()
     if layout == "ring":
-        return [Piece(None, cu_seqlens, max_seqlen, lambda rank, world: rank)]
+        return [Piece(None, cu_seqlens, max_seqlen, lambda rank, world: rank,
+                      tuple(b - a for a, b in zip(bounds[:-1], bounds[1:])))]
     if layout != "zigzag":
         raise InputError(f"Expected a packed layout in ('ring', 'zigzag'), got {layout!r}.")
-    bounds = cu_seqlens.tolist()
     halves = []
     for h in range(2):
         rows = [torch.arange(a + h * (b - a) // 2, a + (h + 1) * (b - a) // 2) for a, b in zip(bounds[:-1], bounds[1:])]
         halves.append(torch.cat(rows).to(cu_seqlens.device) if rows else torch.zeros(0, dtype=torch.long))
     cu_half = cu_seqlens // 2
     chunk_of = (lambda rank, world: rank, lambda rank, world: 2 * world - 1 - rank)
-    return [Piece(halves[h], cu_half, max_seqlen // 2, chunk_of[h]) for h in range(2)]
+    lengths = tuple((b - a) // 2 for a, b in zip(bounds[:-1], bounds[1:]))
+    return [Piece(halves[h], cu_half, max_seqlen // 2, chunk_of[h], lengths) for h in range(2)]
 
 
-def _pair_options(options: AttnOptions, a: int, b: int) -> Optional[AttnOptions]:
-    """The packed call of query chunk a against key chunk b (the same in every sequence): all keys seen (b
-    before a, or no mask), causal (b is a), or None (b after a, causal)."""
-    if not options.causal:
-        return options
-    if b > a:
-        return None
-    return attn_options(options.head_dim, options.softmax_scale, causal=a == b, softcap=options.softcap,
-                        alibi=options.alibi)
+class PairCall(NamedTuple):
+    """One packed kernel call of a chunk pair: the query rows and key rows of the shard it takes (None: a piece's
+    rows as they are), their cu_seqlens and longest lengths, its options and per-call tensors."""
+
+    q_rows: Optional[torch.Tensor]
+    cu_q: torch.Tensor
+    max_q: int
+    k_rows: Optional[torch.Tensor]
+    cu_k: torch.Tensor
+    max_k: int
+    options: AttnOptions
+    tensors: Dict[str, Any]
 
 
 def _take(t: torch.Tensor, rows: Optional[torch.Tensor]) -> torch.Tensor:
     return t if rows is None else t.index_select(0, rows)
 
 
-def _pairs(parts: List[Piece], call: AttnCall, rank: int, src: int, world: int):
-    """(query piece, key piece, block options, block tensors) of every pair some query sees. A pair's chunks
-    hold the same number of tokens L_s of sequence s, so its call's ALiBi origin is (a - b) * L_s."""
+def _select(piece: Piece, seqs: List[int], counts: List[int]) -> Tuple[Optional[torch.Tensor], torch.Tensor, int]:
+    """(shard rows, cu_seqlens, longest) of the first counts[i] tokens of sequence seqs[i] of `piece`'s chunk;
+    the piece's own rows when that is all of them."""
+    device = piece.cu_seqlens.device
+    if list(counts) == list(piece.lengths) and len(seqs) == len(piece.lengths):
+        return piece.rows, piece.cu_seqlens, piece.max_seqlen
+    starts = list(itertools.accumulate(piece.lengths, initial=0))
+    rows = torch.cat([torch.arange(starts[s], starts[s] + n) for s, n in zip(seqs, counts)]).to(device)
+    cu = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32, device=device)
+    return (rows if piece.rows is None else piece.rows.index_select(0, rows)), cu, max(counts)
+
+
+def _window_calls(qp: Piece, kp: Piece, a: int, b: int, call: AttnCall) -> Iterator[PairCall]:
+    """A windowed pair's calls: every sequence's corner (`block_call` on its chunks of L_s tokens), sequences
+    grouped by their corner's window, corners that see all their keys unmasked, pairs outside the band left out."""
+    options = call.options
+    groups: Dict[Tuple[int, int], List[Tuple[int, int, int]]] = {}
+    for s, length in enumerate(qp.lengths):
+        corner = block_call(a * length, b * length, 1, length, (options.window_left, options.window_right),
+                            options.causal) if length else None
+        if corner is None:
+            continue
+        left, right = corner.window
+        if left >= corner.keys - 1:  # the band's left edge is before every key of the corner: no left mask
+            left = -1
+        if right >= corner.rows - 1:
+            right = -1
+        groups.setdefault((left, right), []).append((s, corner.rows, corner.keys))
+    for window, members in groups.items():
+        seqs = [s for s, _, _ in members]
+        q_rows, cu_q, max_q = _select(qp, seqs, [rows for _, rows, _ in members])
+        k_rows, cu_k, max_k = _select(kp, seqs, [keys for _, _, keys in members])
+        shift = torch.tensor([(a - b) * qp.lengths[s] - (keys - rows) for s, rows, keys in members],
+                             dtype=torch.float32, device=qp.cu_seqlens.device) if options.alibi else 0.0
+        block = attn_options(options.head_dim, options.softmax_scale, window=window, softcap=options.softcap,
+                             alibi=options.alibi)
+        yield PairCall(q_rows, cu_q, max_q, k_rows, cu_k, max_k, block, alibi_block(call.tensors, shift, 1, len(seqs)))
+
+
+def _pairs(parts: List[Piece], call: AttnCall, rank: int, src: int, world: int) -> Iterator[PairCall]:
+    """The packed calls of every pair of this rank's query pieces and src's key pieces that some query sees. A
+    pair's chunks hold the same number of tokens L_s of sequence s, so its call's ALiBi origin is (a - b) * L_s.
+    Without a window a pair is one call over the whole batch: all keys seen (b before a, or no mask), causal (b
+    is a), or none (b after a, causal); with one, `_window_calls`."""
+    options = call.options
     for qp in parts:
         for kp in parts:
             a, b = qp.chunk_of(rank, world), kp.chunk_of(src, world)
-            block = _pair_options(call.options, a, b)
-            if block is not None:
-                shift = (a - b) * (qp.cu_seqlens[1:] - qp.cu_seqlens[:-1]) if call.options.alibi else 0.0
-                yield qp, kp, block, alibi_block(call.tensors, shift, 1, qp.cu_seqlens.numel() - 1)
+            if options.has_window:
+                yield from _window_calls(qp, kp, a, b, call)
+                continue
+            if options.causal and b > a:
+                continue
+            block = options if not options.causal else attn_options(
+                options.head_dim, options.softmax_scale, causal=a == b, softcap=options.softcap, alibi=options.alibi)
+            shift = (a - b) * (qp.cu_seqlens[1:] - qp.cu_seqlens[:-1]) if options.alibi else 0.0
+            yield PairCall(qp.rows, qp.cu_seqlens, qp.max_seqlen, kp.rows, kp.cu_seqlens, kp.max_seqlen, block,
+                           alibi_block(call.tensors, shift, 1, qp.cu_seqlens.numel() - 1))
 
 
 def ring_varlen_forward(q, k, v, parts: List[Piece], call: AttnCall,
@@ -97,17 +158,17 @@ def ring_varlen_forward(q, k, v, parts: List[Piece], call: AttnCall,
     kv = [k, v]
     for step in range(ring.world):
         pending = ring.shift(kv) if step + 1 < ring.world else None
-        for qp, kp, block, tensors in _pairs(parts, call, ring.rank, (ring.rank - step) % ring.world, ring.world):
-            qs = _take(q, qp.rows)
+        for pc in _pairs(parts, call, ring.rank, (ring.rank - step) % ring.world, ring.world):
+            qs = _take(q, pc.q_rows)
             part = torch.empty(qs.shape, dtype=torch.float32, device=q.device)
-            part, part_lse = launch_varlen(qs, _take(kv[0], kp.rows), _take(kv[1], kp.rows), qp.cu_seqlens,
-                                           kp.cu_seqlens, qp.max_seqlen, kp.max_seqlen, block, config=config,
-                                           tensors=tensors, out=part)
-            if qp.rows is None:
+            part, part_lse = launch_varlen(qs, _take(kv[0], pc.k_rows), _take(kv[1], pc.k_rows), pc.cu_q, pc.cu_k,
+                                           pc.max_q, pc.max_k, pc.options, config=config, tensors=pc.tensors,
+                                           out=part)
+            if pc.q_rows is None:
                 out, lse = merge_attention(out, lse, part, part_lse)
             else:
-                merged, merged_lse = merge_attention(out[qp.rows], lse[:, qp.rows], part, part_lse)
-                out[qp.rows], lse[:, qp.rows] = merged, merged_lse
+                merged, merged_lse = merge_attention(out[pc.q_rows], lse[:, pc.q_rows], part, part_lse)
+                out[pc.q_rows], lse[:, pc.q_rows] = merged, merged_lse
         if pending is not None:
             kv = pending.wait()
     return out, lse
@@ -120,13 +181,14 @@ def ring_varlen_backward(dout, q, k, v, out, lse, parts: List[Piece], call: Attn
     for step in range(ring.world):
         pending = ring.shift(kv) if step + 1 < ring.world else None
         dkv = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in kv]
-        for qp, kp, block, tensors in _pairs(parts, call, ring.rank, (ring.rank - step) % ring.world, ring.world):
-            qs, ks, vs = _take(q, qp.rows), _take(kv[0], kp.rows), _take(kv[1], kp.rows)
+        for pc in _pairs(parts, call, ring.rank, (ring.rank - step) % ring.world, ring.world):
+            qs, ks, vs = _take(q, pc.q_rows), _take(kv[0], pc.k_rows), _take(kv[1], pc.k_rows)
             grads = tuple(torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in (qs, ks, vs))
-            launch_varlen_backward(_take(dout, qp.rows), qs, ks, vs, _take(out, qp.rows),
-                                   lse if qp.rows is None else lse[:, qp.rows].contiguous(), qp.cu_seqlens,
-                                   kp.cu_seqlens, qp.max_seqlen, kp.max_seqlen, block, grads=grads, tensors=tensors)
-            for acc, grad, rows in ((dq, grads[0], qp.rows), (dkv[0], grads[1], kp.rows), (dkv[1], grads[2], kp.rows)):
+            launch_varlen_backward(_take(dout, pc.q_rows), qs, ks, vs, _take(out, pc.q_rows),
+                                   lse if pc.q_rows is None else lse[:, pc.q_rows].contiguous(), pc.cu_q, pc.cu_k,
+                                   pc.max_q, pc.max_k, pc.options, grads=grads, tensors=pc.tensors)
+            for acc, grad, rows in ((dq, grads[0], pc.q_rows), (dkv[0], grads[1], pc.k_rows),
+                                    (dkv[1], grads[2], pc.k_rows)):
                 if rows is None:
                     acc += grad
                 else:
@@ -169,10 +231,6 @@ def context_parallel_varlen_attention(q, k, v, cu_seqlens, max_seqlen, dropout_p
     def local_checks():
         built["max"], _ = validate_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
         refuse_dropout(dropout_p)
-        if window != (-1, -1):
-            raise NotImplementedError("A sliding window in the packed ring layouts is not supported (a chunk pair's "
-                                      "band depends on each sequence's length); use llama3_flash_attn_varlen_func "
-                                      "(causal), or the dense functions, which take windows in global positions.")
         if layout == "zigzag" and bool(((cu_seqlens[1:] - cu_seqlens[:-1]) % 2 != 0).any()):
             raise InputError(f"Expected every sequence's local length even for the zigzag layout (two chunks each), "
                              f"got cu_seqlens {cu_seqlens.tolist()} on rank {dist.get_rank(group)}.")
@@ -180,7 +238,7 @@ def context_parallel_varlen_attention(q, k, v, cu_seqlens, max_seqlen, dropout_p
                                        seqlen_k=built["max"] * world, batch=cu_seqlens.numel() - 1,
                                        nheads=q.shape[1], device=q.device)
 
-    signature = (0 if layout == "ring" else 1, int(bool(causal)), int(alibi_slopes is not None))
+    signature = (0 if layout == "ring" else 1, int(bool(causal)), *window, int(alibi_slopes is not None))
     checked_call(group, (q, k, v, cu_seqlens), signature, local_checks)
     parts = pieces(layout, cu_seqlens.contiguous(), built["max"])
     out, lse = _RingVarlenAttention.apply(q, k, v, parts, built["call"], group)
