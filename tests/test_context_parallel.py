@@ -41,8 +41,10 @@ VARLEN_MASKS = {  # name: (causal, window_size, alibi) of the packed ring forms'
     "causal alibi": (True, (-1, -1), True), "causal window 9": (True, (9, 0), False),
     "window (5, 7)": (False, (5, 7), False), "causal window 9 alibi": (True, (9, 0), True)}
 VARLEN = {f"varlen {layout} {mask} {dtype}": dtype for layout, mask, dtype in
-          itertools.product(("ring", "zigzag"), VARLEN_MASKS, (torch.float32, torch.float16))
-          if dtype == torch.float32 or mask in ("full", "causal")}  # fp16: two masks
+          itertools.product(("ring", "zigzag", "stripe"), VARLEN_MASKS, (torch.float32, torch.float16))
+          if (dtype == torch.float32 or mask in ("full", "causal"))  # fp16: two masks
+          and (layout != "stripe" or (dtype == torch.float32 and mask in ("causal", "window (5, 7)",
+                                                                          "causal window 9 alibi")))}
 VARLEN_AT_FOUR = [name for name in VARLEN if "alibi" not in name and "float32" in name and "(5, 7)" not in name]
 SLOPES = torch.tensor([0.5, 0.25, 0.125, 0.0625])  # ALiBi's, one per query head
 CHUNK, HEAD_DIM = 8, 32  # tokens per chunk: a zigzag shard holds two
@@ -146,7 +148,7 @@ def _run_cases(rank: int, world: int, port: int, results) -> None:
     import tritonattn.parallel as cp
     from tritonattn import flash_attn_varlen_func
 
-    for (layout, mask), dtype in itertools.product(itertools.product(("ring", "zigzag"), VARLEN_MASKS),
+    for (layout, mask), dtype in itertools.product(itertools.product(("ring", "zigzag", "stripe"), VARLEN_MASKS),
                                                    (torch.float32, torch.float16)):
         name = f"varlen {layout} {mask} {dtype}"
         if name not in VARLEN or (world == 4 and name not in VARLEN_AT_FOUR):
@@ -165,7 +167,8 @@ def _run_cases(rank: int, world: int, port: int, results) -> None:
             def local(t):
                 return cp.shard_varlen(t, cu, rank, world, layout)
 
-            fn = cp.ring_flash_attn_varlen_func if layout == "ring" else cp.zigzag_ring_flash_attn_varlen_func
+            fn = {"ring": cp.ring_flash_attn_varlen_func, "zigzag": cp.zigzag_ring_flash_attn_varlen_func,
+                  "stripe": cp.stripe_flash_attn_varlen_func}[layout]
             mine = [local(t).clone().requires_grad_() for t in (q, k, v)]
             res, lse, _ = fn(*mine, cu // world, max(lengths) // world, causal=causal, window_size=window,
                              alibi_slopes=slopes, return_attn_probs=True)
@@ -481,7 +484,7 @@ def test_signatures_are_ring_flash_attns():
             params = " ".join(p.name if p.default is inspect.Parameter.empty else f"{p.name}={p.default!r}"
                               for p in inspect.signature(fn).parameters.values())
             assert params == f"{head} {tail}", (fn.__name__, params)
-    for fn in (cp.ring_flash_attn_varlen_func, cp.zigzag_ring_flash_attn_varlen_func):
+    for fn in (cp.ring_flash_attn_varlen_func, cp.zigzag_ring_flash_attn_varlen_func, cp.stripe_flash_attn_varlen_func):
         varlen = " ".join(p.name if p.default is inspect.Parameter.empty else f"{p.name}={p.default!r}"
                           for p in inspect.signature(fn).parameters.values())
         assert varlen == f"q k v cu_seqlens max_seqlen {tail}", (fn.__name__, varlen)
@@ -490,8 +493,8 @@ def test_signatures_are_ring_flash_attns():
 @pytest.mark.skipif(ON_GPU, reason="gloo ranks on CPU under the interpreter")
 @pytest.mark.parametrize("case", list(VARLEN))
 def test_varlen_shards_equal_the_single_process_attention(ranks, case):
-    """Packed sequences of different lengths, each cut into world chunks: every rank's output, LSE and
-    gradients equal its chunks of one single-process flash_attn_varlen_func, windows and ALiBi at global
+    """Packed sequences of different lengths, each cut into world chunks (or stripes): every rank's output, LSE
+    and gradients equal its part of one single-process flash_attn_varlen_func, windows and ALiBi at global
     positions (the sequences' lengths put a window's edge inside some chunk pairs, past others, before others)."""
     assert_shards_agree(ranks, case, VARLEN[case])
 

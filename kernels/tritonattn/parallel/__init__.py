@@ -30,12 +30,13 @@ from .varlen import (
     context_parallel_varlen_attention,
     ring_flash_attn_varlen_func,
     shard_varlen,
+    stripe_flash_attn_varlen_func,
     zigzag_ring_flash_attn_varlen_func,
 )
 
 __all__ = [
     "LAYOUTS", "context_parallel_attention", "shard", "unshard", "shard_varlen", "context_parallel_varlen_attention",
-    "ring_flash_attn_varlen_func", "zigzag_ring_flash_attn_varlen_func",
+    "ring_flash_attn_varlen_func", "zigzag_ring_flash_attn_varlen_func", "stripe_flash_attn_varlen_func",
     "ring_flash_attn_func", "ring_flash_attn_kvpacked_func", "ring_flash_attn_qkvpacked_func",
     "zigzag_ring_flash_attn_func", "zigzag_ring_flash_attn_kvpacked_func", "zigzag_ring_flash_attn_qkvpacked_func",
     "stripe_flash_attn_func", "stripe_flash_attn_kvpacked_func", "stripe_flash_attn_qkvpacked_func",

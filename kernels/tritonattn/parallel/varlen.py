@@ -1,22 +1,20 @@
 """Context-parallel attention over packed sequences (ring-flash-attn's `ring_flash_attn_varlen_func` and
-`zigzag_ring_flash_attn_varlen_func`).
+`zigzag_ring_flash_attn_varlen_func`, and a stripe form it lacks).
 
-Every sequence of the packed batch is cut into chunks and rank r holds the same chunks of each, packed in the
+Every sequence of the packed batch is cut the same way and rank r holds the same part of each, packed in the
 same order: "ring", chunk r of `world` (its `cu_seqlens` are the whole batch's divided by `world`, ring-flash-
-attn's convention); "zigzag", chunks r and 2 * world - 1 - r of 2 * world, concatenated per sequence. K and V
-travel around the ring as in ring.py. A shard is one or two pieces (one chunk of every sequence, `pieces`), and
-a pair of pieces has the same relation in every sequence (the key chunk before, at, or after the query
-chunk), so without a window one packed call per pair covers the whole batch: all keys seen, causal, or skipped
-(causal only).
-ALiBi counts global positions: the pair's call measures distances from origin (a - b) * L_s in sequence s (chunks
-a and b of L_s tokens each; a per-sequence Alibi_shift, `blocks.alibi_block`).
+attn's convention); "zigzag", chunks r and 2 * world - 1 - r of 2 * world, concatenated per sequence; "stripe",
+tokens r, r + world, ... of each. K and V travel around the ring as in ring.py. A shard is one or two pieces
+(one chunk or stripe of every sequence, `pieces`).
 
-A sliding window is a band in global positions too, and its place in a chunk pair depends on L_s: each
-sequence's pair becomes a corner call (`blocks.block_call`: its first rows and keys, a window on that corner),
-and sequences whose corner windows are equal share one packed call (the varlen kernels align each sequence's
-mask to its own bottom-right corner). Pairs that see every key of their chunk pair share the unmasked call;
-sequences whose pair is outside the band are left out. Partial outputs in float32 merged by LSE in float32;
-gradients accumulated in float32, dK/dV travelling with their K/V, as in ring.py.
+Masks and ALiBi count global positions, as in ring.py: sequence s's part of a piece pair is reduced to a
+corner call (`blocks.block_call` on its L_s tokens: its first rows and keys, a window relative to that corner,
+ALiBi's origin), and the varlen kernels align each sequence's mask to its own bottom-right corner, so the
+sequences whose corners have the same window share one packed call. Without a window that is every sequence (a
+contiguous key chunk before, at or after the query chunk: all keys seen, causal, or none; a stripe pair: causal,
+or causal without the diagonal); a window's edge falls at a place that depends on L_s, and the sequences are
+grouped by it. Partial outputs in float32 merged by LSE in float32; gradients accumulated in float32, dK/dV
+travelling with their K/V, as in ring.py.
 """
 
 from __future__ import annotations
@@ -40,39 +38,46 @@ from .agree import checked_call, refuse_dropout
 from .blocks import alibi_block, block_call
 from .comm import Ring
 
+VARLEN_LAYOUTS = ("ring", "zigzag", "stripe")
+
 
 class Piece(NamedTuple):
     """One chunk of every sequence in a rank's packed shard: its rows (None: all of them), their cu_seqlens
-    and longest length, and a function giving the chunk's global index on a rank."""
+    and longest length, its tokens per sequence (on the host), and a function giving, for a rank, the world size
+    and a sequence's chunk length L, the global position of the chunk's first token and the step between its
+    tokens."""
 
     rows: Optional[torch.Tensor]
     cu_seqlens: torch.Tensor
     max_seqlen: int
-    chunk_of: Callable[[int, int], int]
-    lengths: Tuple[int, ...]  # the chunk's tokens per sequence (cu_seqlens' differences, on the host)
+    lengths: Tuple[int, ...]
+    place: Callable[[int, int, int], Tuple[int, int]]
 
 
 def pieces(layout: str, cu_seqlens: torch.Tensor, max_seqlen: int) -> List[Piece]:
-    """A rank's packed shard as pieces: "ring", one (chunk rank of world of every sequence); "zigzag", two
-    (chunks rank and 2 * world - 1 - rank, the two halves of each sequence's local rows)."""
+    """A rank's packed shard as pieces: "ring", one (chunk rank of world of every sequence); "stripe", one
+    (tokens rank, rank + world, ... of every sequence); "zigzag", two (chunks rank and 2 * world - 1 - rank, the
+    two halves of each sequence's local rows)."""
     bounds = cu_seqlens.tolist()
+    lengths = tuple(b - a for a, b in zip(bounds[:-1], bounds[1:]))
     if layout == "ring":
-        return [Piece(None, cu_seqlens, max_seqlen, lambda rank, world: rank,
-                      tuple(b - a for a, b in zip(bounds[:-1], bounds[1:])))]
+        return [Piece(None, cu_seqlens, max_seqlen, lengths, lambda rank, world, length: (rank * length, 1))]
+    if layout == "stripe":
+        return [Piece(None, cu_seqlens, max_seqlen, lengths, lambda rank, world, length: (rank, world))]
     if layout != "zigzag":
-        raise InputError(f"Expected a packed layout in ('ring', 'zigzag'), got {layout!r}.")
+        raise InputError(f"Expected a packed layout in {VARLEN_LAYOUTS}, got {layout!r}.")
     halves = []
     for h in range(2):
         rows = [torch.arange(a + h * (b - a) // 2, a + (h + 1) * (b - a) // 2) for a, b in zip(bounds[:-1], bounds[1:])]
         halves.append(torch.cat(rows).to(cu_seqlens.device) if rows else torch.zeros(0, dtype=torch.long))
-    cu_half = cu_seqlens // 2
-    chunk_of = (lambda rank, world: rank, lambda rank, world: 2 * world - 1 - rank)
-    lengths = tuple((b - a) // 2 for a, b in zip(bounds[:-1], bounds[1:]))
-    return [Piece(halves[h], cu_half, max_seqlen // 2, chunk_of[h], lengths) for h in range(2)]
+    places = (lambda rank, world, length: (rank * length, 1),
+              lambda rank, world, length: ((2 * world - 1 - rank) * length, 1))
+    return [Piece(halves[h], cu_seqlens // 2, max_seqlen // 2, tuple(n // 2 for n in lengths), places[h])
+            for h in range(2)]
 
 
 class PairCall(NamedTuple):
-    """One packed kernel call of a chunk pair: the query rows and key rows of the shard it takes (None: a piece's
+    """One packed kernel call of a piece pair: the query rows and key rows of the shard it takes (None: a piece's
     rows as they are), their cu_seqlens and longest lengths, its options and per-call tensors."""
 
     q_rows: Optional[torch.Tensor]
@@ -89,25 +94,30 @@ def _take(t: torch.Tensor, rows: Optional[torch.Tensor]) -> torch.Tensor:
     return t if rows is None else t.index_select(0, rows)
 
 
-def _select(piece: Piece, seqs: List[int], counts: List[int]) -> Tuple[Optional[torch.Tensor], torch.Tensor, int]:
-    """(shard rows, cu_seqlens, longest) of the first counts[i] tokens of sequence seqs[i] of `piece`'s chunk;
-    the piece's own rows when that is all of them."""
-    device = piece.cu_seqlens.device
-    if list(counts) == list(piece.lengths) and len(seqs) == len(piece.lengths):
+def _select(piece: Piece, counts: List[int]) -> Tuple[Optional[torch.Tensor], torch.Tensor, int]:
+    """(shard rows, cu_seqlens, longest) of the first counts[s] tokens of every sequence s of `piece`; the
+    piece's own when that is all of them."""
+    if list(counts) == list(piece.lengths):
         return piece.rows, piece.cu_seqlens, piece.max_seqlen
-    starts = list(itertools.accumulate(piece.lengths, initial=0))
-    rows = torch.cat([torch.arange(starts[s], starts[s] + n) for s, n in zip(seqs, counts)]).to(device)
+    device = piece.cu_seqlens.device
+    starts = itertools.accumulate(piece.lengths, initial=0)
+    rows = torch.cat([torch.arange(a, a + n) for a, n in zip(starts, counts)]).to(device)
     cu = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32, device=device)
     return (rows if piece.rows is None else piece.rows.index_select(0, rows)), cu, max(counts)
 
 
-def _window_calls(qp: Piece, kp: Piece, a: int, b: int, call: AttnCall) -> Iterator[PairCall]:
-    """A windowed pair's calls: every sequence's corner (`block_call` on its chunks of L_s tokens), sequences
-    grouped by their corner's window, corners that see all their keys unmasked, pairs outside the band left out."""
+def _pair_calls(qp: Piece, kp: Piece, rank: int, src: int, world: int, call: AttnCall) -> Iterator[PairCall]:
+    """The packed calls of rank's query piece against src's key piece. Each sequence's pair is reduced to a
+    corner (`blocks.block_call` on its chunks of L_s tokens: its first rows and keys, with a window on that corner,
+    or nothing where no query sees a key); sequences whose corners have the same window share one call, and a
+    corner that sees every key of its chunk pair takes the unmasked one. Without a window every sequence has the
+    same corner (all keys seen, causal, or none): one call over the whole batch, on the pieces' rows as they are."""
     options = call.options
-    groups: Dict[Tuple[int, int], List[Tuple[int, int, int]]] = {}
+    batch = len(qp.lengths)
+    groups: Dict[Tuple[int, int], Tuple[List[int], List[int], List[float]]] = {}
     for s, length in enumerate(qp.lengths):
-        corner = block_call(a * length, b * length, 1, length, (options.window_left, options.window_right),
+        (q_start, step), (k_start, _) = qp.place(rank, world, length), kp.place(src, world, length)
+        corner = block_call(q_start, k_start, step, length, (options.window_left, options.window_right),
                             options.causal) if length else None
         if corner is None:
             continue
@@ -116,37 +126,24 @@ def _window_calls(qp: Piece, kp: Piece, a: int, b: int, call: AttnCall) -> Itera
             left = -1
         if right >= corner.rows - 1:
             right = -1
-        groups.setdefault((left, right), []).append((s, corner.rows, corner.keys))
-    for window, members in groups.items():
-        seqs = [s for s, _, _ in members]
-        q_rows, cu_q, max_q = _select(qp, seqs, [rows for _, rows, _ in members])
-        k_rows, cu_k, max_k = _select(kp, seqs, [keys for _, _, keys in members])
-        shift = torch.tensor([(a - b) * qp.lengths[s] - (keys - rows) for s, rows, keys in members],
-                             dtype=torch.float32, device=qp.cu_seqlens.device) if options.alibi else 0.0
+        rows, keys, shifts = groups.setdefault((left, right), ([0] * batch, [0] * batch, [0.0] * batch))
+        rows[s], keys[s] = corner.rows, corner.keys
+        shifts[s] = (q_start - k_start) / step - (corner.keys - corner.rows)
+    for window, (rows, keys, shifts) in groups.items():
+        q_rows, cu_q, max_q = _select(qp, rows)
+        k_rows, cu_k, max_k = _select(kp, keys)
+        shift = torch.tensor(shifts, dtype=torch.float32, device=qp.cu_seqlens.device) if options.alibi else 0.0
+        step = qp.place(rank, world, 1)[1]
         block = attn_options(options.head_dim, options.softmax_scale, window=window, softcap=options.softcap,
                              alibi=options.alibi)
-        yield PairCall(q_rows, cu_q, max_q, k_rows, cu_k, max_k, block, alibi_block(call.tensors, shift, 1, len(seqs)))
+        yield PairCall(q_rows, cu_q, max_q, k_rows, cu_k, max_k, block, alibi_block(call.tensors, shift, step, batch))
 
 
 def _pairs(parts: List[Piece], call: AttnCall, rank: int, src: int, world: int) -> Iterator[PairCall]:
-    """The packed calls of every pair of this rank's query pieces and src's key pieces that some query sees. A
-    pair's chunks hold the same number of tokens L_s of sequence s, so its call's ALiBi origin is (a - b) * L_s.
-    Without a window a pair is one call over the whole batch: all keys seen (b before a, or no mask), causal (b
-    is a), or none (b after a, causal); with one, `_window_calls`."""
-    options = call.options
+    """The packed calls of every pair of this rank's query pieces and src's key pieces that some query sees."""
     for qp in parts:
         for kp in parts:
-            a, b = qp.chunk_of(rank, world), kp.chunk_of(src, world)
-            if options.has_window:
-                yield from _window_calls(qp, kp, a, b, call)
-                continue
-            if options.causal and b > a:
-                continue
-            block = options if not options.causal else attn_options(
-                options.head_dim, options.softmax_scale, causal=a == b, softcap=options.softcap, alibi=options.alibi)
-            shift = (a - b) * (qp.cu_seqlens[1:] - qp.cu_seqlens[:-1]) if options.alibi else 0.0
-            yield PairCall(qp.rows, qp.cu_seqlens, qp.max_seqlen, kp.rows, kp.cu_seqlens, kp.max_seqlen, block,
-                           alibi_block(call.tensors, shift, 1, qp.cu_seqlens.numel() - 1))
+            yield from _pair_calls(qp, kp, rank, src, world, call)
 
 
 def ring_varlen_forward(q, k, v, parts: List[Piece], call: AttnCall,
@@ -229,6 +226,8 @@ def context_parallel_varlen_attention(q, k, v, cu_seqlens, max_seqlen, dropout_p
     built = {}
 
     def local_checks():
+        if layout not in VARLEN_LAYOUTS:
+            raise InputError(f"Expected a packed layout in {VARLEN_LAYOUTS}, got {layout!r}.")
         built["max"], _ = validate_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
         refuse_dropout(dropout_p)
         if layout == "zigzag" and bool(((cu_seqlens[1:] - cu_seqlens[:-1]) % 2 != 0).any()):
@@ -238,7 +237,8 @@ def context_parallel_varlen_attention(q, k, v, cu_seqlens, max_seqlen, dropout_p
                                        seqlen_k=built["max"] * world, batch=cu_seqlens.numel() - 1,
                                        nheads=q.shape[1], device=q.device)
 
-    signature = (0 if layout == "ring" else 1, int(bool(causal)), *window, int(alibi_slopes is not None))
+    signature = (VARLEN_LAYOUTS.index(layout) if layout in VARLEN_LAYOUTS else -1, int(bool(causal)), *window,
+                 int(alibi_slopes is not None))
     checked_call(group, (q, k, v, cu_seqlens), signature, local_checks)
     parts = pieces(layout, cu_seqlens.contiguous(), built["max"])
     out, lse = _RingVarlenAttention.apply(q, k, v, parts, built["call"], group)
@@ -266,11 +266,26 @@ def zigzag_ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, dropout_
                                              layout="zigzag")
 
 
+def stripe_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
+                                  window_size=(-1, -1), alibi_slopes=None, deterministic=False,
+                                  return_attn_probs=False, group=None):
+    """The stripe layout's packed form (ring-flash-attn has none; its name and signature follow its other varlen
+    functions): rank r holds tokens r, r + world, r + 2 * world, ... of every sequence, packed; cu_seqlens are the
+    whole batch's divided by world. Causal work is balanced across ranks as in `stripe_flash_attn_func`; see
+    `context_parallel_varlen_attention`."""
+    return context_parallel_varlen_attention(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal,
+                                             window_size, alibi_slopes, deterministic, return_attn_probs, group,
+                                             layout="stripe")
+
+
 def shard_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor, rank: int, world: int,
                  layout: str = "ring") -> torch.Tensor:
     """Rank's packed shard of a packed whole batch (sequence along dim 0) under `layout`: chunk `rank` of `world`
-    of each sequence ("ring"), or chunks rank and 2 * world - 1 - rank of 2 * world ("zigzag")."""
+    of each sequence ("ring"), chunks rank and 2 * world - 1 - rank of 2 * world ("zigzag"), or tokens rank,
+    rank + world, ... of each ("stripe")."""
     bounds = cu_seqlens.tolist()
+    if layout == "stripe":
+        return torch.cat([x[a:b][rank::world] for a, b in zip(bounds[:-1], bounds[1:])], dim=0)
     chunks = [rank] if layout == "ring" else [rank, 2 * world - 1 - rank]
     parts = world if layout == "ring" else 2 * world
     return torch.cat([x[a:b].chunk(parts, dim=0)[c] for a, b in zip(bounds[:-1], bounds[1:]) for c in chunks], dim=0)
