@@ -77,6 +77,24 @@ def test_tree_decode_dense(kind, group, num_splits, append):
         assert (out.float() - plain.float()).abs().max() > 1e-2
 
 
+@pytest.mark.skipif(not ON_GPU, reason="the many-row config is a GPU table's (the interpreter has one config)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_tree_decode_many_rows(num_splits, dtype):
+    """40 drafts x a GQA group of 4 (160 query rows per KV head, more than one row block of the one-token
+    config: Hopper's many-row config at D = 128) against the reference, the drafts appended."""
+    rng = random.Random(7)
+    n, lengths, nheads_k, group, d = 40, [0, 70, 300], 2, 4, 128
+    mask = torch.stack([ancestors(tree("random", n, rng)) for _ in lengths]).to(DEVICE)
+    q = randn(len(lengths), n, nheads_k * group, d, dtype=dtype)
+    k_cache, v_cache = (randn(len(lengths), 384, nheads_k, d, dtype=dtype) for _ in range(2))
+    k, v = (randn(len(lengths), n, nheads_k, d, dtype=dtype) for _ in range(2))
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=torch.tensor(lengths, dtype=torch.int32,
+                                  device=DEVICE), causal=True, num_splits=num_splits, tree_mask=mask)
+    ref32, _, same = per_request_references(q, k_cache, v_cache, k, v, lengths, causal=True, tree_mask=mask)
+    assert_close_to_ref(out, ref32, same, msg=f"(splits={num_splits}, {dtype})")
+
+
 @pytest.mark.parametrize("page_size", [16, 5])
 def test_tree_decode_paged(page_size):
     """Paged: the drafts cross page borders; equal to the dense call on the same values, and to the reference."""

@@ -267,6 +267,13 @@ HOPPER_DECODE = {
     128: DecodeConfig(64, 4, 4),
     256: DecodeConfig(64, 4, 3),
 }
+# ... and for query blocks of more than max_rows rows (a speculative verify step: draft tokens x the GQA group),
+# where the kernel is compute-bound: 8 warps over 128-row blocks. D=128 is the pick of an H100 sweep over the
+# 64-draft tree of benchmarks/speculative.py (docs/perf-notes.md, "Speculative decoding's verify step"): 359 us
+# against 482 us with the table above; the other head dims keep theirs (not swept).
+HOPPER_DECODE_MANY_ROWS = {
+    128: DecodeConfig(64, 8, 3, 128),
+}
 # ~100 KB smem per block (Ampere/Ada, Colab's L4): stages x 2 x BLOCK_N x D x 2 bytes stays < 99 KB.
 SMALL_SMEM_DECODE = {
     16: DecodeConfig(64, 4, 3),
@@ -277,13 +284,16 @@ SMALL_SMEM_DECODE = {
 }
 
 
-def decode_config(head_dim_pad: int, dtype: torch.dtype, target: Optional[Target]) -> DecodeConfig:
-    """Tile config for the decode kernel on `target` (None: the interpreter's one small config)."""
+def decode_config(head_dim_pad: int, dtype: torch.dtype, target: Optional[Target], rows: int = 1) -> DecodeConfig:
+    """Tile config for the decode kernel on `target` (None: the interpreter's one small config) for `rows` query
+    rows per KV head (new tokens x the GQA group)."""
     if target is None:
         return INTERPRETER_DECODE_CONFIG
     config = (HOPPER_DECODE if is_hopper_class(target) else SMALL_SMEM_DECODE)[head_dim_pad]
+    if is_hopper_class(target) and rows > config.max_rows and head_dim_pad in HOPPER_DECODE_MANY_ROWS:
+        config = HOPPER_DECODE_MANY_ROWS[head_dim_pad]
     if dtype == torch.float32:  # 4-byte tiles: halve the keys per stage
-        config = DecodeConfig(max(16, config.block_n // 2), config.num_warps, config.num_stages)
+        config = DecodeConfig(max(16, config.block_n // 2), config.num_warps, config.num_stages, config.max_rows)
     return config
 
 
