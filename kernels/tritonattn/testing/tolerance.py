@@ -39,6 +39,10 @@ FP32_AGREEMENT = (1e-5, 5e-3)
 # are biased and grow with |score|, so the LSE (dominated by the largest scores) gets a relative
 # term too (5.4e-3 at |lse| ~ 7 on an H200).
 LSE_ATOL = {torch.float16: 1e-3, torch.bfloat16: 1e-3, torch.float32: 1e-4}
+# The kernels compute scores and the LSE in float32, whose rounding alone is 2^-24 |lse|: at |lse| ~ 1e6 (bf16
+# queries of magnitude 3e5) the LSE differs from an fp64 reference by a few ulps (3.75e-1 at 1.08e6 on an H100,
+# 3 ulps). 16-bit inputs get 8 ulps as a relative term, which below |lse| ~ 1e3 is under the atol above.
+LSE_RTOL_16BIT = 2.0**-20
 LSE_FP32_GPU = (5e-3, 2e-3)  # (atol, rtol)
 # An FP8 (e4m3) KV cache, the error of the quantization itself: attention over a cache quantized with amax
 # descales (per (batch, KV head) or per tensor) against an fp64 reference on the unquantized values, unit-scale
@@ -56,9 +60,11 @@ FP8_KV_OUTLIER_RTOL = 1.5e-1
 # unit normal inputs 5.3e-2 (RMSE 8.5e-3); FlashAttention-3's outlier distribution (0.1% of entries with
 # standard deviation 10) 4.8e-2 / 5.1e-2 per head / per tensor (RMSE 1.9e-2 / 2.0e-2, FA3 reports 2.4e-2 for
 # its per-tensor FP8 baseline: FA3_FP8_RMSE, the issue's bar); two outlier channels of K and V (20x) 1.2e-1.
-# tests/test_fp8_prefill.py prints them.
-FP8_PREFILL_RTOL = 8e-2
-FP8_PREFILL_OUTLIER_RTOL = 2e-1
+# On an H100 (1024 keys; per head / per tensor): normal 5.2e-2 / 5.2e-2 (RMSE 2.7e-3), FlashAttention-3's
+# distribution 9.4e-2 / 9.4e-2 (RMSE 1.6e-2: under FA3's bar; more keys average the output down while the
+# outliers' rounding stays), outlier channels 1.7e-1 / 1.9e-1. tests/test_fp8_prefill.py prints them.
+FP8_PREFILL_RTOL = 1.2e-1
+FP8_PREFILL_OUTLIER_RTOL = 2.5e-1
 FA3_FP8_RMSE = 2.4e-2
 
 
@@ -120,7 +126,7 @@ def lse_tolerance(dtype: torch.dtype) -> Tuple[float, float]:
     """(atol, rtol) of the LSE of inputs in `dtype`: |lse - ref| <= atol + rtol * |ref|."""
     if dtype == torch.float32 and _on_gpu():
         return LSE_FP32_GPU
-    return LSE_ATOL[dtype], 0.0
+    return LSE_ATOL[dtype], (LSE_RTOL_16BIT if dtype in (torch.float16, torch.bfloat16) else 0.0)
 
 
 def check_lse(lse: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> Tuple[bool, float]:
