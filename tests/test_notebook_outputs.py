@@ -511,7 +511,7 @@ def test_conftest_enforces_the_cpu_budget(tmp_path, monkeypatch):
 # The committed notebooks
 # ============================================================================================
 def test_there_are_notebooks():
-    assert [p.name[:2] for p in NOTEBOOKS] == ["00", "01", "02", "03", "04", "05"], [p.name for p in NOTEBOOKS]
+    assert [p.name[:2] for p in NOTEBOOKS] == ["00", "01", "02", "03", "04", "05", "06"], [p.name for p in NOTEBOOKS]
 
 
 by_notebook = pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
