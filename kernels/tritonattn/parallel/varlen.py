@@ -42,7 +42,7 @@ VARLEN_LAYOUTS = ("ring", "zigzag", "stripe")
 
 
 class Piece(NamedTuple):
-    """One chunk of every sequence in a rank's packed shard: its rows (None: all of them), their cu_seqlens
+    """One chunk (or stripe) of every sequence in a rank's packed shard: its rows (None: all of them), their cu_seqlens
     and longest length, its tokens per sequence (on the host), and a function giving, for a rank, the world size
     and a sequence's chunk length L, the global position of the chunk's first token and the step between its
     tokens."""
