@@ -77,6 +77,26 @@ def test_tree_decode_dense(kind, group, num_splits, append):
         assert (out.float() - plain.float()).abs().max() > 1e-2
 
 
+def test_many_rows_take_their_own_plan_on_hopper():
+    """The decode plan for an H100 (asked without one, `TARGETS`): more than 64 rows per KV head at D = 128 take
+    HOPPER_DECODE_MANY_ROWS (8 warps, 128-row blocks), one token and a chain of 8 keep the one-token config, and
+    the L4's table is the same for both."""
+    from tritonattn.config.hardware import TARGETS
+    from tritonattn.config.tables import HOPPER_DECODE, HOPPER_DECODE_MANY_ROWS, SMALL_SMEM_DECODE
+    from tritonattn.launch.decode import plan_decode
+
+    def plan(card, seqlen_q, dtype=torch.bfloat16):
+        return plan_decode(8, seqlen_q, 32, 8, 128, 16448, dtype, TARGETS[card], 0, 0, True)
+
+    many, one = HOPPER_DECODE_MANY_ROWS[128], HOPPER_DECODE[128]
+    tree = plan("H100", 64)  # 64 drafts x 4 heads = 256 rows
+    assert (tree.num_warps, tree.block_h, tree.grid[0]) == (many.num_warps, many.max_rows, 8 * 8 * 2), tree
+    for seqlen_q in (1, 8):  # 4 and 32 rows
+        assert plan("H100", seqlen_q).num_warps == one.num_warps
+    assert plan("H100", 64, torch.float32).block_h == many.max_rows  # the fp32 halving keeps the row block
+    assert plan("L4", 64).num_warps == plan("L4", 1).num_warps == SMALL_SMEM_DECODE[128].num_warps
+
+
 @pytest.mark.skipif(not ON_GPU, reason="the many-row config is a GPU table's (the interpreter has one config)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("num_splits", [1, 3])
