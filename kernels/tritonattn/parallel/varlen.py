@@ -114,26 +114,36 @@ def _pair_calls(qp: Piece, kp: Piece, rank: int, src: int, world: int, call: Att
     same corner (all keys seen, causal, or none): one call over the whole batch, on the pieces' rows as they are."""
     options = call.options
     batch = len(qp.lengths)
-    groups: Dict[Tuple[int, int], Tuple[List[int], List[int], List[float]]] = {}
-    for s, length in enumerate(qp.lengths):
-        (q_start, step), (k_start, _) = qp.place(rank, world, length), kp.place(src, world, length)
+    step = qp.place(rank, world, 1)[1]  # the same for every sequence of a piece
+
+    def corner_of(length: int):
+        """(window, rows, keys, ALiBi origin) of a sequence whose chunks hold `length` tokens, or None."""
+        (q_start, _), (k_start, _) = qp.place(rank, world, length), kp.place(src, world, length)
         corner = block_call(q_start, k_start, step, length, (options.window_left, options.window_right),
                             options.causal) if length else None
         if corner is None:
-            continue
+            return None
         left, right = corner.window
         if left >= corner.keys - 1:  # the band's left edge is before every key of the corner: no left mask
             left = -1
         if right >= corner.rows - 1:
             right = -1
-        rows, keys, shifts = groups.setdefault((left, right), ([0] * batch, [0] * batch, [0.0] * batch))
-        rows[s], keys[s] = corner.rows, corner.keys
-        shifts[s] = (q_start - k_start) / step - (corner.keys - corner.rows)
+        return (left, right), corner.rows, corner.keys, (q_start - k_start) / step - (corner.keys - corner.rows)
+
+    corners: Dict[int, Any] = {}  # by chunk length: a packed batch repeats lengths, each corner is worked out once
+    groups: Dict[Tuple[int, int], Tuple[List[int], List[int], List[float]]] = {}
+    for s, length in enumerate(qp.lengths):
+        if length not in corners:
+            corners[length] = corner_of(length)
+        if corners[length] is None:
+            continue
+        window, n_rows, n_keys, shift = corners[length]
+        rows, keys, shifts = groups.setdefault(window, ([0] * batch, [0] * batch, [0.0] * batch))
+        rows[s], keys[s], shifts[s] = n_rows, n_keys, shift
     for window, (rows, keys, shifts) in groups.items():
         q_rows, cu_q, max_q = _select(qp, rows)
         k_rows, cu_k, max_k = _select(kp, keys)
         shift = torch.tensor(shifts, dtype=torch.float32, device=qp.cu_seqlens.device) if options.alibi else 0.0
-        step = qp.place(rank, world, 1)[1]
         block = attn_options(options.head_dim, options.softmax_scale, window=window, softcap=options.softcap,
                              alibi=options.alibi)
         yield PairCall(q_rows, cu_q, max_q, k_rows, cu_k, max_k, block, alibi_block(call.tensors, shift, step, batch))
