@@ -315,10 +315,11 @@ def test_split_heuristic_fills_more_programs_for_paged_caches():
 
 
 def test_split_heuristic_fills_more_programs_for_fp8_caches():
-    """An FP8 cache's splits fill DECODE_FP8_WAVES programs per SM, dense or paged (paged: the larger of the
-    two counts), so its dequantizing programs keep as many bytes in flight as a 16-bit cache's."""
+    """An FP8 cache's splits fill DECODE_FP8_WAVES programs per SM, a paged one's DECODE_FP8_PAGED_WAVES (or
+    the paged count if larger), so its dequantizing programs keep as many bytes in flight as a 16-bit cache's."""
     from tritonattn.config.hardware import device_target
     from tritonattn.config.tables import (
+        DECODE_FP8_PAGED_WAVES,
         DECODE_FP8_WAVES,
         DECODE_MAX_SPLITS,
         DECODE_PAGED_WAVES,
@@ -334,7 +335,7 @@ def test_split_heuristic_fills_more_programs_for_fp8_caches():
     assert decode_num_splits(programs, capacity, block_n, device, fp8=True) == min(
         DECODE_MAX_SPLITS, DECODE_FP8_WAVES * sms // programs)
     assert decode_num_splits(programs, capacity, block_n, device, paged=True, fp8=True) == min(
-        DECODE_MAX_SPLITS, max(DECODE_FP8_WAVES, DECODE_PAGED_WAVES) * sms // programs)
+        DECODE_MAX_SPLITS, max(DECODE_FP8_PAGED_WAVES, DECODE_PAGED_WAVES) * sms // programs)
     assert decode_num_splits(DECODE_FP8_WAVES * sms, capacity, block_n, device, fp8=True) == 1
     for card, batch in (("H100", 8), ("L4", 2)):  # the plan passes the cache's itemsize on
         target = TARGETS[card]

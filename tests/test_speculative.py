@@ -79,8 +79,8 @@ def test_tree_decode_dense(kind, group, num_splits, append):
 
 def test_many_rows_take_their_own_plan_on_hopper():
     """The decode plan for an H100 (asked without one, `TARGETS`): more than 64 rows per KV head at D = 128 take
-    HOPPER_DECODE_MANY_ROWS (8 warps, 128-row blocks), one token and a chain of 8 keep the one-token config, and
-    the L4's table is the same for both."""
+    HOPPER_DECODE_MANY_ROWS (8 warps, 128-row blocks, splits that fill two programs per SM), one token and a
+    chain of 8 keep the one-token config, and the L4's table is the same for both."""
     from tritonattn.config.hardware import TARGETS
     from tritonattn.config.tables import HOPPER_DECODE, HOPPER_DECODE_MANY_ROWS, SMALL_SMEM_DECODE
     from tritonattn.launch.decode import plan_decode
@@ -90,7 +90,9 @@ def test_many_rows_take_their_own_plan_on_hopper():
 
     many, one = HOPPER_DECODE_MANY_ROWS[128], HOPPER_DECODE[128]
     tree = plan("H100", 64)  # 64 drafts x 4 heads = 256 rows
-    assert (tree.num_warps, tree.block_h, tree.grid[0]) == (many.num_warps, many.max_rows, 8 * 8 * 2), tree
+    programs = 8 * 8 * 2  # requests x KV heads x row blocks: one per SM of 132, so unsplit at one wave
+    assert (tree.num_warps, tree.block_h, tree.grid[0]) == (many.num_warps, many.max_rows, programs), tree
+    assert many.waves == 2 and tree.num_splits == many.waves * TARGETS["H100"].sm_count // programs, tree
     for seqlen_q in (1, 8):  # 4 and 32 rows
         assert plan("H100", seqlen_q).num_warps == one.num_warps
     assert plan("H100", 64, torch.float32).block_h == many.max_rows  # the fp32 halving keeps the row block

@@ -10,6 +10,7 @@ the interpreter one small config is used.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Optional
@@ -219,6 +220,7 @@ class DecodeConfig:
     num_warps: int
     num_stages: int
     max_rows: int = 64  # query rows per program; more rows -> another row block in the grid
+    waves: int = 1  # programs per SM the split heuristic fills at least (see decode_num_splits)
 
 
 INTERPRETER_DECODE_CONFIG = DecodeConfig(block_n=32, num_warps=4, num_stages=1)
@@ -231,6 +233,7 @@ DECODE_FULL_GRID = 0.8  # this many programs per SM or more: no split (flash-att
 DECODE_PAGED_WAVES = 2  # a paged cache's splits fill this many programs per SM (see decode_num_splits)
 DECODE_PAGED_WAVE_MIN_BLOCKS = 4  # ... but the splits past one wave's count keep this many blocks each
 DECODE_FP8_WAVES = 2  # an FP8 cache's splits fill this many programs per SM (see decode_num_splits)
+DECODE_FP8_PAGED_WAVES = 3  # ... and a paged FP8 cache's this many
 # A paged cache's decode runs at most this many pipeline stages (the dense config's 4 on Hopper): at 3 the
 # kernel's shared memory fits 3 programs per SM instead of 2, and it runs faster at split and one-wave
 # shapes; smaller key blocks (BLOCK_N 16 or 32 for P = 16) are slower than either. The dense cache keeps
@@ -268,11 +271,12 @@ HOPPER_DECODE = {
     256: DecodeConfig(64, 4, 3),
 }
 # ... and for query blocks of more than max_rows rows (a speculative verify step: draft tokens x the GQA group),
-# where the kernel is compute-bound: 8 warps over 128-row blocks. D=128 is the pick of an H100 sweep over the
-# 64-draft tree of benchmarks/speculative.py (docs/perf-notes.md, "Speculative decoding's verify step"): 359 us
-# against 482 us with the table above; the other head dims keep theirs (not swept).
+# where the kernel is compute-bound: 8 warps over 128-row blocks, two programs per SM (an unsplit grid of one
+# program per SM leaves each SM one 8-warp program to hide its loads behind). D=128 is the pick of H100 sweeps
+# over the 64-draft tree of benchmarks/speculative.py (docs/perf-notes.md, "Speculative decoding's verify
+# step"): 346 us against 482 us with the table above; the other head dims keep theirs (not swept).
 HOPPER_DECODE_MANY_ROWS = {
-    128: DecodeConfig(64, 8, 3, 128),
+    128: DecodeConfig(64, 8, 3, 128, waves=2),
 }
 # ~100 KB smem per block (Ampere/Ada, Colab's L4): stages x 2 x BLOCK_N x D x 2 bytes stays < 99 KB.
 SMALL_SMEM_DECODE = {
@@ -293,7 +297,7 @@ def decode_config(head_dim_pad: int, dtype: torch.dtype, target: Optional[Target
     if is_hopper_class(target) and rows > config.max_rows and head_dim_pad in HOPPER_DECODE_MANY_ROWS:
         config = HOPPER_DECODE_MANY_ROWS[head_dim_pad]
     if dtype == torch.float32:  # 4-byte tiles: halve the keys per stage
-        config = DecodeConfig(max(16, config.block_n // 2), config.num_warps, config.num_stages, config.max_rows)
+        config = dataclasses.replace(config, block_n=max(16, config.block_n // 2))
     return config
 
 
@@ -360,7 +364,7 @@ def planning_sm_count(target: Optional[Target]) -> int:
 
 
 def decode_num_splits(programs: int, seqlen_cache: int, block_n: int, target: Optional[Target],
-                      paged: bool = False, fp8: bool = False) -> int:
+                      paged: bool = False, fp8: bool = False, waves: int = 1) -> int:
     """num_splits=0 heuristic: how many chunks to split each request's cache into.
 
     Depends only on `programs` (batch x nheads_k x row blocks), the *allocated* seqlen_cache, the
@@ -382,10 +386,15 @@ def decode_num_splits(programs: int, seqlen_cache: int, block_n: int, target: Op
 
     An FP8 cache fills at least DECODE_FP8_WAVES programs per SM: a program dequantizes every K/V tile on
     its loop's critical path and streams half the bytes of a 16-bit one in about the same time, so it
-    takes twice the programs to keep the loads in flight (docs/perf-notes.md, "FP8 KV cache in decode").
+    takes twice the programs to keep the loads in flight (docs/perf-notes.md, "FP8 KV cache in decode"); a
+    paged FP8 cache DECODE_FP8_PAGED_WAVES, as its page lookups add to that path.
+
+    `waves` is the config's own count (DecodeConfig.waves): Hopper's many-row config, whose compute-bound
+    programs run 8 warps each, fills two per SM, so that one program's loads hide behind another's math.
     """
     sm_count = planning_sm_count(target)
-    waves = max(DECODE_PAGED_WAVES if paged else 1, DECODE_FP8_WAVES if fp8 else 1)
+    fp8_waves = (DECODE_FP8_PAGED_WAVES if paged else DECODE_FP8_WAVES) if fp8 else 1
+    waves = max(DECODE_PAGED_WAVES if paged else 1, fp8_waves, waves)
     slots = sm_count * waves  # programs the splits may fill
     programs = max(programs, 1)
     if programs >= DECODE_FULL_GRID * slots:

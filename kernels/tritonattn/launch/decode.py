@@ -56,6 +56,7 @@ host-known one is checked before launch).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from typing import NamedTuple, Optional, Tuple
 
@@ -68,7 +69,6 @@ from ..config.options import AttnOptions, head_dim_tile
 from ..config.tables import (
     DECODE_ONE_LOOP_MAX_BLOCKS,
     DECODE_ONE_LOOP_MAX_BLOCKS_GATHER,
-    DecodeConfig,
     combine_num_warps,
     decode_config,
     decode_fit,
@@ -141,13 +141,13 @@ def plan_decode(batch: int, seqlen_q: int, nheads: int, nheads_k: int, head_dim:
         head_dim_pad, kv_itemsize or dtype.itemsize, block_h, config.block_n, config.num_stages,
         wanted_new if append else 0, target, dtype.itemsize)
     block_new = fitted_new if append else wanted_new  # unused without an append
-    config = DecodeConfig(block_n, config.num_warps, num_stages, config.max_rows)
+    config = dataclasses.replace(config, block_n=block_n, num_stages=num_stages)
     row_blocks = triton.cdiv(rows, block_h)
     programs = batch * nheads_k * row_blocks
     # the keys a request's splits cover: the whole cache, or a window's band from its first key block on
     span = seqlen_cache if window_left < 0 else min(seqlen_cache, window_left + seqlen_q + block_n)
     if num_splits == 0:
-        num_splits = decode_num_splits(programs, span, block_n, target, page_size > 0, kv_itemsize == 1)
+        num_splits = decode_num_splits(programs, span, block_n, target, page_size > 0, kv_itemsize == 1, config.waves)
     if page_size:  # [Note] Paged pipelining (jit/decode.py): an unsplit grid may change BLOCK_N, never the splits
         block_n, num_stages = decode_paged_tiles(config, page_size, programs, num_splits, span, target)
     blocks_total = triton.cdiv(span, block_n)
