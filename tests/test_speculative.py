@@ -79,14 +79,15 @@ def test_tree_decode_dense(kind, group, num_splits, append):
 
 def test_many_rows_take_their_own_plan_on_hopper():
     """The decode plan for an H100 (asked without one, `TARGETS`): more than 64 rows per KV head at D = 128 take
-    HOPPER_DECODE_MANY_ROWS (8 warps, 128-row blocks, splits that fill two programs per SM), one token and a
-    chain of 8 keep the one-token config, and the L4's table is the same for both."""
+    HOPPER_DECODE_MANY_ROWS (8 warps, 128-row blocks, splits that fill two programs per SM) unless they append
+    more than one chunk, one token and a chain of 8 keep the one-token config, and the L4's table is the same
+    for both."""
     from tritonattn.config.hardware import TARGETS
     from tritonattn.config.tables import HOPPER_DECODE, HOPPER_DECODE_MANY_ROWS, SMALL_SMEM_DECODE
     from tritonattn.launch.decode import plan_decode
 
-    def plan(card, seqlen_q, dtype=torch.bfloat16):
-        return plan_decode(8, seqlen_q, 32, 8, 128, 16448, dtype, TARGETS[card], 0, 0, True)
+    def plan(card, seqlen_q, dtype=torch.bfloat16, append=True):
+        return plan_decode(8, seqlen_q, 32, 8, 128, 16448, dtype, TARGETS[card], 0, 0, append)
 
     many, one = HOPPER_DECODE_MANY_ROWS[128], HOPPER_DECODE[128]
     tree = plan("H100", 64)  # 64 drafts x 4 heads = 256 rows
@@ -96,6 +97,10 @@ def test_many_rows_take_their_own_plan_on_hopper():
     for seqlen_q in (1, 8):  # 4 and 32 rows
         assert plan("H100", seqlen_q).num_warps == one.num_warps
     assert plan("H100", 64, torch.float32).block_h == many.max_rows  # the fp32 halving keeps the row block
+    # an append of more than one chunk (more than its BLOCK_N new rows) keeps the one-token config; without an
+    # append the same rows take the many-row one (see HOPPER_DECODE_MANY_ROWS)
+    assert plan("H100", many.block_n + 1).num_warps == one.num_warps
+    assert plan("H100", many.block_n + 1, append=False).num_warps == many.num_warps
     assert plan("L4", 64).num_warps == plan("L4", 1).num_warps == SMALL_SMEM_DECODE[128].num_warps
 
 

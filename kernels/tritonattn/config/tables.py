@@ -275,6 +275,10 @@ HOPPER_DECODE = {
 # program per SM leaves each SM one 8-warp program to hide its loads behind). D=128 is the pick of H100 sweeps
 # over the 64-draft tree of benchmarks/speculative.py (docs/perf-notes.md, "Speculative decoding's verify
 # step"): 346 us against 482 us with the table above; the other head dims keep theirs (not swept).
+# Not for a call that appends more than one chunk of new rows (more than the config's BLOCK_N): compiled there
+# (H100, Triton 3.6) its outputs were wrong (tests/test_chunked_prefill.py's decode-kernel cases, 300 new rows,
+# rel err 2e-2 to 1.4e-1), while the same rows without an append, and appends of one chunk (a 64-draft tree),
+# were right; the cause is not found yet, so those calls keep the one-token config, which passes them.
 HOPPER_DECODE_MANY_ROWS = {
     128: DecodeConfig(64, 8, 3, 128, waves=2),
 }
@@ -288,14 +292,16 @@ SMALL_SMEM_DECODE = {
 }
 
 
-def decode_config(head_dim_pad: int, dtype: torch.dtype, target: Optional[Target], rows: int = 1) -> DecodeConfig:
+def decode_config(head_dim_pad: int, dtype: torch.dtype, target: Optional[Target], rows: int = 1,
+                  new_rows: int = 0) -> DecodeConfig:
     """Tile config for the decode kernel on `target` (None: the interpreter's one small config) for `rows` query
-    rows per KV head (new tokens x the GQA group)."""
+    rows per KV head (new tokens x the GQA group), of which the call appends `new_rows` per request (0: none)."""
     if target is None:
         return INTERPRETER_DECODE_CONFIG
     config = (HOPPER_DECODE if is_hopper_class(target) else SMALL_SMEM_DECODE)[head_dim_pad]
-    if is_hopper_class(target) and rows > config.max_rows and head_dim_pad in HOPPER_DECODE_MANY_ROWS:
-        config = HOPPER_DECODE_MANY_ROWS[head_dim_pad]
+    many = HOPPER_DECODE_MANY_ROWS.get(head_dim_pad) if is_hopper_class(target) else None
+    if many is not None and rows > config.max_rows and new_rows <= many.block_n:
+        config = many
     if dtype == torch.float32:  # 4-byte tiles: halve the keys per stage
         config = dataclasses.replace(config, block_n=max(16, config.block_n // 2))
     return config

@@ -134,7 +134,7 @@ def plan_decode(batch: int, seqlen_q: int, nheads: int, nheads_k: int, head_dim:
     if reason is not None:  # before any launch
         raise NotImplementedError(f"Cannot run flash_attn_with_kvcache here: {reason}.")
     rows = (nheads // nheads_k) * seqlen_q
-    config = decode_config(head_dim_pad, dtype, target, rows)
+    config = decode_config(head_dim_pad, dtype, target, rows, seqlen_q if append else 0)
     block_h = min(max(16, triton.next_power_of_2(rows)), max(16, config.max_rows))
     wanted_new = min(config.block_n, max(16, triton.next_power_of_2(seqlen_q)))
     block_h, block_n, num_stages, fitted_new = decode_fit(
