@@ -12,14 +12,17 @@ drawn with standard deviation 10), and with a few outlier channels.
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
 from helpers import DEVICE, ON_GPU
 from tritonattn import flash_attn_func, flash_attn_varlen_func, rel_err
-from tritonattn.config.hardware import device_target
-from tritonattn.config.options import head_dim_tile
-from tritonattn.config.tables import prefill_fwd_config
+from tritonattn.config.hardware import TARGETS, device_target
+from tritonattn.config.options import attn_options, head_dim_tile
+from tritonattn.config.tables import prefill_fwd_config, prefill_fwd_sm90_config
+from tritonattn.launch.fast import recording
 from tritonattn.testing import (
     AGREEMENT,
     FA3_FP8_RMSE,
@@ -34,9 +37,12 @@ E4M3 = torch.float8_e4m3fn
 HEAD_DIM = 128 if ON_GPU else 32
 
 
-def block_n(head_dim: int, causal: bool) -> int:
-    """The key block the kernel quantizes its probabilities by (the emulating reference needs it)."""
-    return prefill_fwd_config(head_dim_tile(head_dim), E4M3, causal, device_target(torch.device(DEVICE))).block_n
+def block_n(head_dim: int, causal: bool, seqlen_k: int) -> int:
+    """The key block the kernel quantizes its probabilities by (the emulating reference needs it): Hopper's
+    warp-specialized kernel's where it is chosen, fwd_kernel's otherwise."""
+    target = device_target(torch.device(DEVICE))
+    sm90 = prefill_fwd_sm90_config(attn_options(head_dim, causal=causal, kv_fp8=True), E4M3, seqlen_k, target)
+    return (sm90 or prefill_fwd_config(head_dim_tile(head_dim), E4M3, causal, target)).block_n
 
 
 def descales(x: torch.Tensor, nheads_k: int, per_head: bool) -> torch.Tensor:
@@ -76,7 +82,8 @@ def fp8_inputs(batch, seqlen_q, seqlen_k, nheads, nheads_k, *, per_head=True, se
 
 def check_against_emulation(out, lse, q8, k8, v8, ds, causal, **kw):
     assert out.dtype == torch.bfloat16
-    ref, ref_lse = attention_fp8_ref(q8, k8, v8, *ds, block_n=block_n(q8.shape[-1], causal), causal=causal, **kw)
+    ref, ref_lse = attention_fp8_ref(q8, k8, v8, *ds, block_n=block_n(q8.shape[-1], causal, k8.shape[1]),
+                                     causal=causal, **kw)
     err = rel_err(out.float(), ref)
     assert err <= AGREEMENT[torch.bfloat16], err
     atol, rtol = lse_tolerance(torch.float16)
@@ -95,6 +102,35 @@ def test_dense_matches_the_emulating_reference(causal, heads, per_head):
     out, lse = flash_attn_func(q8, k8, v8, causal=causal, q_descale=ds[0], k_descale=ds[1], v_descale=ds[2],
                                return_softmax_lse=True)
     check_against_emulation(out, lse, q8, k8, v8, ds, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
+def test_long_keys_match_the_emulating_reference(causal, heads):
+    """Past SM90_WS_MIN_KEYS keys (on Hopper the warp-specialized kernel, V copied keys-inner, 128-key blocks),
+    key and query counts off the tile: the copy's padded tail must not reach the output."""
+    seqlens = (1100, 2100) if ON_GPU else (40, 75)
+    _, (q8, k8, v8), ds = fp8_inputs(1, *seqlens, *heads, seed=7)
+    out, lse = flash_attn_func(q8, k8, v8, causal=causal, q_descale=ds[0], k_descale=ds[1], v_descale=ds[2],
+                               return_softmax_lse=True)
+    check_against_emulation(out, lse, q8, k8, v8, ds, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_hopper_plans_the_warp_specialized_kernel(causal):
+    """On an H100 the FP8 forward at 2048 keys, D = 128, is Hopper's Gluon kernel with V as a (batch, nheads_k,
+    D, seqlen_k) copy (keys contiguous) and 128-key blocks; at 256 keys it is fwd_kernel, V as given."""
+    q = torch.empty(1, 2048, 8, 128, dtype=E4M3, device=DEVICE)
+    k, v = (torch.empty(1, 2048, 2, 128, dtype=E4M3, device=DEVICE) for _ in range(2))
+    kw = dict(causal=causal, q_descale=1.0, k_descale=1.0, v_descale=1.0)
+    with recording(TARGETS["H100"]) as launched:
+        flash_attn_func(q, k, v, **kw)
+        flash_attn_func(q[:, :256], k[:, :256], v[:, :256], **kw)
+    ws, portable = ({name: a for name, a in zip(inspect.signature(r.fn.fn).parameters, r.args)} for r in launched)
+    assert [r.fn.fn.__name__ for r in launched] == ["fwd_kernel_sm90_ws", "fwd_kernel"]
+    assert ws["V"].shape == (1, 2, 128, 2048) and ws["V"].stride(-1) == 1 and ws["stride_vn"] == 2048
+    assert ws["BLOCK_N"] == 128 and ws["Out"].dtype == torch.bfloat16
+    assert portable["V"].shape == (1, 256, 2, 128)
 
 
 def test_window_and_scale():

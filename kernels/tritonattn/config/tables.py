@@ -69,6 +69,8 @@ HOPPER_FWD = {
 # dtypes, dense, no dropout, at least 1024 keys (2048 causal).
 SM90_WS_FWD = AttnConfig(128, 128, 4, 2, True)
 SM90_WS_MIN_KEYS = {False: 1024, True: 2048}
+# The FP8 forward takes the same schedule with e4m3 tiles (V transposed, launch/sm90.py `keys_inner`).
+SM90_WS_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
 
 
 # What jit/sm90.py uses of Gluon, by module; "a|b": either name (the TMA copies were renamed in Triton 3.8,
@@ -109,7 +111,7 @@ def prefill_fwd_sm90_config(options: AttnOptions, dtype: torch.dtype, seqlen_k: 
     descriptors can address, or None where fwd_kernel is chosen (see SM90_WS_FWD)."""
     if target is None or target.capability[0] != 9 or target.smem_per_block < HOPPER_SMEM:
         return None
-    if options.head_dim != 128 or options.head_dim_pad != 128 or dtype not in (torch.float16, torch.bfloat16):
+    if options.head_dim != 128 or options.head_dim_pad != 128 or dtype not in SM90_WS_DTYPES:
         return None
     if seqlen_k < SM90_WS_MIN_KEYS[options.causal] or not sm90_switch():
         return None

@@ -16,6 +16,11 @@ three partitions:
       iteration j:  [its turn] S_j = Q K_j^T, O += P_{j-1} V_{j-1} (issued)   wait S_j   release K_j
                     softmax(S_j) -> P_j, alpha_j   wait O   release V_{j-1}   O *= alpha_j
 
+The FP8 forward (e4m3 Q, K, V; [Note] FP8 forward in jit/common.py) runs the same schedule on the FP8 tensor
+cores: the descales fold into the score scale and V's into the output, P is quantized to e4m3 for P V, and V
+arrives as a keys-contiguous copy (launch/sm90.py `keys_inner`), since FP8 warpgroup MMAs read both shared
+operands with the reduction dim contiguous.
+
 Masks, scores, the softmax step and the epilogue are kernels/tritonattn/jit/common.py's helpers, shared with every other
 kernel. The shapes and options this kernel takes, and when it is chosen, are `config.tables.prefill_fwd_sm90_config`;
 Gluon kernels do not run under the Triton interpreter, which keeps the portable kernel.
@@ -34,7 +39,17 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ..config.tables import SM90_CONSUMER_REGS, SM90_LOADER_REGS
-from .common import LOG2E, finalize, key_range, query_block, score_units, softmax_step, variant_scores, window_extent
+from .common import (
+    LOG2E,
+    finalize,
+    key_range,
+    kv_descales,
+    query_block,
+    score_units,
+    softmax_step,
+    variant_scores,
+    window_extent,
+)
 
 # The TMA copies under this Triton's names: async_load / async_store from Triton 3.8 (3.9 removed the old
 # names), async_copy_global_to_shared / async_copy_shared_to_global before; same arguments, same operations.
@@ -47,9 +62,11 @@ LOADER_REGS = gl.constexpr(SM90_LOADER_REGS)
 
 
 @gluon.constexpr_function
-def _mma_layout(num_warps, n):
-    """Accumulator layout of a [rows, n] warpgroup MMA: the warps stacked along rows (16 rows per warp)."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 16])
+def _mma_layout(num_warps, n, dtype):
+    """Accumulator layout of a [rows, n] warpgroup MMA on `dtype` operands: the warps stacked along rows (16
+    rows per warp); an instruction reduces 32 bytes of each row (16 16-bit or 32 8-bit values)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                     instr_shape=[16, n, 256 // dtype.primitive_bitwidth])
 
 
 @gluon.constexpr_function
@@ -59,8 +76,9 @@ def _smem_layout(rows, cols, dtype):
 
 @gluon.jit
 def _ws_loader(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_lo, n_blocks,
-               BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """One warp: streams K_j, V_j into the ring as slots free up (both consumers release each slot)."""
+               BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, V_KEYS_INNER: gl.constexpr):
+    """One warp: streams K_j, V_j into the ring as slots free up (both consumers release each slot).
+    V_KEYS_INNER: V comes as [head_dim, keys] (the FP8 forward), so block j is the column block at start_n."""
     for j in range(n_blocks):
         slot = j % NUM_STAGES
         phase = (j // NUM_STAGES) & 1
@@ -70,7 +88,19 @@ def _ws_loader(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empt
         tma_load(k_desc, [start_n, 0], k_ready.index(slot), k_smem.index(slot))
         mbarrier.wait(v_empty.index(slot), phase ^ 1)
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma_load(v_desc, [start_n, 0], v_ready.index(slot), v_smem.index(slot))
+        if V_KEYS_INNER:
+            tma_load(v_desc, [0, start_n], v_ready.index(slot), v_smem.index(slot))
+        else:
+            tma_load(v_desc, [start_n, 0], v_ready.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
+def _values(v_tile, KEYS_INNER: gl.constexpr):
+    """V's ring slot as P V's [BLOCK_N, HEAD_DIM] operand: as stored, or (FP8: stored [HEAD_DIM, BLOCK_N], keys
+    inner, since FP8 warpgroup MMAs read the reduction dim contiguous) transposed."""
+    if KEYS_INNER:
+        v_tile = v_tile.permute((1, 0))
+    return v_tile
 
 
 @gluon.jit
@@ -89,20 +119,22 @@ def _block_scores(qk, start_n, offs_m, offs_n, n_full_lo, n_full, n_end, diag, l
 
 
 @gluon.jit
-def _ws_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
-                 o_desc, Lse, Sinks, Alibi, stride_alibi_b, off_b, off_h, pid_bh, M, start_m, n_lo, n_full_lo,
-                 n_full, n_end, n_blocks, diag, left, right, qk_scale, cap_scale, unit,
+def _ws_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+                 turn, o_desc, Lse, Sinks, Alibi, stride_alibi_b, off_b, off_h, pid_bh, M, start_m, n_lo, n_full_lo,
+                 n_full, n_end, n_blocks, diag, left, right, qk_scale, cap_scale, unit, v_scale,
                  HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                  IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
                  HAS_ALIBI: gl.constexpr, HAS_SINKS: gl.constexpr):
     """One warpgroup: rows [start_m + WG * ROWS, + ROWS) of the tile. Each iteration issues S_j = Q K_j^T and
     O += P_{j-1} V_{j-1} in its turn (the other warpgroup runs its softmax meanwhile), then takes block
-    j's softmax while its own p @ v is in flight."""
+    j's softmax while its own p @ v is in flight. In the FP8 forward (e4m3 tiles) P is quantized to e4m3 for
+    P V ([Note] FP8 forward) and V's tiles are [HEAD_DIM, BLOCK_N] (keys inner), read transposed."""
     dtype: gl.constexpr = q_smem.dtype
+    FP8: gl.constexpr = dtype == gl.float8e4nv
     NUM_WARPS: gl.constexpr = gl.num_warps()
-    s_layout: gl.constexpr = _mma_layout(NUM_WARPS, BLOCK_N)
-    o_layout: gl.constexpr = _mma_layout(NUM_WARPS, HEAD_DIM)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_layout: gl.constexpr = _mma_layout(NUM_WARPS, BLOCK_N, dtype)
+    o_layout: gl.constexpr = _mma_layout(NUM_WARPS, HEAD_DIM, dtype)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4 if FP8 else 2)
     rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     cols_s: gl.constexpr = gl.SliceLayout(0, s_layout)
@@ -144,7 +176,7 @@ def _ws_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_rea
             # my turn on the tensor cores: S_j = Q K_j^T, then O += P_{j-1} V_{j-1}
             mbarrier.wait(turn.index(WG), (j & 1) ^ (1 - WG))
             qk = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            acc = warpgroup_mma(gl.convert_layout(p, p_layout), v_smem.index(prev), acc, is_async=True)
+            acc = warpgroup_mma(gl.convert_layout(p, p_layout), _values(v_smem.index(prev), FP8), acc, is_async=True)
             mbarrier.arrive(turn.index(1 - WG), count=1)
             qk = warpgroup_mma_wait(1, deps=(qk,))
             mbarrier.arrive(k_empty.index(slot), count=1)
@@ -158,15 +190,18 @@ def _ws_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_rea
             p = p32.to(dtype)
         last = (n_blocks - 1) % NUM_STAGES
         mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // NUM_STAGES) & 1)
-        acc = warpgroup_mma(gl.convert_layout(p, p_layout), v_smem.index(last), acc, is_async=True)
+        acc = warpgroup_mma(gl.convert_layout(p, p_layout), _values(v_smem.index(last), FP8), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(v_empty.index(last), count=1)
     out, lse = finalize(acc, gl.convert_layout(m_i, rows_o), gl.convert_layout(l_i, rows_o))
     offs_m_o = row0 + gl.arange(0, ROWS, layout=rows_o)
     gl.store(Lse + pid_bh.to(gl.int64) * M + offs_m_o, lse, mask=offs_m_o < M)
-    q_tile.store(out.to(dtype))
+    if FP8:
+        out = out * v_scale  # V's descale
+    o_tile = o_smem.index(WG)  # q's own tile (its products are done), or the FP8 forward's 16-bit one
+    o_tile.store(out.to(o_smem.dtype))
     fence_async_shared()
-    tma_store(o_desc, [row0, 0], q_tile)
+    tma_store(o_desc, [row0, 0], o_tile)
     tma.store_wait(0)
 
 
@@ -182,33 +217,53 @@ def fwd_kernel_sm90_ws(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
     HAS_SINKS: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,  # dense inputs only: never on here
-    KV_FP8: gl.constexpr = False,  # no cache here: never on
+    KV_FP8: gl.constexpr = False,  # the FP8 forward's e4m3 K and V (with an e4m3 Q; no cache here)
     HAS_TREE: gl.constexpr = False,  # decode's: never on here
     Alibi=None, stride_alibi_b=None, Sinks=None,
+    K_descale=None, stride_kds=None, stride_kdh=None, V_descale=None, stride_vds=None, stride_vdh=None,
+    Q_descale=None, stride_qds=None, stride_qdh=None,  # the FP8 forward's, (batch, nheads_k) float32
     NUM_STAGES: gl.constexpr = 2,
 ):
     """The forward as FlashAttention-3 schedules it: BLOCK_M rows split over two consumer warpgroups
-    (the kernel's 4 warps and a 4-warp worker) that alternate on the tensor cores, and a loader warp."""
-    gl.static_assert(HEAD_DIM == HEAD_DIM_PAD, "descriptor tiles cover the head dim exactly")
-    gl.static_assert(not KV_FP8, "an FP8 KV cache is read by the cache mode of fwd_kernel")
-    gl.static_assert(not HAS_TREE, "a tree mask is decode's")
-    gl.static_assert(gl.num_warps() == 4, "the default partition is one consumer warpgroup")
+    (the kernel's 4 warps and a 4-warp worker) that alternate on the tensor cores, and a loader warp.
+
+    The FP8 forward ([Note] FP8 forward in jit/common.py): Q, K, V in e4m3 with their descales, the output
+    16-bit; V comes transposed, (batch, nheads_k, HEAD_DIM, seqlen_k) with keys contiguous, and stride_vn is
+    then the stride between its HEAD_DIM rows."""
     ROWS: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = Q.dtype.element_ty
+    FP8: gl.constexpr = dtype == gl.float8e4nv
+    gl.static_assert(HEAD_DIM == HEAD_DIM_PAD, "descriptor tiles cover the head dim exactly")
+    gl.static_assert(KV_FP8 == FP8, "FP8 K/V only with an FP8 Q here (an FP8 cache is fwd_kernel's)")
+    gl.static_assert(not HAS_TREE, "a tree mask is decode's")
+    gl.static_assert(gl.num_warps() == 4, "the default partition is one consumer warpgroup")
     q_smem_layout: gl.constexpr = _smem_layout(ROWS, HEAD_DIM, dtype)
     kv_smem_layout: gl.constexpr = _smem_layout(BLOCK_N, HEAD_DIM, dtype)
-    unit, cap_scale = score_units(softmax_scale, softcap, HAS_SOFTCAP)
-    qk_scale = unit * LOG2E
     pid_m, pid_bh, off_b, off_h, off_hk = query_block(H, GROUP, IS_CAUSAL)
+    k_scale, v_scale = kv_descales(K_descale, V_descale, off_b, off_hk, stride_kds, stride_kdh, stride_vds, stride_vdh,
+                                   KV_FP8)  # 1.0 and 1.0 unless FP8
+    if FP8:  # q's descale too, per (batch, KV head) as FlashAttention-3's
+        k_scale = k_scale * gl.load(Q_descale + off_b * stride_qds + off_hk * stride_qdh)
+    unit, cap_scale = score_units(softmax_scale * k_scale, softcap, HAS_SOFTCAP)  # the descales folded in
+    qk_scale = unit * LOG2E
     start_m = pid_m * BLOCK_M
     q_desc = tma.make_tensor_descriptor(Q + off_b * stride_qb + off_h.to(gl.int64) * stride_qh, [M, HEAD_DIM],
                                         [stride_qm, 1], [ROWS, HEAD_DIM], q_smem_layout)
     k_desc = tma.make_tensor_descriptor(K + off_b * stride_kb + off_hk * stride_kh, [N, HEAD_DIM],
                                         [stride_kn, 1], [BLOCK_N, HEAD_DIM], kv_smem_layout)
-    v_desc = tma.make_tensor_descriptor(V + off_b * stride_vb + off_hk * stride_vh, [N, HEAD_DIM],
-                                        [stride_vn, 1], [BLOCK_N, HEAD_DIM], kv_smem_layout)
+    if FP8:  # V transposed: [HEAD_DIM, N] tiles of [HEAD_DIM, BLOCK_N]
+        v_smem_layout: gl.constexpr = _smem_layout(HEAD_DIM, BLOCK_N, dtype)
+        v_desc = tma.make_tensor_descriptor(V + off_b * stride_vb + off_hk * stride_vh, [HEAD_DIM, N],
+                                            [stride_vn, 1], [HEAD_DIM, BLOCK_N], v_smem_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, HEAD_DIM, BLOCK_N], v_smem_layout)
+    else:
+        v_desc = tma.make_tensor_descriptor(V + off_b * stride_vb + off_hk * stride_vh, [N, HEAD_DIM],
+                                            [stride_vn, 1], [BLOCK_N, HEAD_DIM], kv_smem_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], kv_smem_layout)
+    o_dtype: gl.constexpr = Out.dtype.element_ty
+    o_smem_layout: gl.constexpr = _smem_layout(ROWS, HEAD_DIM, o_dtype)
     o_desc = tma.make_tensor_descriptor(Out + off_b * stride_ob + off_h.to(gl.int64) * stride_oh, [M, HEAD_DIM],
-                                        [stride_om, 1], [ROWS, HEAD_DIM], q_smem_layout)
+                                        [stride_om, 1], [ROWS, HEAD_DIM], o_smem_layout)
     diag = N - M
     left, right = window_extent(window_left, window_right, M, N, IS_CAUSAL, HAS_WINDOW)
     n_lo, n_full_lo, n_full, n_end = key_range(start_m, BLOCK_M, BLOCK_N, diag, N, left, right, IS_CAUSAL,
@@ -217,7 +272,10 @@ def fwd_kernel_sm90_ws(
 
     q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_smem_layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], kv_smem_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], kv_smem_layout)
+    if FP8:  # a 16-bit output needs its own staging tiles; otherwise Q's are reused
+        o_smem = gl.allocate_shared_memory(o_dtype, [2, ROWS, HEAD_DIM], o_smem_layout)
+    else:
+        o_smem = q_smem
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -238,14 +296,16 @@ def fwd_kernel_sm90_ws(
     tma_load(q_desc, [start_m + ROWS, 0], q_bar, q_smem.index(1))
 
     gl.warp_specialize([
-        (_ws_consumer, (0, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, o_desc, Lse,
-                        Sinks, Alibi, stride_alibi_b, off_b, off_h, pid_bh, M, start_m, n_lo, n_full_lo, n_full,
-                        n_end, n_blocks, diag, left, right, qk_scale, cap_scale, unit, HEAD_DIM, ROWS, BLOCK_N,
+        (_ws_consumer, (0, q_smem, k_smem, v_smem, o_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
+                        o_desc, Lse, Sinks, Alibi, stride_alibi_b, off_b, off_h, pid_bh, M, start_m, n_lo, n_full_lo,
+                        n_full, n_end, n_blocks, diag, left, right, qk_scale, cap_scale, unit, v_scale, HEAD_DIM,
+                        ROWS, BLOCK_N,
                         NUM_STAGES, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_SINKS)),
-        (_ws_consumer, (1, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, o_desc, Lse,
-                        Sinks, Alibi, stride_alibi_b, off_b, off_h, pid_bh, M, start_m, n_lo, n_full_lo, n_full,
-                        n_end, n_blocks, diag, left, right, qk_scale, cap_scale, unit, HEAD_DIM, ROWS, BLOCK_N,
+        (_ws_consumer, (1, q_smem, k_smem, v_smem, o_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
+                        o_desc, Lse, Sinks, Alibi, stride_alibi_b, off_b, off_h, pid_bh, M, start_m, n_lo, n_full_lo,
+                        n_full, n_end, n_blocks, diag, left, right, qk_scale, cap_scale, unit, v_scale, HEAD_DIM,
+                        ROWS, BLOCK_N,
                         NUM_STAGES, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_SINKS)),
         (_ws_loader, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_lo, n_blocks, BLOCK_N,
-                      NUM_STAGES)),
+                      NUM_STAGES, FP8)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

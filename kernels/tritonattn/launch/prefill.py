@@ -139,7 +139,9 @@ def launch_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: A
         return out, lse
     q, k, v = aligned_operands(planned, q, k, v)
     use_tma = tma_usable(config.use_tma, target, q, k, v, out)
-    sm90 = prefill_fwd_sm90_config(options, q.dtype, seqlen_k, target) if use_tma and drop is None else None
+    # the Gluon kernel's descriptors: the 16-bit path's, or the FP8 forward's (q, k and out; V is copied)
+    descriptors = use_tma or (q.dtype in KV_FP8_DTYPES and all(rows_aligned(t) for t in (q, k, out)))
+    sm90 = prefill_fwd_sm90_config(options, q.dtype, seqlen_k, target) if descriptors and drop is None else None
     if sm90 is not None and chosen:  # Hopper's warp-specialized kernel (kernels/tritonattn/jit/sm90.py)
         from .sm90 import forward as sm90_forward  # Gluon, imported only where it runs
 
