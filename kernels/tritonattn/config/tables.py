@@ -69,7 +69,9 @@ HOPPER_FWD = {
 # dtypes, dense, no dropout, at least 1024 keys (2048 causal).
 SM90_WS_FWD = AttnConfig(128, 128, 4, 2, True)
 SM90_WS_MIN_KEYS = {False: 1024, True: 2048}
-# The FP8 forward takes the same schedule with e4m3 tiles (V transposed, launch/sm90.py `keys_inner`).
+# The FP8 forward takes the same schedule and thresholds with e4m3 tiles (V as a keys-contiguous copy,
+# launch/sm90.py `keys_inner`): on an H100 1.7-2.2x faster than fwd_kernel's FP8 path at 4096-16384 tokens
+# (two runs; docs/perf-notes.md, "The FP8 forward on Hopper"); shorter key ranges were not measured.
 SM90_WS_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
 
 

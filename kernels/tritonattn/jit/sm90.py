@@ -251,15 +251,14 @@ def fwd_kernel_sm90_ws(
                                         [stride_qm, 1], [ROWS, HEAD_DIM], q_smem_layout)
     k_desc = tma.make_tensor_descriptor(K + off_b * stride_kb + off_hk * stride_kh, [N, HEAD_DIM],
                                         [stride_kn, 1], [BLOCK_N, HEAD_DIM], kv_smem_layout)
-    if FP8:  # V transposed: [HEAD_DIM, N] tiles of [HEAD_DIM, BLOCK_N]
-        v_smem_layout: gl.constexpr = _smem_layout(HEAD_DIM, BLOCK_N, dtype)
+    if FP8:  # V transposed: [HEAD_DIM, N] in tiles of [HEAD_DIM, BLOCK_N]
+        v_tile: gl.constexpr = [HEAD_DIM, BLOCK_N]
         v_desc = tma.make_tensor_descriptor(V + off_b * stride_vb + off_hk * stride_vh, [HEAD_DIM, N],
-                                            [stride_vn, 1], [HEAD_DIM, BLOCK_N], v_smem_layout)
-        v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, HEAD_DIM, BLOCK_N], v_smem_layout)
+                                            [stride_vn, 1], v_tile, _smem_layout(HEAD_DIM, BLOCK_N, dtype))
     else:
+        v_tile: gl.constexpr = [BLOCK_N, HEAD_DIM]
         v_desc = tma.make_tensor_descriptor(V + off_b * stride_vb + off_hk * stride_vh, [N, HEAD_DIM],
-                                            [stride_vn, 1], [BLOCK_N, HEAD_DIM], kv_smem_layout)
-        v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], kv_smem_layout)
+                                            [stride_vn, 1], v_tile, kv_smem_layout)
     o_dtype: gl.constexpr = Out.dtype.element_ty
     o_smem_layout: gl.constexpr = _smem_layout(ROWS, HEAD_DIM, o_dtype)
     o_desc = tma.make_tensor_descriptor(Out + off_b * stride_ob + off_h.to(gl.int64) * stride_oh, [M, HEAD_DIM],
@@ -272,6 +271,7 @@ def fwd_kernel_sm90_ws(
 
     q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_smem_layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], kv_smem_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + v_tile, v_desc.layout)
     if FP8:  # a 16-bit output needs its own staging tiles; otherwise Q's are reused
         o_smem = gl.allocate_shared_memory(o_dtype, [2, ROWS, HEAD_DIM], o_smem_layout)
     else:
