@@ -106,14 +106,18 @@ def test_dense_matches_the_emulating_reference(causal, heads, per_head):
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
-def test_long_keys_match_the_emulating_reference(causal, heads):
+@pytest.mark.parametrize("window", [(-1, -1), (300, 200)])
+def test_long_keys_match_the_emulating_reference(causal, heads, window):
     """Past SM90_WS_MIN_KEYS keys (on Hopper the warp-specialized kernel, V copied keys-inner, 128-key blocks),
-    key and query counts off the tile: the copy's padded tail must not reach the output."""
+    key and query counts off the tile (the copy's padded tail must not reach the output), with and without a
+    sliding window (whose programs start at a key block past 0)."""
     seqlens = (1100, 2100) if ON_GPU else (40, 75)
+    if not ON_GPU:
+        window = tuple(w // 10 for w in window)
     _, (q8, k8, v8), ds = fp8_inputs(1, *seqlens, *heads, seed=7)
-    out, lse = flash_attn_func(q8, k8, v8, causal=causal, q_descale=ds[0], k_descale=ds[1], v_descale=ds[2],
-                               return_softmax_lse=True)
-    check_against_emulation(out, lse, q8, k8, v8, ds, causal)
+    out, lse = flash_attn_func(q8, k8, v8, causal=causal, window_size=window, q_descale=ds[0], k_descale=ds[1],
+                               v_descale=ds[2], return_softmax_lse=True)
+    check_against_emulation(out, lse, q8, k8, v8, ds, causal, window_size=window)
 
 
 @pytest.mark.parametrize("causal", [False, True])
