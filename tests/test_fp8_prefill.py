@@ -124,6 +124,8 @@ def test_long_keys_match_the_emulating_reference(causal, heads, window):
 def test_hopper_plans_the_warp_specialized_kernel(causal):
     """On an H100 the FP8 forward at 2048 keys, D = 128, is Hopper's Gluon kernel with V as a (batch, nheads_k,
     D, seqlen_k) copy (keys contiguous) and 128-key blocks; at 256 keys it is fwd_kernel, V as given."""
+    if prefill_fwd_sm90_config(attn_options(128, causal=causal, kv_fp8=True), E4M3, 2048, TARGETS["H100"]) is None:
+        pytest.skip("Hopper's Gluon kernel is off here (this Triton's Gluon lacks its API, or TRITONATTN_SM90=0)")
     q = torch.empty(1, 2048, 8, 128, dtype=E4M3, device=DEVICE)
     k, v = (torch.empty(1, 2048, 2, 128, dtype=E4M3, device=DEVICE) for _ in range(2))
     kw = dict(causal=causal, q_descale=1.0, k_descale=1.0, v_descale=1.0)
