@@ -498,12 +498,15 @@ def dropout_keep(seed, salt, bh, rows, start_n, BLOCK_N: tl.constexpr, keep_thre
 
 @triton.jit
 def kv_descales(K_descale, V_descale, off_b, off_hk, stride_kds, stride_kdh, stride_vds, stride_vdh,
-                KV_FP8: tl.constexpr):
+                KV_FP8: tl.constexpr, Q_descale=None, stride_qds=None, stride_qdh=None, Q_FP8: tl.constexpr = False):
     """(k_scale, v_scale), fp32: an FP8 cache's descales of request off_b, KV head off_hk (float32 (B, H_KV)
-    tensors, strides 0 for a per-tensor scale); 1.0 and 1.0 for a 16-bit cache. See [Note] FP8 KV cache."""
+    tensors, strides 0 for a per-tensor scale); 1.0 and 1.0 for a 16-bit cache. See [Note] FP8 KV cache. With
+    Q_FP8 (the FP8 forward) k_scale also carries q's descale, as FlashAttention-3's per (batch, KV head)."""
     if KV_FP8:
         k_scale = tl.load(K_descale + off_b * stride_kds + off_hk * stride_kdh)
         v_scale = tl.load(V_descale + off_b * stride_vds + off_hk * stride_vdh)
+        if Q_FP8:
+            k_scale = k_scale * tl.load(Q_descale + off_b * stride_qds + off_hk * stride_qdh)
     else:
         k_scale = 1.0
         v_scale = 1.0

@@ -254,9 +254,7 @@ def fwd_kernel(
     # -- which query block and head (off_hk: the KV head this query head reads) ----------------
     pid_m, pid_bh, off_b, off_h, off_hk = query_block(H, GROUP, IS_CAUSAL)
     k_scale, v_scale = kv_descales(K_descale, V_descale, off_b, off_hk, stride_kds, stride_kdh, stride_vds, stride_vdh,
-                                   KV_FP8)  # 1.0 and 1.0 unless FP8 K/V
-    if Q_FP8:  # q's descale too: per (batch or sequence, KV head), as FlashAttention-3's
-        k_scale = k_scale * tl.load(Q_descale + off_b * stride_qds + off_hk * stride_qdh)
+                                   KV_FP8, Q_descale, stride_qds, stride_qdh, Q_FP8)  # 1.0 and 1.0 unless FP8 K/V
     unit, cap_scale = score_units(softmax_scale * k_scale, softcap, HAS_SOFTCAP)  # the descales folded in
     qk_scale = unit * LOG2E  # scores to base-2 logits
     start_m = pid_m * BLOCK_M
