@@ -132,11 +132,36 @@ def test_hopper_plans_the_warp_specialized_kernel(causal):
     with recording(TARGETS["H100"]) as launched:
         flash_attn_func(q, k, v, **kw)
         flash_attn_func(q[:, :256], k[:, :256], v[:, :256], **kw)
-    ws, portable = ({name: a for name, a in zip(inspect.signature(r.fn.fn).parameters, r.args)} for r in launched)
-    assert [r.fn.fn.__name__ for r in launched] == ["fwd_kernel_sm90_ws", "fwd_kernel"]
+    copy, ws, portable = ({name: a for name, a in zip(inspect.signature(r.fn.fn).parameters, r.args)}
+                          for r in launched)
+    assert [r.fn.fn.__name__ for r in launched] == ["fp8_values_kernel", "fwd_kernel_sm90_ws", "fwd_kernel"]
+    assert copy["V"] is v and copy["Out"] is ws["V"]
     assert ws["V"].shape == (1, 2, 128, 2048) and ws["V"].stride(-1) == 1 and ws["stride_vn"] == 2048
     assert ws["BLOCK_N"] == 128 and ws["Out"].dtype == torch.bfloat16
     assert portable["V"].shape == (1, 256, 2, 128)
+
+
+@pytest.mark.parametrize("shape", [(2, 300, 3, 128), (1, 129, 2, 96), (1, 5, 1, 16)])
+def test_fp8_values_lays_v_out_as_the_pv_operand(shape):
+    """The FP8 forward's V operand on Hopper (launch/sm90.py `fp8_values`): (batch, nheads_k, D, seqlen_k rounded
+    up to 16), keys contiguous, position p of each group of 16 holding key 8 p1 + 4 p3 + 2 p2 + p0 (bits of
+    p % 16), zeros where that key is past the end; bit-equal to V gathered so. Ragged key tails, a head dim that
+    is not a power of two, and a strided V (a slice of a packed qkv) included."""
+    from tritonattn.launch.sm90 import fp8_values
+
+    batch, seqlen_k, nheads_k, head_dim = shape
+    torch.manual_seed(0)
+    qkv = (torch.randn(batch, seqlen_k, 3 * nheads_k, head_dim, device=DEVICE) * 100).clamp(-448, 448).to(E4M3)
+    v = qkv[:, :, 2 * nheads_k:]
+    out = fp8_values(v)
+    width = -(-seqlen_k // 16) * 16
+    assert out.shape == (batch, nheads_k, head_dim, width) and out.stride(-1) == 1 and out.data_ptr() % 16 == 0
+    group = [8 * (p >> 1 & 1) + 4 * (p >> 3 & 1) + 2 * (p >> 2 & 1) + (p & 1) for p in range(16)]
+    assert sorted(group) == list(range(16))
+    keys = torch.tensor([g + k for g in range(0, width, 16) for k in group], device=DEVICE)
+    tail = v.new_zeros(batch, width - seqlen_k, nheads_k, head_dim)
+    padded = torch.cat([v.view(torch.uint8), tail.view(torch.uint8)], dim=1)
+    assert torch.equal(out.view(torch.uint8), padded[:, keys].permute(0, 2, 3, 1))
 
 
 def test_window_and_scale():

@@ -17,9 +17,9 @@ three partitions:
                     softmax(S_j) -> P_j, alpha_j   wait O   release V_{j-1}   O *= alpha_j
 
 The FP8 forward (e4m3 Q, K, V; [Note] FP8 forward in jit/common.py) runs the same schedule on the FP8 tensor
-cores: the descales fold into the score scale and V's into the output, P is quantized to e4m3 for P V, and V
-arrives as a keys-contiguous copy (launch/sm90.py `keys_inner`), since FP8 warpgroup MMAs read both shared
-operands with the reduction dim contiguous.
+cores: the descales fold into the score scale and V's into the output, P is quantized to e4m3 for P V in
+registers (`_p_operand`), and V arrives transposed with its keys reordered to match P's registers
+(jit/layout.py: FP8 warpgroup MMAs read both shared operands with the reduction dim contiguous).
 
 Masks, scores, the softmax step and the epilogue are kernels/tritonattn/jit/common.py's helpers, shared with every other
 kernel. The shapes and options this kernel takes, and when it is chosen, are `config.tables.prefill_fwd_sm90_config`;
@@ -104,6 +104,28 @@ def _values(v_tile, KEYS_INNER: gl.constexpr):
 
 
 @gluon.jit
+def _p_operand(p, p_layout: gl.constexpr, FP8: gl.constexpr):
+    """The probabilities p [ROWS, BLOCK_N] (Q K^T's accumulator layout) as P V's register operand.
+
+    FP8: P's columns are first reordered within each group of 16 keys (position bits p3 p2 p1 p0 take key
+    8 p1 + 4 p3 + 2 p2 + p0, `jit.layout.fp8_pv_key`; V arrives in the same order), which makes each
+    thread's accumulator values already the ones its operand registers hold, four consecutive positions to a
+    register: the layout change is a renaming of registers, and the e4m3 conversion (round to nearest even,
+    saturating, as `.to(gl.float8e4nv)`) packs each register with two cvts, no bytes moved between threads."""
+    if FP8:
+        ROWS: gl.constexpr = p.shape[0]
+        N: gl.constexpr = p.shape[1]
+        p = p.reshape([ROWS, N // 16, 2, 2, 2, 2]).permute((0, 1, 3, 4, 2, 5)).reshape([ROWS, N])
+        operand = gl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
+            "mov.b32 $0, {lo, hi}; }",
+            "=r,r,r,r,r", [gl.convert_layout(p, p_layout)], dtype=gl.float8e4nv, is_pure=True, pack=4)
+    else:
+        operand = gl.convert_layout(p, p_layout)
+    return operand
+
+
+@gluon.jit
 def _block_scores(qk, start_n, offs_m, offs_n, n_full_lo, n_full, n_end, diag, left, right, cap_scale, alibi,
                   IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
                   HAS_ALIBI: gl.constexpr):
@@ -166,8 +188,11 @@ def _ws_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_bar, k_read
         qk = _block_scores(qk, n_lo, offs_m, offs_n, n_full_lo, n_full, n_end, diag, left, right, cap_scale, alibi,
                            IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
         p32, m_i, l_i, alpha = softmax_step(qk, m_i, l_i, qk_scale, True)
-        p = p32.to(dtype)
+        # FP8: p stays fp32 until its operand is built at the top of the next iteration, where the conversion
+        # and the packing meet in one block (carried as separate bytes, it would be unpacked and re-packed)
+        p = p32 if FP8 else p32.to(dtype)
         for j in range(1, n_blocks):
+            p_op = _p_operand(p, p_layout, FP8)
             start_n = n_lo + j * BLOCK_N
             slot = j % NUM_STAGES
             prev = (j - 1) % NUM_STAGES
@@ -176,7 +201,7 @@ def _ws_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_bar, k_read
             # my turn on the tensor cores: S_j = Q K_j^T, then O += P_{j-1} V_{j-1}
             mbarrier.wait(turn.index(WG), (j & 1) ^ (1 - WG))
             qk = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            acc = warpgroup_mma(gl.convert_layout(p, p_layout), _values(v_smem.index(prev), FP8), acc, is_async=True)
+            acc = warpgroup_mma(p_op, _values(v_smem.index(prev), FP8), acc, is_async=True)
             mbarrier.arrive(turn.index(1 - WG), count=1)
             qk = warpgroup_mma_wait(1, deps=(qk,))
             mbarrier.arrive(k_empty.index(slot), count=1)
@@ -187,10 +212,10 @@ def _ws_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_bar, k_read
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(v_empty.index(prev), count=1)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, rows_o), 1)
-            p = p32.to(dtype)
+            p = p32 if FP8 else p32.to(dtype)
         last = (n_blocks - 1) % NUM_STAGES
         mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // NUM_STAGES) & 1)
-        acc = warpgroup_mma(gl.convert_layout(p, p_layout), _values(v_smem.index(last), FP8), acc, is_async=True)
+        acc = warpgroup_mma(_p_operand(p, p_layout, FP8), _values(v_smem.index(last), FP8), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(v_empty.index(last), count=1)
     out, lse = finalize(acc, gl.convert_layout(m_i, rows_o), gl.convert_layout(l_i, rows_o))
@@ -249,9 +274,9 @@ def fwd_kernel_sm90_ws(
                                         [stride_qm, 1], [ROWS, HEAD_DIM], q_smem_layout)
     k_desc = tma.make_tensor_descriptor(K + off_b * stride_kb + off_hk * stride_kh, [N, HEAD_DIM],
                                         [stride_kn, 1], [BLOCK_N, HEAD_DIM], kv_smem_layout)
-    if FP8:  # V transposed: [HEAD_DIM, N] in tiles of [HEAD_DIM, BLOCK_N]
+    if FP8:  # V as launch/sm90.py `fp8_values` lays it out: [HEAD_DIM, N rounded up to 16], tiles [HEAD_DIM, BLOCK_N]
         v_tile: gl.constexpr = [HEAD_DIM, BLOCK_N]
-        v_desc = tma.make_tensor_descriptor(V + off_b * stride_vb + off_hk * stride_vh, [HEAD_DIM, N],
+        v_desc = tma.make_tensor_descriptor(V + off_b * stride_vb + off_hk * stride_vh, [HEAD_DIM, gl.cdiv(N, 16) * 16],
                                             [stride_vn, 1], v_tile, _smem_layout(HEAD_DIM, BLOCK_N, dtype))
     else:
         v_tile: gl.constexpr = [BLOCK_N, HEAD_DIM]

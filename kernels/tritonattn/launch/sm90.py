@@ -8,21 +8,30 @@ import torch
 import triton
 
 from ..config.options import KV_FP8_DTYPES, AttnOptions
-from ..config.tables import SM90_MAXNREG, AttnConfig
+from ..config.tables import FP8_VALUES_BLOCK, SM90_MAXNREG, AttnConfig
+from ..jit.layout import fp8_values_kernel
 from ..jit.sm90 import fwd_kernel_sm90_ws
 from .fast import LaunchCache
-from .operands import empty_aligned
 
 _ws_launcher = LaunchCache(fwd_kernel_sm90_ws)
+_fp8_values_launcher = LaunchCache(fp8_values_kernel)
 
 
-def keys_inner(v: torch.Tensor) -> torch.Tensor:
-    """V (batch, seqlen_k, nheads_k, D) copied to (batch, nheads_k, D, seqlen_k), keys contiguous, rows padded
-    to 16 bytes for the tensor descriptor: the FP8 warpgroup MMA reads its operand's reduction dim (the keys,
-    for P V) contiguous in shared memory, and TMA copies tiles as they lie. One pass over V, which the
-    quadratic forward amortises (docs/perf-notes.md, "The FP8 forward on Hopper")."""
+def fp8_values(v: torch.Tensor) -> torch.Tensor:
+    """V (batch, seqlen_k, nheads_k, D) as the FP8 forward's P V operand (jit/layout.py): (batch, nheads_k, D,
+    seqlen_k rounded up to 16), keys contiguous and reordered within groups of 16 (`fp8_pv_key`), the
+    positions past the last key zero. Rows are 16-byte multiples, as the tensor descriptor needs."""
     batch, seqlen_k, nheads_k, head_dim = v.shape
-    return empty_aligned((batch, nheads_k, head_dim, seqlen_k), v.dtype, v.device).copy_(v.permute(0, 2, 3, 1))
+    width = triton.cdiv(seqlen_k, 16) * 16
+    out = torch.empty((batch, nheads_k, head_dim, width), dtype=v.dtype, device=v.device)
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    grid = (triton.cdiv(width, FP8_VALUES_BLOCK), batch * nheads_k, 1)
+    args = (v, out, v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2), nheads_k,
+            seqlen_k, width)
+    kwargs = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_N=FP8_VALUES_BLOCK)
+    _fp8_values_launcher(None, grid, args, 4, 1, kwargs, v.device.index or 0)
+    return out
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
@@ -34,8 +43,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     grid = (triton.cdiv(seqlen_q, config.block_m), batch * nheads, 1)
     v_strides = v.stride()[:3]
-    if q.dtype in KV_FP8_DTYPES:  # FP8 P V reads V with keys contiguous: (batch, nheads_k, D, seqlen_k)
-        v = keys_inner(v)
+    if q.dtype in KV_FP8_DTYPES:  # FP8 P V reads V transposed, keys reordered: (batch, nheads_k, D, seqlen_k')
+        v = fp8_values(v)
         v_strides = (v.stride(0), v.stride(2), v.stride(1))  # batch, a head-dim row, head
     args = (q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v_strides, *out.stride()[:3],
             nheads, seqlen_q, seqlen_k, nheads // nheads_k)
