@@ -70,8 +70,9 @@ HOPPER_FWD = {
 SM90_WS_FWD = AttnConfig(128, 128, 4, 2, True)
 SM90_WS_MIN_KEYS = {False: 1024, True: 2048}
 # The FP8 forward takes the same schedule and thresholds with e4m3 tiles (V as a transposed copy,
-# jit/layout.py): on an H100 1.7-2.2x faster than fwd_kernel's FP8 path at 4096-16384 tokens
-# (two runs; docs/perf-notes.md, "The FP8 forward on Hopper"); shorter key ranges were not measured.
+# jit/layout.py): on an H100 1.13-1.37x faster than the bf16 forward at 4096-16384 tokens, where
+# fwd_kernel's FP8 path ran at 0.47-0.52x (docs/perf-notes.md, "The FP8 forward on Hopper"); shorter key
+# ranges were not measured.
 SM90_WS_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
 FP8_VALUES_BLOCK = 128  # keys per program of the FP8 forward's V copy (jit/layout.py)
 
