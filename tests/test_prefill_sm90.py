@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import cross_compile
 from helpers import ON_GPU, assert_close_to_ref, assert_lse_close, make_qkv
 from tritonattn import flash_attn_func
 from tritonattn.api.args import attention_call
@@ -81,6 +82,90 @@ def test_sm90_forward_matches_reference(shape, dtype, causal, variant):
     same, _ = attention_ref(q, k, v, causal=causal, upcast=False, **kw)
     assert_close_to_ref(out, ref.float(), same, msg=variant)
     assert_lse_close(lse, ref_lse, dtype, msg=variant)
+
+
+# packed sequences (seqlen_q, seqlen_k) each: ragged tails, an empty sequence, more queries than keys, several blocks
+VARLEN_SEQUENCES = [(300, 300), (0, 5), (1000, 1200), (2100, 2100), (64, 40), (129, 700)]
+
+
+def _run_sm90_varlen(q, k, v, cu_q, cu_k, causal, **kw):
+    """The Hopper kernel on packed (total, heads, D) tensors: (out, lse (nheads, total_q))."""
+    import tritonattn.launch.sm90 as sm90
+
+    lens_q, lens_k = (cu[1:] - cu[:-1] for cu in (cu_q, cu_k))
+    call = attention_call(q.shape[-1], None, causal, kw.get("window_size", (-1, -1)), kw.get("softcap", 0.0),
+                          kw.get("alibi_slopes"), kw.get("sinks"), kw.get("seqused_k"), seqlen_k=int(lens_k.max()),
+                          batch=cu_q.numel() - 1, nheads=q.shape[1], device=q.device)
+    out = torch.empty_like(q)
+    lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+    ensure_tma_allocator()
+    sm90.forward(q, k, v, out, lse, call.options, prefill_sm90_config(), call.tensors,
+                 varlen=(cu_q, cu_k, int(lens_q.max()), int(lens_k.max())))
+    return out, lse
+
+
+@needs_hopper
+@pytest.mark.parametrize("variant", ["plain", "window", "softcap", "alibi", "sinks", "seqused_k"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2)], ids=["mha", "gqa"])
+def test_sm90_varlen_matches_each_sequence_alone(heads, dtype, causal, variant):
+    """Packed sequences through the Hopper kernel: each sequence's rows (and LSE) agree with the reference on
+    that sequence alone, and no row outside a sequence's span is written by another's programs."""
+    nheads, nheads_k = heads
+    lens_q = [m for m, _ in VARLEN_SEQUENCES]
+    lens_k = [n for _, n in VARLEN_SEQUENCES]
+    cu_q = torch.tensor([0] + lens_q, device="cuda").cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + lens_k, device="cuda").cumsum(0).to(torch.int32)
+    torch.manual_seed(3)
+    q = torch.randn(sum(lens_q), nheads, 128, device="cuda", dtype=dtype)
+    k, v = (torch.randn(sum(lens_k), nheads_k, 128, device="cuda", dtype=dtype) for _ in range(2))
+    kw = dict(VARIANTS.get(variant, {}))
+    if kw.pop("alibi_slopes", False):
+        kw["alibi_slopes"] = torch.rand(len(lens_q), nheads, device="cuda") * 0.3
+    if kw.pop("sinks", False):
+        kw["sinks"] = torch.randn(nheads, device="cuda")
+    used = None
+    if variant == "seqused_k":  # each sequence's first keys only (flash-attn's seqused_k)
+        used = [max(n - 37, 0) for n in lens_k]
+        kw["seqused_k"] = torch.tensor(used, dtype=torch.int32, device="cuda")
+    out, lse = _run_sm90_varlen(q, k, v, cu_q, cu_k, causal, **kw)
+    for b, (m, n) in enumerate(VARLEN_SEQUENCES):
+        if m == 0:
+            continue
+        rows, keys = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b]) + (used or lens_k)[b])
+        one = {name: value for name, value in kw.items() if name != "seqused_k"}
+        if "alibi_slopes" in one:
+            one["alibi_slopes"] = one["alibi_slopes"][b]
+        qb, kb, vb = q[None, rows], k[None, keys], v[None, keys]
+        ref, ref_lse = attention_ref(qb.float(), kb.float(), vb.float(), causal=causal, **one)
+        same, _ = attention_ref(qb, kb, vb, causal=causal, upcast=False, **one)
+        assert_close_to_ref(out[None, rows], ref.float(), same, msg=f"{variant} sequence {b}")
+        assert_lse_close(lse[None, :, rows], ref_lse, dtype, msg=f"{variant} sequence {b}")
+
+
+@pytest.mark.skipif(not gluon_sm90_available(), reason="this Triton's Gluon lacks the Hopper API the kernel uses")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sm90_varlen_launch_compiles_for_hopper(causal):
+    """Without a GPU: the packed launch, planned for an H100, compiles for sm_90 within its shared memory, and
+    an e4m3 packed launch is refused before any launch."""
+    dev = "cuda" if ON_GPU else "cpu"
+    q = torch.empty(3000, 8, 128, dtype=torch.bfloat16, device=dev)
+    k = torch.empty(3000, 2, 128, dtype=torch.bfloat16, device=dev)
+    cu = torch.tensor([0, 1000, 3000], dtype=torch.int32, device=dev)
+    with recording(TARGETS["H100"]) as launched:
+        _run_sm90_varlen(q, k, k, cu, cu, causal)
+    (record,) = launched
+    spec = cross_compile.spec_of(record, 90)
+    assert spec["name"] == "fwd_kernel_sm90_ws" and spec["constexprs"]["IS_VARLEN"] is True
+    assert record.grid == (2000 // 128 + 1, 2 * 8, 1)
+    (result,) = cross_compile.shared_bytes([spec])
+    assert "error" not in result, result["error"][:2000]
+    assert result["shared"] <= TARGETS["H100"].smem_per_block
+    e4m3 = q.to(torch.float8_e4m3fn) if ON_GPU else torch.empty(3000, 8, 128, dtype=torch.float8_e4m3fn)
+    with recording(TARGETS["H100"]) as launched, pytest.raises(ValueError, match="packed sequences in fp16 / bf16"):
+        _run_sm90_varlen(e4m3, e4m3[:, :2], e4m3[:, :2], cu, cu, causal)
+    assert launched == []
 
 
 @needs_hopper

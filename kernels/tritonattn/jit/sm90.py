@@ -46,6 +46,7 @@ from .common import (
     kv_descales,
     query_block,
     score_units,
+    sequence_keys,
     softmax_step,
     variant_scores,
     window_extent,
@@ -146,7 +147,7 @@ def _ws_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_bar, k_read
                  n_full, n_end, n_blocks, diag, left, right, qk_scale, cap_scale, unit, v_scale,
                  HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                  IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
-                 HAS_ALIBI: gl.constexpr, HAS_SINKS: gl.constexpr):
+                 HAS_ALIBI: gl.constexpr, HAS_SINKS: gl.constexpr, IS_VARLEN: gl.constexpr):
     """One warpgroup: rows [start_m + WG * ROWS, + ROWS) of the tile. Each iteration issues S_j = Q K_j^T and
     O += P_{j-1} V_{j-1} in its turn (the other warpgroup runs its softmax meanwhile), then takes block
     j's softmax while its own p @ v is in flight. In the FP8 forward (e4m3 tiles) P is quantized to e4m3 for
@@ -220,7 +221,10 @@ def _ws_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_bar, k_read
         mbarrier.arrive(v_empty.index(last), count=1)
     out, lse = finalize(acc, gl.convert_layout(m_i, rows_o), gl.convert_layout(l_i, rows_o))
     offs_m_o = row0 + gl.arange(0, ROWS, layout=rows_o)
-    gl.store(Lse + pid_bh.to(gl.int64) * M + offs_m_o, lse, mask=offs_m_o < M)
+    if IS_VARLEN:  # Lse is at this head's and sequence's first row already
+        gl.store(Lse + offs_m_o, lse, mask=offs_m_o < M)
+    else:
+        gl.store(Lse + pid_bh.to(gl.int64) * M + offs_m_o, lse, mask=offs_m_o < M)
     if FP8:
         out = out * v_scale  # V's descale
     o_tile = o_smem.index(WG)  # q's own tile (its products are done), or the FP8 forward's 16-bit one
@@ -241,10 +245,11 @@ def fwd_kernel_sm90_ws(
     HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
-    HAS_SINKS: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,  # dense inputs only: never on here
+    HAS_SINKS: gl.constexpr, HAS_SEQUSED_K: gl.constexpr,
     KV_FP8: gl.constexpr = False,  # the FP8 forward's e4m3 K and V (with an e4m3 Q; no cache here)
     HAS_TREE: gl.constexpr = False,  # decode's: never on here
-    Alibi=None, stride_alibi_b=None, Sinks=None,
+    Alibi=None, stride_alibi_b=None, Sinks=None, Seqused_k=None,
+    Cu_seqlens_q=None, Cu_seqlens_k=None, stride_lseh=None, IS_VARLEN: gl.constexpr = False,
     K_descale=None, stride_kds=None, stride_kdh=None, V_descale=None, stride_vds=None, stride_vdh=None,
     Q_descale=None, stride_qds=None, stride_qdh=None,  # the FP8 forward's, (batch, nheads_k) float32
     NUM_STAGES: gl.constexpr = 2,
@@ -254,13 +259,21 @@ def fwd_kernel_sm90_ws(
 
     The FP8 forward ([Note] FP8 forward in jit/common.py): Q, K, V in e4m3 with their descales, the output
     16-bit; V comes transposed, (batch, nheads_k, HEAD_DIM, seqlen_k) with keys contiguous, and stride_vn is
-    then the stride between its HEAD_DIM rows."""
+    then the stride between its HEAD_DIM rows.
+
+    IS_VARLEN (16-bit only): packed sequences as fwd_kernel takes them ([Note] Packed sequences in
+    jit/prefill_fwd.py): batch strides 0, M and N the longest lengths, each program reading its sequence's
+    bounds from Cu_seqlens_q / Cu_seqlens_k (and Seqused_k); the descriptors span that sequence's rows only,
+    so a tile past its end loads zeros and stores nothing, and Lse is (H, total_q) with head stride
+    stride_lseh."""
     ROWS: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = Q.dtype.element_ty
     FP8: gl.constexpr = dtype == gl.float8e4nv
     gl.static_assert(HEAD_DIM == HEAD_DIM_PAD, "descriptor tiles cover the head dim exactly")
     gl.static_assert(KV_FP8 == FP8, "FP8 K/V only with an FP8 Q here (an FP8 cache is fwd_kernel's)")
     gl.static_assert(not HAS_TREE, "a tree mask is decode's")
+    gl.static_assert(IS_VARLEN or not HAS_SEQUSED_K, "seqused_k counts the keys of packed sequences")
+    gl.static_assert(not (IS_VARLEN and FP8), "the FP8 forward's V copy is per dense batch entry")
     gl.static_assert(gl.num_warps() == 4, "the default partition is one consumer warpgroup")
     q_smem_layout: gl.constexpr = _smem_layout(ROWS, HEAD_DIM, dtype)
     kv_smem_layout: gl.constexpr = _smem_layout(BLOCK_N, HEAD_DIM, dtype)
@@ -270,6 +283,17 @@ def fwd_kernel_sm90_ws(
     unit, cap_scale = score_units(softmax_scale * k_scale, softcap, HAS_SOFTCAP)  # the descales folded in
     qk_scale = unit * LOG2E
     start_m = pid_m * BLOCK_M
+    if IS_VARLEN:  # off_b is a packed sequence: its own M, N and first rows
+        q_start = gl.load(Cu_seqlens_q + off_b)
+        M = gl.load(Cu_seqlens_q + off_b + 1) - q_start
+        if start_m >= M:  # the grid covers the longest sequence: blocks past this one's end exit at once
+            return
+        k_start, N = sequence_keys(Cu_seqlens_k, Seqused_k, off_b, HAS_SEQUSED_K)
+        Q += q_start.to(gl.int64) * stride_qm
+        K += k_start.to(gl.int64) * stride_kn
+        V += k_start.to(gl.int64) * stride_vn
+        Out += q_start.to(gl.int64) * stride_om
+        Lse += off_h.to(gl.int64) * stride_lseh + q_start  # this head's and sequence's first row
     q_desc = tma.make_tensor_descriptor(Q + off_b * stride_qb + off_h.to(gl.int64) * stride_qh, [M, HEAD_DIM],
                                         [stride_qm, 1], [ROWS, HEAD_DIM], q_smem_layout)
     k_desc = tma.make_tensor_descriptor(K + off_b * stride_kb + off_hk * stride_kh, [N, HEAD_DIM],
@@ -322,11 +346,13 @@ def fwd_kernel_sm90_ws(
         (_ws_consumer, (0, q_smem, k_smem, v_smem, o_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
                         o_desc, Lse, Sinks, Alibi, stride_alibi_b, off_b, off_h, pid_bh, M, start_m, n_lo, n_full_lo,
                         n_full, n_end, n_blocks, diag, left, right, qk_scale, cap_scale, unit, v_scale, HEAD_DIM,
-                        ROWS, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_SINKS)),
+                        ROWS, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_SINKS,
+                        IS_VARLEN)),
         (_ws_consumer, (1, q_smem, k_smem, v_smem, o_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
                         o_desc, Lse, Sinks, Alibi, stride_alibi_b, off_b, off_h, pid_bh, M, start_m, n_lo, n_full_lo,
                         n_full, n_end, n_blocks, diag, left, right, qk_scale, cap_scale, unit, v_scale, HEAD_DIM,
-                        ROWS, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_SINKS)),
+                        ROWS, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_SINKS,
+                        IS_VARLEN)),
         (_ws_loader, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_lo, n_blocks, BLOCK_N,
                       NUM_STAGES, FP8)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

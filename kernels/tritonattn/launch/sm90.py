@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -35,19 +35,33 @@ def fp8_values(v: torch.Tensor) -> torch.Tensor:
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-            options: AttnOptions, config: AttnConfig, tensors: Optional[dict] = None) -> None:
-    """Launch the warp-specialized forward on dense (batch, seqlen, heads, D) tensors whose rows TMA can
-    address, writing out and lse (batch, nheads, seqlen_q) float32; `tensors` as `AttnCall.tensors`.
-    The caller checks the call is one `config.tables.prefill_fwd_sm90_config` gives a config for."""
-    batch, seqlen_q, nheads, _ = q.shape
-    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+            options: AttnOptions, config: AttnConfig, tensors: Optional[dict] = None,
+            varlen: Optional[Tuple[torch.Tensor, torch.Tensor, int, int]] = None) -> None:
+    """Launch the warp-specialized forward on tensors whose rows TMA can address, writing out and lse; `tensors`
+    as `AttnCall.tensors`. Dense: (batch, seqlen, heads, D) tensors, lse (batch, nheads, seqlen_q) float32.
+    Packed (`varlen` = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), 16-bit only): (total, heads,
+    D) tensors, lse (nheads, total_q). The caller checks the call is one `config.tables.prefill_fwd_sm90_config`
+    gives a config for."""
+    nheads, nheads_k = q.shape[-2], k.shape[-2]
+    if varlen is None:
+        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+        strides = [t.stride()[:3] for t in (q, k, v, out)]
+        extra = {}
+    else:
+        if q.dtype in KV_FP8_DTYPES:
+            raise ValueError("The Hopper forward takes packed sequences in fp16 / bf16 only; "
+                             f"got {q.dtype} (the FP8 forward's V copy is per dense batch entry).")
+        cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k = varlen
+        batch = cu_seqlens_q.numel() - 1
+        strides = [(0, *t.stride()[:2]) for t in (q, k, v, out)]  # (batch, row, head): no batch dim
+        extra = dict(Cu_seqlens_q=cu_seqlens_q, Cu_seqlens_k=cu_seqlens_k, stride_lseh=lse.stride(0),
+                     IS_VARLEN=True)
     grid = (triton.cdiv(seqlen_q, config.block_m), batch * nheads, 1)
-    v_strides = v.stride()[:3]
     if q.dtype in KV_FP8_DTYPES:  # FP8 P V reads V transposed, keys reordered: (batch, nheads_k, D, seqlen_k')
         v = fp8_values(v)
-        v_strides = (v.stride(0), v.stride(2), v.stride(1))  # batch, a head-dim row, head
-    args = (q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v_strides, *out.stride()[:3],
-            nheads, seqlen_q, seqlen_k, nheads // nheads_k)
+        strides[2] = (v.stride(0), v.stride(2), v.stride(1))  # batch, a head-dim row, head
+    args = (q, k, v, out, lse, *strides[0], *strides[1], *strides[2], *strides[3], nheads, seqlen_q, seqlen_k,
+            nheads // nheads_k)
     kwargs = dict(**options.runtime, **options.constexprs, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-                  NUM_STAGES=config.num_stages, **(tensors or {}))
+                  NUM_STAGES=config.num_stages, **extra, **(tensors or {}))
     _ws_launcher(None, grid, args, config.num_warps, 1, kwargs, q.device.index or 0, maxnreg=SM90_MAXNREG)
