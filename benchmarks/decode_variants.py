@@ -16,7 +16,6 @@ within 5% of dense. Before timing, each case's output is compared with the float
 
 from __future__ import annotations
 
-import math
 import sys
 
 import torch
@@ -24,7 +23,7 @@ import torch
 from tritonattn import attention_ref, flash_attn_with_kvcache
 from tritonattn.testing import rel_err
 
-from .measure import table_bench_args, time_fn
+from .measure import best_medians, table_bench_args
 from .results import make_row, write_csv
 from .variants import alibi_slopes
 
@@ -105,10 +104,7 @@ def measure(batch: int = 8, long: int = LONG, short: int = SHORT, window: int = 
             steps[key] = (lambda kc=kc, vc=vc, lengths=lengths, kw=kw, extra=extra:
                           flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lengths, **kw, **extra))
             errors[key] = reference_error(q, k_cache, v_cache, length, kw, steps[key]())
-    best = {key: math.inf for key in steps}
-    for _ in range(rounds):  # interleaved: every case once per round
-        for key, step in steps.items():
-            best[key] = min(best[key], time_fn(step, rep=rep, flush_l2=True, hide_host=True)["median_ms"])
+    best = best_medians(steps, rounds=rounds, rep=rep)
     rows = []
     for name, length, case, judge in cases(long, short, window):
         for page_size in page_sizes:

@@ -12,7 +12,6 @@ results/<gpu>/bench_dropout.csv:
 
 from __future__ import annotations
 
-import math
 import sys
 
 import torch
@@ -21,7 +20,7 @@ import torch.nn.functional as F
 from tritonattn import attention_ref, flash_attn_func
 from tritonattn.testing import rel_err
 
-from .measure import table_bench_args, time_fn
+from .measure import best_medians, table_bench_args
 from .results import make_row, write_csv
 
 BATCH, SEQLEN, H = 4, 4096, 16
@@ -72,11 +71,7 @@ def main(argv=None) -> int:
             err = check(d, causal)
             for backward in (False, True):
                 built = steps(d, causal, backward)
-                best = {name: math.inf for name in built}
-                for _ in range(a.rounds):
-                    for name, step in built.items():
-                        best[name] = min(best[name], time_fn(step, rep=a.rep, flush_l2=True,
-                                                             hide_host=True)["median_ms"])
+                best = best_medians(built, rounds=a.rounds, rep=a.rep)
                 path = "fwd_bwd" if backward else "fwd"
                 print(f"d={d:3d} causal={causal!s:5s} {path:7s} " + "  ".join(f"{n} {ms:.3f} ms" for n, ms in
                                                                              best.items())

@@ -16,7 +16,6 @@ bf16 forward at >= 4096 keys. Rows go to results/<gpu>/bench_fp8.csv:
 from __future__ import annotations
 
 import functools
-import math
 import sys
 
 import torch
@@ -24,8 +23,7 @@ import torch
 from tritonattn import attention_ref, flash_attn_func, flash_attn_with_kvcache
 from tritonattn.testing import quantize_e4m3_ref, rel_err
 
-from .measure import attention_flops, table_bench_args, time_fn
-from .results import make_row, write_csv
+from .measure import attention_flops, best_medians, table_main
 
 H, H_KV, D = 32, 8, 128
 E4M3 = torch.float8_e4m3fn
@@ -102,10 +100,7 @@ def measure(*, rounds: int = 3, rep: int = 30, verbose: bool = True) -> list:
         timed[("decode", name, batch, keys, False)] = (step, err, page)
     for name, batch, seqlen, causal, call, err in prefill_cases():
         timed[("prefill", name, batch, seqlen, causal)] = (call, err, 0)
-    best = {key: math.inf for key in timed}
-    for _ in range(rounds):
-        for key, (fn, _, _) in timed.items():
-            best[key] = min(best[key], time_fn(fn, rep=rep, flush_l2=True, hide_host=True)["median_ms"])
+    best = best_medians({key: fn for key, (fn, _, _) in timed.items()}, rounds=rounds, rep=rep)
     rows = []
     for key, (_, err, page) in timed.items():
         path, name, batch, n, causal = key
@@ -127,13 +122,7 @@ def measure(*, rounds: int = 3, rep: int = 30, verbose: bool = True) -> list:
 
 
 def main(argv=None) -> int:
-    a = table_bench_args(argv, __doc__, rep=30, rounds=3)
-    if a is None:
-        return 2
-    rows = [make_row(**row) for row in measure(rounds=a.rounds, rep=a.rep)]
-    if not a.no_write:
-        print("wrote", write_csv(rows, "bench_fp8", a.out))
-    return 0
+    return table_main(argv, __doc__, measure, "bench_fp8", rep=30)
 
 
 if __name__ == "__main__":

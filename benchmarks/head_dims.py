@@ -18,7 +18,6 @@ Each case is first checked against the fp32 reference. Rows go to results/<gpu>/
 
 from __future__ import annotations
 
-import math
 import sys
 
 import torch
@@ -27,7 +26,7 @@ from tritonattn import attention_ref, flash_attn_func, flash_attn_with_kvcache
 from tritonattn.launch.operands import empty_aligned
 from tritonattn.testing import rel_err
 
-from .measure import table_bench_args, time_fn
+from .measure import best_medians, table_bench_args
 from .results import make_row, write_csv
 
 H, HK = 32, 8
@@ -111,10 +110,7 @@ def main(argv=None) -> int:
         for (path, shape, build_odd), (_, _, build_even) in zip(cases(pair[0]), cases(pair[1])):
             built = {dd: build() for dd, build in zip(pair, (build_odd, build_even))}
             errs = {dd: check() for dd, (_, check) in built.items()}
-            best = {dd: math.inf for dd in pair}
-            for _ in range(a.rounds):
-                for dd, (step, _) in built.items():
-                    best[dd] = min(best[dd], time_fn(step, rep=a.rep, flush_l2=True, hide_host=True)["median_ms"])
+            best = best_medians({dd: step for dd, (step, _) in built.items()}, rounds=a.rounds, rep=a.rep)
             ratio = best[pair[0]] / best[pair[1]]
             worst = max(worst, ratio)
             ok = all(e < 2e-2 for e in errs.values())

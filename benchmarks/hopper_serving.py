@@ -22,7 +22,6 @@ output with the dense one. Rows go to results/<gpu>/bench_hopper_serving.csv:
 from __future__ import annotations
 
 import functools
-import math
 import sys
 
 import torch
@@ -33,8 +32,7 @@ from tritonattn.config.hardware import device_target
 from tritonattn.config.tables import prefill_fwd_sm90_config
 from tritonattn.launch.operands import ensure_tma_allocator
 
-from .measure import attention_flops, table_bench_args, time_fn
-from .results import make_row, write_csv
+from .measure import attention_flops, best_medians, table_main
 
 H, H_KV, D = 32, 8, 128
 RAGGED = (4096, 3072, 2560, 2048, 1792, 1280, 1024, 512)  # 16384 tokens
@@ -115,11 +113,7 @@ def measure(*, rounds: int = 3, rep: int = 30, verbose: bool = True) -> list:
             for impl, calls, flops, out in make(dtype):
                 outputs[impl] = out
                 cases[(case, short, impl)] = [calls, flops, rel_err(out, outputs["dense"])]
-    best = {key: math.inf for key in cases}
-    for _ in range(rounds):
-        for key, (calls, _, _) in cases.items():
-            total = sum(time_fn(fn, rep=rep, flush_l2=True, hide_host=True)["median_ms"] for fn in calls)
-            best[key] = min(best[key], total)
+    best = best_medians({key: calls for key, (calls, _, _) in cases.items()}, rounds=rounds, rep=rep)
     rows = []
     for (case, short, impl), (_, flops, err) in cases.items():
         ms = best[(case, short, impl)]
@@ -134,13 +128,7 @@ def measure(*, rounds: int = 3, rep: int = 30, verbose: bool = True) -> list:
 
 
 def main(argv=None) -> int:
-    a = table_bench_args(argv, __doc__, rep=30, rounds=3)
-    if a is None:
-        return 2
-    rows = [make_row(**row) for row in measure(rounds=a.rounds, rep=a.rep)]
-    if not a.no_write:
-        print("wrote", write_csv(rows, "bench_hopper_serving", a.out))
-    return 0
+    return table_main(argv, __doc__, measure, "bench_hopper_serving", rep=30)
 
 
 if __name__ == "__main__":

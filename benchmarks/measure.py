@@ -17,7 +17,7 @@ import argparse
 import functools
 import math
 import time
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Hashable, Iterable, List, Mapping, Optional, Sequence, Union
 
 import torch
 import triton
@@ -25,7 +25,7 @@ import triton.language as tl
 
 from tritonattn import has_gpu  # the public name: the harness also runs against other trees (benchmarks.ab)
 
-from .results import Row
+from .results import Row, make_row, write_csv
 
 _MODE_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
 
@@ -445,6 +445,22 @@ def ceilings(*, matmul_n: int = 8192, copy_gib: float = 2.0) -> Dict[str, float]
     return result
 
 
+def best_medians(steps: Mapping[Hashable, Union[Callable[[], Any], Sequence[Callable[[], Any]]]], *, rounds: int,
+                 rep: int, timer: Optional[Callable[..., Dict[str, float]]] = None) -> Dict[Hashable, float]:
+    """The one-table benchmarks' timing: per key, the best over `rounds` of its `time_fn` median (ms, L2 flushed,
+    host hidden), every key timed once per round (interleaved, so a slow spell of the card hits all cases
+    alike). A key may hold a sequence of calls, whose medians add up to its time. `timer`: time_fn's stand-in
+    (tests)."""
+    timer = timer or time_fn
+    best = {key: math.inf for key in steps}
+    for _ in range(rounds):
+        for key, calls in steps.items():
+            calls = (calls,) if callable(calls) else calls
+            best[key] = min(best[key], sum(timer(fn, rep=rep, flush_l2=True, hide_host=True)["median_ms"]
+                                           for fn in calls))
+    return best
+
+
 def table_bench_args(argv, doc: str, rep: int, rounds: int = 3, extra=()) -> Optional[argparse.Namespace]:
     """The command line of a one-table benchmark (benchmarks.head_dims, .dropout, .variants): --rounds,
     --rep, --out, --no-write and the `extra` (flag, add_argument keywords) pairs; None (after saying
@@ -461,3 +477,15 @@ def table_bench_args(argv, doc: str, rep: int, rounds: int = 3, extra=()) -> Opt
         print("needs a CUDA GPU")
         return None
     return a
+
+
+def table_main(argv, doc: str, measure: Callable[..., List[Row]], name: str, *, rep: int, rounds: int = 3) -> int:
+    """A one-table benchmark's main: `table_bench_args`, then measure(rounds=, rep=)'s rows stamped with the GPU
+    and versions (`make_row`) and written to results/<gpu>/<name>.csv unless --no-write; 2 without a GPU."""
+    a = table_bench_args(argv, doc, rep=rep, rounds=rounds)
+    if a is None:
+        return 2
+    rows = [make_row(**row) for row in measure(rounds=a.rounds, rep=a.rep)]
+    if not a.no_write:
+        print("wrote", write_csv(rows, name, a.out))
+    return 0

@@ -14,15 +14,13 @@ form (FlashInfer's custom_mask and SGLang's take theirs): ours only. Rows go to 
 
 from __future__ import annotations
 
-import math
 import sys
 
 import torch
 
 from tritonattn import flash_attn_with_kvcache
 
-from .measure import table_bench_args, time_fn
-from .results import make_row, write_csv
+from .measure import best_medians, table_main
 
 BATCH, KEYS, H, H_KV, D = 8, 16384, 32, 8, 128
 
@@ -52,10 +50,7 @@ def measure(*, rounds: int = 3, rep: int = 50):
         tree = {} if mask is None else {"tree_mask": mask}
         cases[name] = (n, lambda q=q, k=k, v=v, tree=tree: flash_attn_with_kvcache(
             q, k_cache, v_cache, k, v, cache_seqlens=lengths, causal=True, **tree))
-    best = {name: math.inf for name in cases}
-    for _ in range(rounds):
-        for name, (_, step) in cases.items():
-            best[name] = min(best[name], time_fn(step, rep=rep, flush_l2=True, hide_host=True)["median_ms"])
+    best = best_medians({name: step for name, (_, step) in cases.items()}, rounds=rounds, rep=rep)
     base = best["decode 1 token"]
     rows = []
     for name, (n, _) in cases.items():
@@ -71,13 +66,7 @@ def measure(*, rounds: int = 3, rep: int = 50):
 
 
 def main(argv=None) -> int:
-    a = table_bench_args(argv, __doc__, rep=50, rounds=3)
-    if a is None:
-        return 2
-    rows = [make_row(**row) for row in measure(rounds=a.rounds, rep=a.rep)]
-    if not a.no_write:
-        print("wrote", write_csv(rows, "bench_speculative", a.out))
-    return 0
+    return table_main(argv, __doc__, measure, "bench_speculative", rep=50)
 
 
 if __name__ == "__main__":

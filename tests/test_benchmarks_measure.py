@@ -119,3 +119,23 @@ def test_first_graph_timing_of_a_process_is_dropped(monkeypatch):
     assert calls == [(7, 2), (7, 2)]
     assert measure.time_cuda_graph(lambda: None, rep=5, repeat=1) == 30.0
     assert calls == [(7, 2), (7, 2), (5, 1)]
+
+
+def test_best_medians_interleaves_rounds_and_sums_a_keys_calls():
+    """Every key is timed once per round, in order, with the L2 flushed and the host hidden; a key's value is
+    the least over rounds of its calls' medians summed."""
+    medians = {"a": [3.0, 1.0], "b1": [2.0, 4.0], "b2": [0.5, 0.25]}
+    seen = []
+
+    def timer(fn, *, rep, flush_l2, hide_host):
+        assert (rep, flush_l2, hide_host) == (7, True, True)
+        seen.append(fn.__name__)
+        return {"median_ms": medians[fn.__name__].pop(0)}
+
+    def a(): ...
+    def b1(): ...
+    def b2(): ...
+
+    best = measure.best_medians({"A": a, "B": [b1, b2]}, rounds=2, rep=7, timer=timer)
+    assert seen == ["a", "b1", "b2", "a", "b1", "b2"]
+    assert best == {"A": 1.0, "B": 2.5}
