@@ -18,14 +18,13 @@ _fp8_values_launcher = LaunchCache(fp8_values_kernel)
 
 
 def fp8_values(v: torch.Tensor) -> torch.Tensor:
-    """V (batch, seqlen_k, nheads_k, D) as the FP8 forward's P V operand (jit/layout.py): (batch, nheads_k, D,
-    seqlen_k rounded up to 16), keys contiguous and reordered within groups of 16 (`fp8_pv_key`), the
-    positions past the last key zero. Rows are 16-byte multiples, as the tensor descriptor needs."""
+    """V (batch, seqlen_k, nheads_k, D), its last dim contiguous (as validated), as the FP8 forward's P V operand
+    (jit/layout.py): (batch, nheads_k, D, seqlen_k rounded up to 16), keys contiguous and reordered within
+    groups of 16 (`fp8_pv_key`), the positions past the last key zero. Rows are 16-byte multiples, as the
+    tensor descriptor needs."""
     batch, seqlen_k, nheads_k, head_dim = v.shape
     width = triton.cdiv(seqlen_k, 16) * 16
     out = torch.empty((batch, nheads_k, head_dim, width), dtype=v.dtype, device=v.device)
-    if v.stride(-1) != 1:
-        v = v.contiguous()
     grid = (triton.cdiv(width, FP8_VALUES_BLOCK), batch * nheads_k, 1)
     args = (v, out, v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2), nheads_k,
             seqlen_k, width)
