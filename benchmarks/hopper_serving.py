@@ -2,9 +2,10 @@
 card: packed sequences (flash_attn_varlen_func) and a chunk of a prompt against a cache (flash_attn_with_kvcache).
 
 Packed: a ragged batch of 16384 tokens (RAGGED), causal, 32 q / 8 KV heads, head dim 128:
-- "varlen": flash_attn_varlen_func as the dispatcher runs it;
-- "varlen hopper": the same packed call on Hopper's warp-specialized kernel (`launch/sm90.py` `forward` with
-  `varlen`, which the dispatcher does not choose yet), on a GPU where that kernel runs;
+- "varlen": flash_attn_varlen_func as the dispatcher runs it (Hopper's warp-specialized kernel where its rule
+  gives it a config);
+- "varlen portable": the same packed call on the portable kernel (fwd_kernel), on a GPU where the dispatcher
+  would take Hopper's;
 - "dense": flash_attn_func on each sequence alone, the times summed: the same queries and keys.
 Chunked: a CHUNK-token chunk of one request appended to a cache holding CACHED tokens, causal (the chunk's
 queries at the last CHUNK key positions):
@@ -29,8 +30,8 @@ import torch
 from tritonattn import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, rel_err
 from tritonattn.api.args import attention_call
 from tritonattn.config.hardware import device_target
-from tritonattn.config.tables import prefill_fwd_sm90_config
-from tritonattn.launch.operands import ensure_tma_allocator
+from tritonattn.config.tables import prefill_fwd_config, prefill_fwd_sm90_config
+from tritonattn.launch.prefill import launch_varlen
 
 from .measure import attention_flops, best_medians, table_main
 
@@ -39,24 +40,16 @@ RAGGED = (4096, 3072, 2560, 2048, 1792, 1280, 1024, 512)  # 16384 tokens
 CACHED, CHUNK, PAGE = 12288, 2048, 256
 
 
-def _hopper_varlen(q, k, v, cu, max_len):
-    """The packed call on Hopper's Gluon kernel, or None where the rule gives it no config (not Hopper, another
-    Triton, TRITONATTN_SM90=0)."""
+def _portable_varlen(q, k, v, cu, max_len):
+    """The packed call on the portable kernel (fwd_kernel, pinned by passing its table config), or None where the
+    dispatcher runs it anyway (not Hopper, another Triton, TRITONATTN_SM90=0)."""
     call = attention_call(D, None, True, seqlen_k=max_len, batch=cu.numel() - 1, nheads=H, device=q.device)
-    config = prefill_fwd_sm90_config(call.options, q.dtype, max_len, device_target(q.device))
-    if config is None:
+    target = device_target(q.device)
+    if prefill_fwd_sm90_config(call.options, q.dtype, max_len, target) is None:
         return None
-    from tritonattn.launch import sm90  # Gluon, imported only where it runs
-
-    out = torch.empty_like(q)
-    lse = torch.empty((H, q.shape[0]), dtype=torch.float32, device=q.device)
-
-    def run():
-        ensure_tma_allocator()
-        sm90.forward(q, k, v, out, lse, call.options, config, call.tensors, varlen=(cu, cu, max_len, max_len))
-        return out
-
-    return run
+    config = prefill_fwd_config(call.options.head_dim_pad, q.dtype, True, target)
+    return functools.partial(launch_varlen, q, k, v, cu, cu, max_len, max_len, call.options, config,
+                             tensors=call.tensors)
 
 
 def varlen_cases(dtype):
@@ -74,9 +67,9 @@ def varlen_cases(dtype):
     packed = functools.partial(flash_attn_varlen_func, q, k, v, cu, cu, max(RAGGED), max(RAGGED), causal=True)
     yield "dense", dense, flops, reference
     yield "varlen", [packed], flops, packed()
-    hopper = _hopper_varlen(q, k, v, cu, max(RAGGED))
-    if hopper is not None:
-        yield "varlen hopper", [hopper], flops, hopper().clone()
+    portable = _portable_varlen(q, k, v, cu, max(RAGGED))
+    if portable is not None:
+        yield "varlen portable", [portable], flops, portable()[0]
 
 
 def chunked_cases(dtype):

@@ -189,6 +189,33 @@ def test_public_function_takes_the_hopper_kernel_and_agrees(causal, monkeypatch)
     assert_close_to_ref(portable, ref.float(), same)
 
 
+@needs_hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_packed_public_function_takes_the_hopper_kernel_and_agrees(causal, monkeypatch):
+    """flash_attn_varlen_func runs the Hopper kernel where the rule says so (TRITONATTN_SM90=0 switches it off),
+    and both kernels agree within the error rule on every sequence."""
+    import tritonattn.launch.sm90 as sm90
+    from tritonattn import flash_attn_varlen_func
+
+    lens = [2048, 700, 1500]
+    cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
+    q, k, v = (t[0] for t in make_qkv(1, sum(lens), sum(lens), 8, 2, 128, torch.bfloat16, seed=2))
+    calls = []
+    monkeypatch.setattr(sm90, "forward", lambda *a, _f=sm90.forward: calls.append(1) or _f(*a))
+    out = flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=causal)
+    assert calls == [1]
+    monkeypatch.setenv("TRITONATTN_SM90", "0")
+    portable = flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=causal)
+    assert calls == [1]
+    for b in range(len(lens)):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        qb, kb, vb = q[None, rows], k[None, rows], v[None, rows]
+        ref, _ = attention_ref(qb.float(), kb.float(), vb.float(), causal=causal)
+        same, _ = attention_ref(qb, kb, vb, causal=causal, upcast=False)
+        assert_close_to_ref(out[None, rows], ref.float(), same, msg=f"sequence {b}")
+        assert_close_to_ref(portable[None, rows], ref.float(), same, msg=f"sequence {b}")
+
+
 def test_rule_picks_hopper_dense_head_dim_128_long_rows():
     h100 = TARGETS["H100"]
     full, causal = attn_options(128, None, False), attn_options(128, None, True)
@@ -206,9 +233,9 @@ def test_rule_picks_hopper_dense_head_dim_128_long_rows():
 
 
 @pytest.mark.skipif(not gluon_sm90_available(), reason="this Triton's Gluon lacks the Hopper API the kernel uses")
-def test_only_dense_calls_without_dropout_reach_the_hopper_kernel():
-    """Planned for an H100: a long dense call records the Hopper kernel; dropout, packed sequences and a
-    KV cache record the portable one."""
+def test_dense_and_packed_calls_without_dropout_reach_the_hopper_kernel():
+    """Planned for an H100: a long dense or packed 16-bit call records the Hopper kernel; short keys, dropout,
+    a packed FP8 call and a KV cache record the portable one."""
     from tritonattn import flash_attn_varlen_func, flash_attn_with_kvcache
 
     def kernels_of(fn):
@@ -224,6 +251,12 @@ def test_only_dense_calls_without_dropout_reach_the_hopper_kernel():
     dropout = kernels_of(lambda: flash_attn_func(q, k, k, 0.1, causal=True))
     assert "fwd_kernel" in dropout and "fwd_kernel_sm90_ws" not in dropout
     cu = torch.tensor([0, 2048], dtype=torch.int32, device=dev)
-    assert kernels_of(lambda: flash_attn_varlen_func(q[0], k[0], k[0], cu, cu, 2048, 2048)) == {"fwd_kernel"}
+    assert kernels_of(lambda: flash_attn_varlen_func(q[0], k[0], k[0], cu, cu, 2048, 2048,
+                                                     causal=True)) == {"fwd_kernel_sm90_ws"}
+    short = torch.tensor([0, 1024], dtype=torch.int32, device=dev)
+    assert kernels_of(lambda: flash_attn_varlen_func(q[0, :1024], k[0, :1024], k[0, :1024], short, short, 1024, 1024,
+                                                     causal=True)) == {"fwd_kernel"}
+    packed_dropout = kernels_of(lambda: flash_attn_varlen_func(q[0], k[0], k[0], cu, cu, 2048, 2048, 0.1))
+    assert "fwd_kernel" in packed_dropout and "fwd_kernel_sm90_ws" not in packed_dropout
     lens = torch.full((1,), 2048, dtype=torch.int32, device=dev)
     assert "fwd_kernel_sm90_ws" not in kernels_of(lambda: flash_attn_with_kvcache(q, k, k, cache_seqlens=lens))

@@ -139,19 +139,32 @@ def launch_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: A
         return out, lse
     q, k, v = aligned_operands(planned, q, k, v)
     use_tma = tma_usable(config.use_tma, target, q, k, v, out)
-    # the Gluon kernel's descriptors: the 16-bit path's, or the FP8 forward's (q, k and out; V is copied)
-    descriptors = use_tma or (q.dtype in KV_FP8_DTYPES and all(rows_aligned(t) for t in (q, k, out)))
-    sm90 = prefill_fwd_sm90_config(options, q.dtype, seqlen_k, target) if descriptors and drop is None else None
-    if sm90 is not None and chosen:  # Hopper's warp-specialized kernel (kernels/tritonattn/jit/sm90.py)
-        from .sm90 import forward as sm90_forward  # Gluon, imported only where it runs
-
-        ensure_tma_allocator()
-        with on_device(q):
-            sm90_forward(q, k, v, out, lse, options, sm90, tensors)
+    sm90 = _sm90_plan(q, k, out, options, seqlen_k, target, use_tma) if chosen and drop is None else None
+    if sm90 is not None:
+        _launch_sm90(q, k, v, out, lse, options, sm90, tensors)
         return out, lse
     launch_forward(q, k, v, out, lse, batch, seqlen_q, seqlen_k, options, config,
                     dict(dropout_args(drop), **(tensors or {})), use_tma=use_tma)
     return out, lse
+
+
+def _sm90_plan(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, options: AttnOptions, seqlen_k: int,
+               target: Optional[Target], use_tma: bool) -> Optional[AttnConfig]:
+    """The config of Hopper's warp-specialized kernel for a forward without dropout and with the table's config,
+    or None where fwd_kernel runs: the rule's (`prefill_fwd_sm90_config`, seqlen_k the longest sequence's), and
+    descriptors that can address the tensors (the 16-bit path's, or the FP8 forward's: q, k and out, V being
+    copied)."""
+    descriptors = use_tma or (q.dtype in KV_FP8_DTYPES and all(rows_aligned(t) for t in (q, k, out)))
+    return prefill_fwd_sm90_config(options, q.dtype, seqlen_k, target) if descriptors else None
+
+
+def _launch_sm90(q, k, v, out, lse, options: AttnOptions, config: AttnConfig, tensors: Optional[dict],
+                 varlen: Optional[Tuple[torch.Tensor, torch.Tensor, int, int]] = None) -> None:
+    from .sm90 import forward as sm90_forward  # Gluon, imported only where it runs
+
+    ensure_tma_allocator()
+    with on_device(q):
+        sm90_forward(q, k, v, out, lse, options, config, tensors, varlen)
 
 
 def out_dtype(q: torch.Tensor) -> torch.dtype:
@@ -251,6 +264,7 @@ def launch_varlen(
     tensors `tensors`); returns (out, softmax_lse (nheads, total_q)); out as `launch_prefill`'s."""
     total_q, nheads, head_dim = q.shape
     batch = cu_seqlens_q.numel() - 1
+    chosen = config is None  # a caller's config pins fwd_kernel
     target, config, planned = _forward_plan(q, options, config)
     if out is None:
         out = empty_aligned((total_q, nheads, head_dim), out_dtype(q), q.device, aligned=planned)
@@ -260,9 +274,17 @@ def launch_varlen(
         empty_rows_lse(lse, options, tensors)
         return out, lse
     q, k, v = aligned_operands(planned, q, k, v)
+    use_tma = tma_usable(config.use_tma, target, q, k, v, out)
+    # Hopper's kernel takes packed sequences in 16 bits (the FP8 forward's V copy is per dense batch entry)
+    packed_sm90 = chosen and drop is None and q.dtype not in KV_FP8_DTYPES
+    sm90 = _sm90_plan(q, k, out, options, max_seqlen_k, target, use_tma) if packed_sm90 else None
+    if sm90 is not None:
+        varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        _launch_sm90(q, k, v, out, lse, options, sm90, tensors, varlen)
+        return out, lse
     launch_forward(q, k, v, out, lse, batch, max_seqlen_q, max_seqlen_k, options, config,
                     dict(varlen_args(cu_seqlens_q, cu_seqlens_k, total_q), **dropout_args(drop), **(tensors or {})),
-                    use_tma=tma_usable(config.use_tma, target, q, k, v, out))
+                    use_tma=use_tma)
     return out, lse
 
 
