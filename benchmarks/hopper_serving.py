@@ -4,13 +4,13 @@ card: packed sequences (flash_attn_varlen_func) and a chunk of a prompt against 
 Packed: a ragged batch of 16384 tokens (RAGGED), causal, 32 q / 8 KV heads, head dim 128:
 - "varlen": flash_attn_varlen_func as the dispatcher runs it (Hopper's warp-specialized kernel where its rule
   gives it a config);
-- "varlen portable": the same packed call on the portable kernel (fwd_kernel), on a GPU where the dispatcher
-  would take Hopper's;
+- "varlen portable": the same call with Hopper's kernel switched off (TRITONATTN_SM90=0): the portable
+  fwd_kernel, on a GPU where the dispatcher would take Hopper's;
 - "dense": flash_attn_func on each sequence alone, the times summed: the same queries and keys.
 Chunked: a CHUNK-token chunk of one request appended to a cache holding CACHED tokens, causal (the chunk's
 queries at the last CHUNK key positions):
 - "kvcache" / "kvcache paged": flash_attn_with_kvcache with k / v appended, the cache dense or pages of PAGE
-  rows in a shuffled pool;
+  rows in a shuffled pool; "... portable" the same with Hopper's kernel switched off, as above;
 - "dense": flash_attn_func on the chunk's queries against all CACHED + CHUNK keys.
 
 Each call is timed by `time_fn` (L2 flushed, host hidden), the best of `--rounds` medians with the cases
@@ -23,6 +23,7 @@ output with the dense one. Rows go to results/<gpu>/bench_hopper_serving.csv:
 from __future__ import annotations
 
 import functools
+import os
 import sys
 
 import torch
@@ -30,8 +31,7 @@ import torch
 from tritonattn import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, rel_err
 from tritonattn.api.args import attention_call
 from tritonattn.config.hardware import device_target
-from tritonattn.config.tables import prefill_fwd_config, prefill_fwd_sm90_config
-from tritonattn.launch.prefill import launch_varlen
+from tritonattn.config.tables import prefill_fwd_sm90_config
 
 from .measure import attention_flops, best_medians, table_main
 
@@ -40,16 +40,26 @@ RAGGED = (4096, 3072, 2560, 2048, 1792, 1280, 1024, 512)  # 16384 tokens
 CACHED, CHUNK, PAGE = 12288, 2048, 256
 
 
-def _portable_varlen(q, k, v, cu, max_len):
-    """The packed call on the portable kernel (fwd_kernel, pinned by passing its table config), or None where the
-    dispatcher runs it anyway (not Hopper, another Triton, TRITONATTN_SM90=0)."""
-    call = attention_call(D, None, True, seqlen_k=max_len, batch=cu.numel() - 1, nheads=H, device=q.device)
-    target = device_target(q.device)
-    if prefill_fwd_sm90_config(call.options, q.dtype, max_len, target) is None:
-        return None
-    config = prefill_fwd_config(call.options.head_dim_pad, q.dtype, True, target)
-    return functools.partial(launch_varlen, q, k, v, cu, cu, max_len, max_len, call.options, config,
-                             tensors=call.tensors)
+def _portable(fn):
+    """fn run as the dispatcher runs it with Hopper's warp-specialized kernel switched off (TRITONATTN_SM90=0,
+    read per call): the portable kernel (fwd_kernel) on the same call."""
+    def run():
+        before = os.environ.get("TRITONATTN_SM90")
+        os.environ["TRITONATTN_SM90"] = "0"
+        try:
+            return fn()
+        finally:
+            if before is None:
+                del os.environ["TRITONATTN_SM90"]
+            else:
+                os.environ["TRITONATTN_SM90"] = before
+
+    return run
+
+
+def _takes_hopper(q, max_len, cache=False) -> bool:
+    call = attention_call(D, None, True, seqlen_k=max_len, batch=1, nheads=H, device=q.device)
+    return prefill_fwd_sm90_config(call.options, q.dtype, max_len, device_target(q.device), cache) is not None
 
 
 def varlen_cases(dtype):
@@ -67,9 +77,8 @@ def varlen_cases(dtype):
     packed = functools.partial(flash_attn_varlen_func, q, k, v, cu, cu, max(RAGGED), max(RAGGED), causal=True)
     yield "dense", dense, flops, reference
     yield "varlen", [packed], flops, packed()
-    portable = _portable_varlen(q, k, v, cu, max(RAGGED))
-    if portable is not None:
-        yield "varlen portable", [portable], flops, portable()[0]
+    if _takes_hopper(q, max(RAGGED)):
+        yield "varlen portable", [_portable(packed)], flops, _portable(packed)()
 
 
 def chunked_cases(dtype):
@@ -94,6 +103,9 @@ def chunked_cases(dtype):
     yield "dense", [dense], flops, dense()
     yield "kvcache", [kvcache], flops, kvcache()
     yield "kvcache paged", [paged], flops, paged()
+    if _takes_hopper(q, capacity, cache=True):
+        yield "kvcache portable", [_portable(kvcache)], flops, _portable(kvcache)()
+        yield "kvcache paged portable", [_portable(paged)], flops, _portable(paged)()
 
 
 def measure(*, rounds: int = 3, rep: int = 30, verbose: bool = True) -> list:

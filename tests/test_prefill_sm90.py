@@ -168,6 +168,109 @@ def test_sm90_varlen_launch_compiles_for_hopper(causal):
     assert launched == []
 
 
+def _stale_pool(k_dense, v_dense, page_size):
+    """Dense (B, capacity, H_KV, D) caches scattered into a shuffled pool of pages through a random block table,
+    the pool's other pages all NaN."""
+    batch, capacity = k_dense.shape[:2]
+    blocks = capacity // page_size
+    perm = torch.randperm(batch * blocks + 2, device="cuda")[: batch * blocks]
+    table = perm.view(batch, blocks).to(torch.int32)
+    pools = []
+    for dense in (k_dense, v_dense):
+        pool = torch.full((batch * blocks + 2, page_size, *dense.shape[2:]), float("nan"), dtype=dense.dtype,
+                          device="cuda")
+        pool[perm] = dense.reshape(batch * blocks, page_size, *dense.shape[2:])
+        pools.append(pool)
+    return pools[0], pools[1], table
+
+
+@needs_hopper
+@pytest.mark.parametrize("variant", ["plain", "softcap", "alibi", "sinks"])
+@pytest.mark.parametrize("page_size", [None, 256, 128], ids=["dense", "page256", "page128"])
+@pytest.mark.parametrize("append", [False, True], ids=["cached", "append"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_chunked_prefill_takes_the_hopper_kernel_past_stale_rows(dtype, causal, append, page_size, variant,
+                                                                  monkeypatch):
+    """flash_attn_with_kvcache's chunked prefill runs the Hopper kernel over a dense cache or a paged pool (page
+    size a multiple of its key block) and matches the reference per request, though every cache row past a
+    request's keys is NaN: a dense cache's descriptors stop at its keys, and a pool's last page (partly
+    filled here: lengths that are not multiples of 128) is read through a descriptor of its valid rows."""
+    import tritonattn.launch.sm90 as sm90
+    from tritonattn import flash_attn_with_kvcache
+    from tritonattn.testing import per_request_references
+
+    batch, chunk, capacity, nheads, nheads_k = 3, 512, 3072, 8, 2
+    lengths = [0, 1000, capacity - chunk - 37]
+    torch.manual_seed(4)
+    q = torch.randn(batch, chunk, nheads, 128, device="cuda", dtype=dtype)
+    k_cache, v_cache = (torch.randn(batch, capacity, nheads_k, 128, device="cuda", dtype=dtype) for _ in range(2))
+    k, v = (torch.randn(batch, chunk, nheads_k, 128, device="cuda", dtype=dtype) if append else None for _ in range(2))
+    kw = dict(VARIANTS[variant])
+    if kw.pop("alibi_slopes", False):
+        kw["alibi_slopes"] = torch.rand(batch, nheads, device="cuda") * 0.3
+    if kw.pop("sinks", False):
+        kw["sinks"] = torch.randn(nheads, device="cuda")
+    ref, ref_lse, same = per_request_references(q, k_cache, v_cache, k, v, lengths, causal=causal, **kw)
+    for b, n in enumerate(lengths):  # rows the call must not read (past the appended keys too)
+        k_cache[b, n + (chunk if append else 0):] = float("nan")
+        v_cache[b, n + (chunk if append else 0):] = float("nan")
+    table = None
+    if page_size is not None:
+        k_cache, v_cache, table = _stale_pool(k_cache, v_cache, page_size)
+    calls = []
+    monkeypatch.setattr(sm90, "forward", lambda *a, _f=sm90.forward: calls.append(1) or _f(*a))
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, block_table=table,
+                                       causal=causal, return_softmax_lse=True, **kw)
+    assert calls == [1], "the call did not take the Hopper kernel"
+    assert torch.isfinite(out).all(), "a stale row reached the output"
+    assert_close_to_ref(out, ref, same, msg=variant)
+    assert_lse_close(lse, ref_lse, dtype, msg=variant)
+
+
+@pytest.mark.skipif(not gluon_sm90_available(), reason="this Triton's Gluon lacks the Hopper API the kernel uses")
+@pytest.mark.parametrize("page_size", [None, 256], ids=["dense", "paged"])
+@pytest.mark.parametrize("append", [False, True], ids=["cached", "append"])
+def test_sm90_cache_launch_compiles_for_hopper(append, page_size):
+    """Without a GPU: chunked prefill planned for an H100 records the Hopper kernel in its cache mode, which
+    compiles for sm_90 within its shared memory; a window, left padding, an FP8 cache or pages smaller than
+    its key block keep the portable kernel."""
+    from tritonattn.launch.prefill import launch_cache_prefill
+
+    dev = "cuda" if ON_GPU else "cpu"
+    batch, chunk, capacity = 2, 1024, 4096
+    q = torch.empty(batch, chunk, 8, 128, dtype=torch.bfloat16, device=dev)
+    if page_size is None:
+        k = torch.empty(batch, capacity, 2, 128, dtype=torch.bfloat16, device=dev)
+        table = None
+    else:
+        k = torch.empty(batch * capacity // page_size, page_size, 2, 128, dtype=torch.bfloat16, device=dev)
+        table = torch.arange(batch * capacity // page_size, dtype=torch.int32, device=dev).view(batch, -1)
+    lens = torch.full((batch,), 1000, dtype=torch.int32, device=dev)
+
+    def kernels_of(options, **kw):
+        with recording(TARGETS["H100"]) as records:
+            launch_cache_prefill(q, k, k, lens, chunk if append else 0, table, options, **kw)
+        return records
+
+    (record,) = kernels_of(attn_options(128, None, True))
+    spec = cross_compile.spec_of(record, 90)
+    assert spec["name"] == "fwd_kernel_sm90_ws" and spec["constexprs"]["IS_KVCACHE"] is True
+    assert spec["constexprs"]["PAGED"] is (page_size is not None) and spec["constexprs"]["KV_APPEND"] is append
+    (result,) = cross_compile.shared_bytes([spec])
+    assert "error" not in result, result["error"][:2000]
+    assert result["shared"] <= TARGETS["H100"].smem_per_block
+    portable = [kernels_of(attn_options(128, None, True, (256, 0))),
+                kernels_of(attn_options(128, None, True), cache_leftpad=torch.zeros_like(lens))]
+    assert all(getattr(r.fn, "fn", r.fn).__name__ == "fwd_kernel" for records in portable for r in records)
+    if page_size is not None:
+        small, small_table = k.view(-1, 64, 2, 128), table.repeat_interleave(4, 1) * 4  # pages of 64 keys
+        with recording(TARGETS["H100"]) as records:
+            launch_cache_prefill(q, small, small, lens, 0, small_table, attn_options(128, None, True))
+        assert [getattr(r.fn, "fn", r.fn).__name__ for r in records] == ["fwd_kernel"]
+
+
 @needs_hopper
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_public_function_takes_the_hopper_kernel_and_agrees(causal, monkeypatch):
@@ -230,12 +333,17 @@ def test_rule_picks_hopper_dense_head_dim_128_long_rows():
     for card in ("A100", "L4", "T4"):
         assert prefill_fwd_sm90_config(full, torch.bfloat16, 4096, TARGETS[card]) is None
     assert prefill_fwd_sm90_config(full, torch.bfloat16, 4096, None) is None  # the interpreter
+    # chunked prefill over a cache (capacity as the key count): 16-bit, no window, no FP8 cache
+    assert (prefill_fwd_sm90_config(causal, torch.bfloat16, 4096, h100, cache=True) is not None) == expected
+    assert prefill_fwd_sm90_config(attn_options(128, None, True, (256, 0)), torch.bfloat16, 4096, h100, True) is None
+    assert prefill_fwd_sm90_config(attn_options(128, None, True, kv_fp8=True), torch.bfloat16, 4096, h100, True) is None
+    assert prefill_fwd_sm90_config(causal, torch.float8_e4m3fn, 4096, h100, cache=True) is None
 
 
 @pytest.mark.skipif(not gluon_sm90_available(), reason="this Triton's Gluon lacks the Hopper API the kernel uses")
 def test_dense_and_packed_calls_without_dropout_reach_the_hopper_kernel():
-    """Planned for an H100: a long dense or packed 16-bit call records the Hopper kernel; short keys, dropout,
-    a packed FP8 call and a KV cache record the portable one."""
+    """Planned for an H100: a long dense or packed 16-bit call records the Hopper kernel; short keys, dropout
+    and a short KV-cache call (the decode kernel's) record the portable ones."""
     from tritonattn import flash_attn_varlen_func, flash_attn_with_kvcache
 
     def kernels_of(fn):

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from .hardware import PDL, Target, has_tma, sm90_switch
-from .options import AttnOptions
+from .options import KV_FP8_DTYPES, AttnOptions
 
 HOPPER_SMEM = 200 * 1024  # a device with at least this much smem per block gets the big-tile table
 
@@ -110,12 +110,15 @@ def gluon_sm90_available() -> bool:
 
 
 def prefill_fwd_sm90_config(options: AttnOptions, dtype: torch.dtype, seqlen_k: int,
-                            target: Optional[Target]) -> Optional[AttnConfig]:
-    """The warp-specialized Hopper forward's config for a dense call without dropout whose tensors
-    descriptors can address, or None where fwd_kernel is chosen (see SM90_WS_FWD)."""
+                            target: Optional[Target], cache: bool = False) -> Optional[AttnConfig]:
+    """The warp-specialized Hopper forward's config for a call without dropout whose tensors descriptors can
+    address (dense or packed; with `cache`, chunked prefill over a KV cache of capacity seqlen_k: 16-bit, no
+    window), or None where fwd_kernel is chosen (see SM90_WS_FWD)."""
     if target is None or target.capability[0] != 9 or target.smem_per_block < HOPPER_SMEM:
         return None
     if options.head_dim != 128 or options.head_dim_pad != 128 or dtype not in SM90_WS_DTYPES:
+        return None
+    if cache and (options.has_window or options.kv_fp8 or dtype in KV_FP8_DTYPES):
         return None
     if seqlen_k < SM90_WS_MIN_KEYS[options.causal] or not sm90_switch():
         return None

@@ -424,6 +424,16 @@ def kv_block_offsets(blocks, start_n, offs_n, stride_b, stride_n, PAGE_SIZE: tl.
 
 
 @triton.jit
+def page_row(Table, start_n, n_rows, NUM_BLOCKS, PAGE_SIZE: tl.constexpr):
+    """Row of the [NUM_BLOCKS * P, D] pool view where the key block starting at logical row start_n
+    begins (P a multiple of BLOCK_N: the block lies in one page). Entries at or past n_rows are not
+    read (block 0 instead) and every entry is clamped into the pool."""
+    block = tl.load(Table + start_n // PAGE_SIZE, mask=start_n < n_rows, other=0)
+    block = tl.minimum(tl.maximum(block, 0), NUM_BLOCKS - 1)
+    return block * PAGE_SIZE + start_n % PAGE_SIZE
+
+
+@triton.jit
 def physical_blocks(Table, start_n, rows, n_rows, NUM_BLOCKS, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
     """Physical blocks holding the logical rows `rows` = start_n + [0, BLOCK_N) of one request, whose
     block-table row starts at `Table`; table entries that no row below n_rows needs are not read (0

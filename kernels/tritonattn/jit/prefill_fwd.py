@@ -114,6 +114,7 @@ from .common import (
     load_rows,
     mask_scores,
     online_softmax,
+    page_row,
     physical_blocks,
     probs_for_values,
     query_block,
@@ -129,16 +130,6 @@ from .common import (
 # ============================================================================================
 # Forward kernel
 # ============================================================================================
-@triton.jit
-def page_row(Table, start_n, n_rows, NUM_BLOCKS, PAGE_SIZE: tl.constexpr):
-    """Row of the [NUM_BLOCKS * P, D] pool view where the key block starting at logical row start_n
-    begins (P a multiple of BLOCK_N: the block lies in one page). Entries at or past n_rows are not
-    read (block 0 instead) and every entry is clamped into the pool."""
-    block = tl.load(Table + start_n // PAGE_SIZE, mask=start_n < n_rows, other=0)
-    block = tl.minimum(tl.maximum(block, 0), NUM_BLOCKS - 1)
-    return block * PAGE_SIZE + start_n % PAGE_SIZE
-
-
 @triton.jit
 def fwd_inner(
     acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, lo, hi, whole_lo, whole_hi,

@@ -44,6 +44,7 @@ from .common import (
     finalize,
     key_range,
     kv_descales,
+    page_row,
     query_block,
     score_units,
     sequence_keys,
@@ -76,23 +77,38 @@ def _smem_layout(rows, cols, dtype):
 
 
 @gluon.jit
-def _ws_loader(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_lo, n_blocks,
-               BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, V_KEYS_INNER: gl.constexpr):
+def _ws_loader(k_desc, v_desc, v_tail_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_lo, n_blocks,
+               table, n_tail, n_end, NUM_BLOCKS, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+               V_KEYS_INNER: gl.constexpr, PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr):
     """One warp: streams K_j, V_j into the ring as slots free up (both consumers release each slot).
-    V_KEYS_INNER: V comes as [head_dim, keys] (the FP8 forward), so block j is the column block at start_n."""
+    V_KEYS_INNER: V comes as [head_dim, keys] (the FP8 forward), so block j is the column block at start_n.
+    PAGED: K and V are pools of pages (`fwd_kernel_sm90_ws`); block j's pool row is looked up in `table` one
+    block ahead, and V's blocks from logical row n_tail on (the last page) come through v_tail_desc."""
+    if PAGED:
+        next_row = page_row(table, n_lo, n_end, NUM_BLOCKS, PAGE_SIZE)
     for j in range(n_blocks):
         slot = j % NUM_STAGES
         phase = (j // NUM_STAGES) & 1
         start_n = n_lo + j * BLOCK_N
+        if PAGED:
+            row = next_row
+            next_row = page_row(table, start_n + BLOCK_N, n_end, NUM_BLOCKS, PAGE_SIZE)
+        else:
+            row = start_n
         mbarrier.wait(k_empty.index(slot), phase ^ 1)  # a fresh barrier counts as released (phase 1)
         mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma_load(k_desc, [start_n, 0], k_ready.index(slot), k_smem.index(slot))
+        tma_load(k_desc, [row, 0], k_ready.index(slot), k_smem.index(slot))
         mbarrier.wait(v_empty.index(slot), phase ^ 1)
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
         if V_KEYS_INNER:
             tma_load(v_desc, [0, start_n], v_ready.index(slot), v_smem.index(slot))
+        elif PAGED:
+            if start_n >= n_tail:  # the last page: rows past the request's keys load as zeros
+                tma_load(v_tail_desc, [start_n - n_tail, 0], v_ready.index(slot), v_smem.index(slot))
+            else:
+                tma_load(v_desc, [row, 0], v_ready.index(slot), v_smem.index(slot))
         else:
-            tma_load(v_desc, [start_n, 0], v_ready.index(slot), v_smem.index(slot))
+            tma_load(v_desc, [row, 0], v_ready.index(slot), v_smem.index(slot))
 
 
 @gluon.jit
@@ -250,6 +266,8 @@ def fwd_kernel_sm90_ws(
     HAS_TREE: gl.constexpr = False,  # decode's: never on here
     Alibi=None, stride_alibi_b=None, Sinks=None, Seqused_k=None,
     Cu_seqlens_q=None, Cu_seqlens_k=None, stride_lseh=None, IS_VARLEN: gl.constexpr = False,
+    Cache_seqlens=None, N_NEW=None, IS_KVCACHE: gl.constexpr = False, KV_APPEND: gl.constexpr = False,
+    Block_table=None, stride_btb=None, NUM_BLOCKS=None, PAGED: gl.constexpr = False, PAGE_SIZE: gl.constexpr = 1,
     K_descale=None, stride_kds=None, stride_kdh=None, V_descale=None, stride_vds=None, stride_vdh=None,
     Q_descale=None, stride_qds=None, stride_qdh=None,  # the FP8 forward's, (batch, nheads_k) float32
     NUM_STAGES: gl.constexpr = 2,
@@ -265,7 +283,16 @@ def fwd_kernel_sm90_ws(
     jit/prefill_fwd.py): batch strides 0, M and N the longest lengths, each program reading its sequence's
     bounds from Cu_seqlens_q / Cu_seqlens_k (and Seqused_k); the descriptors span that sequence's rows only,
     so a tile past its end loads zeros and stores nothing, and Lse is (H, total_q) with head stride
-    stride_lseh."""
+    stride_lseh.
+
+    IS_KVCACHE (16-bit, dense queries, no window): chunked prefill over a KV cache as fwd_kernel takes it
+    ([Note] Chunked prefill over a cache in jit/prefill_fwd.py): N is the capacity per request and request b
+    sees its first Cache_seqlens[b] keys (clamped to N; plus N_NEW with KV_APPEND), the queries aligned to
+    the last M of them. A dense cache's descriptors span those keys. A paged pool (PAGED: NUM_BLOCKS pages of
+    PAGE_SIZE rows, a multiple of BLOCK_N, evenly spaced; batch strides 0) is one descriptor of NUM_BLOCKS *
+    PAGE_SIZE rows whose blocks the loader finds through Block_table; the rows of the last page past the
+    request's keys hold stale data (possibly NaN bit patterns, and 0 * NaN would poison the output), so V's
+    blocks in that page come through a descriptor of its valid rows only, which loads zeros past them."""
     ROWS: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = Q.dtype.element_ty
     FP8: gl.constexpr = dtype == gl.float8e4nv
@@ -274,6 +301,8 @@ def fwd_kernel_sm90_ws(
     gl.static_assert(not HAS_TREE, "a tree mask is decode's")
     gl.static_assert(IS_VARLEN or not HAS_SEQUSED_K, "seqused_k counts the keys of packed sequences")
     gl.static_assert(not (IS_VARLEN and FP8), "the FP8 forward's V copy is per dense batch entry")
+    gl.static_assert(not IS_KVCACHE or not (IS_VARLEN or FP8 or HAS_WINDOW), "a cache: dense 16-bit, no window")
+    gl.static_assert(IS_KVCACHE or not PAGED, "pages are a cache's")
     gl.static_assert(gl.num_warps() == 4, "the default partition is one consumer warpgroup")
     q_smem_layout: gl.constexpr = _smem_layout(ROWS, HEAD_DIM, dtype)
     kv_smem_layout: gl.constexpr = _smem_layout(BLOCK_N, HEAD_DIM, dtype)
@@ -294,18 +323,45 @@ def fwd_kernel_sm90_ws(
         V += k_start.to(gl.int64) * stride_vn
         Out += q_start.to(gl.int64) * stride_om
         Lse += off_h.to(gl.int64) * stride_lseh + q_start  # this head's and sequence's first row
+    if IS_KVCACHE:  # K/V are a cache: N is its capacity, the request's key count lives on the device
+        n_cached = gl.minimum(gl.maximum(gl.load(Cache_seqlens + off_b), 0), N)
+        if KV_APPEND:  # N_NEW new keys were appended at [n_cached, n_cached + N_NEW) just before
+            N = gl.minimum(n_cached + N_NEW, N)
+        else:
+            N = n_cached
     q_desc = tma.make_tensor_descriptor(Q + off_b * stride_qb + off_h.to(gl.int64) * stride_qh, [M, HEAD_DIM],
                                         [stride_qm, 1], [ROWS, HEAD_DIM], q_smem_layout)
-    k_desc = tma.make_tensor_descriptor(K + off_b * stride_kb + off_hk * stride_kh, [N, HEAD_DIM],
-                                        [stride_kn, 1], [BLOCK_N, HEAD_DIM], kv_smem_layout)
+    if PAGED:  # the whole pool as rows; V's last page (from logical row n_tail) through its own descriptor
+        table = Block_table + off_b * stride_btb
+        num_blocks = NUM_BLOCKS
+        pool_rows = NUM_BLOCKS * PAGE_SIZE
+        k_desc = tma.make_tensor_descriptor(K + off_hk * stride_kh, [pool_rows, HEAD_DIM], [stride_kn, 1],
+                                            [BLOCK_N, HEAD_DIM], kv_smem_layout)
+        n_tail = gl.maximum(N - 1, 0) // PAGE_SIZE * PAGE_SIZE
+        tail_row = page_row(table, n_tail, N, NUM_BLOCKS, PAGE_SIZE)
+        v_tail_desc = tma.make_tensor_descriptor(V + off_hk * stride_vh + tail_row.to(gl.int64) * stride_vn,
+                                                 [gl.maximum(N - n_tail, 1), HEAD_DIM], [stride_vn, 1],
+                                                 [BLOCK_N, HEAD_DIM], kv_smem_layout)
+    else:  # the loader's paging arguments, unused
+        table = Lse
+        num_blocks = 1
+        n_tail = N
+        k_desc = tma.make_tensor_descriptor(K + off_b * stride_kb + off_hk * stride_kh, [N, HEAD_DIM],
+                                            [stride_kn, 1], [BLOCK_N, HEAD_DIM], kv_smem_layout)
     if FP8:  # V as launch/sm90.py `fp8_values` lays it out: [HEAD_DIM, N rounded up to 16], tiles [HEAD_DIM, BLOCK_N]
         v_tile: gl.constexpr = [HEAD_DIM, BLOCK_N]
         v_desc = tma.make_tensor_descriptor(V + off_b * stride_vb + off_hk * stride_vh, [HEAD_DIM, gl.cdiv(N, 16) * 16],
                                             [stride_vn, 1], v_tile, _smem_layout(HEAD_DIM, BLOCK_N, dtype))
+    elif PAGED:
+        v_tile: gl.constexpr = [BLOCK_N, HEAD_DIM]
+        v_desc = tma.make_tensor_descriptor(V + off_hk * stride_vh, [pool_rows, HEAD_DIM], [stride_vn, 1], v_tile,
+                                            kv_smem_layout)
     else:
         v_tile: gl.constexpr = [BLOCK_N, HEAD_DIM]
         v_desc = tma.make_tensor_descriptor(V + off_b * stride_vb + off_hk * stride_vh, [N, HEAD_DIM],
                                             [stride_vn, 1], v_tile, kv_smem_layout)
+    if not PAGED:
+        v_tail_desc = v_desc
     o_dtype: gl.constexpr = Out.dtype.element_ty
     o_smem_layout: gl.constexpr = _smem_layout(ROWS, HEAD_DIM, o_dtype)
     o_desc = tma.make_tensor_descriptor(Out + off_b * stride_ob + off_h.to(gl.int64) * stride_oh, [M, HEAD_DIM],
@@ -353,6 +409,6 @@ def fwd_kernel_sm90_ws(
                         n_full, n_end, n_blocks, diag, left, right, qk_scale, cap_scale, unit, v_scale, HEAD_DIM,
                         ROWS, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_SINKS,
                         IS_VARLEN)),
-        (_ws_loader, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_lo, n_blocks, BLOCK_N,
-                      NUM_STAGES, FP8)),
+        (_ws_loader, (k_desc, v_desc, v_tail_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_lo,
+                      n_blocks, table, n_tail, n_end, num_blocks, BLOCK_N, NUM_STAGES, FP8, PAGED, PAGE_SIZE)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

@@ -159,12 +159,13 @@ def _sm90_plan(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, options: Att
 
 
 def _launch_sm90(q, k, v, out, lse, options: AttnOptions, config: AttnConfig, tensors: Optional[dict],
-                 varlen: Optional[Tuple[torch.Tensor, torch.Tensor, int, int]] = None) -> None:
+                 varlen=None, cache=None) -> None:
+    """`launch.sm90.forward` (its `varlen` and `cache` arguments) with q's device current."""
     from .sm90 import forward as sm90_forward  # Gluon, imported only where it runs
 
     ensure_tma_allocator()
     with on_device(q):
-        sm90_forward(q, k, v, out, lse, options, config, tensors, varlen)
+        sm90_forward(q, k, v, out, lse, options, config, tensors, varlen, cache)
 
 
 def out_dtype(q: torch.Tensor) -> torch.dtype:
@@ -205,6 +206,7 @@ def launch_cache_prefill(
     (tritonattn.launch.decode does it; its `launch_key` holds the inputs' signature and alignment, see
     launch_forward); returns (out (B, M, H, D), lse (B, H, M) float32)."""
     batch, seqlen_q, nheads, head_dim = q.shape
+    chosen = config is None  # a caller's config pins fwd_kernel
     target, config, planned = _forward_plan(q, options, config, k_cache, v_cache)  # q and out follow the cache
     out = empty_aligned((batch, seqlen_q, nheads, head_dim), q.dtype, q.device, aligned=planned)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
@@ -214,6 +216,13 @@ def launch_cache_prefill(
     (q,) = aligned_operands(planned, q)
     # an FP8 cache is read through pointers: descriptors are planned for 2-byte tiles
     use_tma = tma_usable(config.use_tma, target, q, k_cache, v_cache, out) and not options.kv_fp8
+    if chosen and use_tma and cache_leftpad is None:  # Hopper's kernel, where its rule and the pool allow
+        capacity = k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
+        sm90 = prefill_fwd_sm90_config(options, q.dtype, capacity, target, cache=True)
+        if sm90 is not None and (block_table is None or pool_in_blocks(k_cache, v_cache, sm90.block_n)):
+            _launch_sm90(q, k_cache, v_cache, out, lse, options, sm90, tensors, cache=(cache_seqlens, seqlen_new,
+                                                                                        block_table))
+            return out, lse
     cache_args = dict(Cache_seqlens=cache_seqlens, IS_KVCACHE=True, KV_APPEND=seqlen_new > 0, **(tensors or {}))
     if seqlen_new:
         cache_args["N_NEW"] = seqlen_new
@@ -232,13 +241,18 @@ def launch_cache_prefill(
     return out, lse
 
 
+def pool_in_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> bool:
+    """Whether descriptors can see a paged pool (NUM_BLOCKS, P, H_KV, D) as [NUM_BLOCKS * P, D] rows of whole
+    key blocks: P a multiple of block_n, and the rows evenly spaced (pages P rows apart)."""
+    page_size = k_cache.shape[1]
+    return page_size % block_n == 0 and all(t.stride(0) == page_size * t.stride(1) for t in (k_cache, v_cache))
+
+
 def paged_pool_args(k_cache, v_cache, block_table, config: AttnConfig, use_tma: bool):
     """The forward's cache-mode arguments of a paged pool (NUM_BLOCKS, P, H_KV, D) read through block_table:
     (capacity per request, use_tma, (k, v) (batch, row, head) strides, kernel arguments)."""
     num_blocks, page_size = k_cache.shape[0], k_cache.shape[1]
-    # descriptors see the pool as [NUM_BLOCKS * P, D] rows: whole key blocks per page, rows evenly spaced
-    use_tma = use_tma and page_size % config.block_n == 0 and all(
-        t.stride(0) == page_size * t.stride(1) for t in (k_cache, v_cache))
+    use_tma = use_tma and pool_in_blocks(k_cache, v_cache, config.block_n)
     strides = (0, *k_cache.stride()[1:3]), (0, *v_cache.stride()[1:3])  # no batch offset
     args = dict(Block_table=block_table, stride_btb=block_table.stride(0), NUM_BLOCKS=num_blocks,
                 stride_kblk=k_cache.stride(0), stride_vblk=v_cache.stride(0), PAGED=True, PAGE_SIZE=page_size,

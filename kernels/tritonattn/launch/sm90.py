@@ -35,14 +35,33 @@ def fp8_values(v: torch.Tensor) -> torch.Tensor:
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
             options: AttnOptions, config: AttnConfig, tensors: Optional[dict] = None,
-            varlen: Optional[Tuple[torch.Tensor, torch.Tensor, int, int]] = None) -> None:
+            varlen: Optional[Tuple[torch.Tensor, torch.Tensor, int, int]] = None,
+            cache: Optional[Tuple[torch.Tensor, int, Optional[torch.Tensor]]] = None) -> None:
     """Launch the warp-specialized forward on tensors whose rows TMA can address, writing out and lse; `tensors`
     as `AttnCall.tensors`. Dense: (batch, seqlen, heads, D) tensors, lse (batch, nheads, seqlen_q) float32.
     Packed (`varlen` = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), 16-bit only): (total, heads,
-    D) tensors, lse (nheads, total_q). The caller checks the call is one `config.tables.prefill_fwd_sm90_config`
-    gives a config for."""
+    D) tensors, lse (nheads, total_q). Chunked prefill (`cache` = (cache_seqlens, seqlen_new, block_table), as
+    `launch.prefill.launch_cache_prefill` takes them; 16-bit, no window): k and v are the cache, dense (batch,
+    capacity, heads_k, D) or, with a block table, a pool (num_blocks, page_size, heads_k, D) whose page size is a
+    multiple of config.block_n and whose pages are evenly spaced. The caller checks the call is one
+    `config.tables.prefill_fwd_sm90_config` gives a config for."""
     nheads, nheads_k = q.shape[-2], k.shape[-2]
-    if varlen is None:
+    if cache is not None:
+        batch, seqlen_q = q.shape[0], q.shape[1]
+        strides = [t.stride()[:3] for t in (q, k, v, out)]
+        cache_seqlens, seqlen_new, block_table = cache
+        extra = dict(Cache_seqlens=cache_seqlens, IS_KVCACHE=True, KV_APPEND=seqlen_new > 0)
+        if seqlen_new:
+            extra["N_NEW"] = seqlen_new
+        if block_table is None:
+            seqlen_k = k.shape[1]
+        else:  # the pool as rows: no batch offset
+            num_blocks, page_size = k.shape[0], k.shape[1]
+            seqlen_k = block_table.shape[1] * page_size
+            strides[1], strides[2] = (0, *k.stride()[1:3]), (0, *v.stride()[1:3])
+            extra.update(Block_table=block_table, stride_btb=block_table.stride(0), NUM_BLOCKS=num_blocks, PAGED=True,
+                         PAGE_SIZE=page_size)
+    elif varlen is None:
         batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
         strides = [t.stride()[:3] for t in (q, k, v, out)]
         extra = {}
