@@ -200,7 +200,7 @@ def test_chunked_prefill_takes_the_hopper_kernel_past_stale_rows(dtype, causal, 
     from tritonattn import flash_attn_with_kvcache
     from tritonattn.testing import per_request_references
 
-    batch, chunk, capacity, nheads, nheads_k = 3, 512, 3072, 8, 2
+    batch, chunk, capacity, nheads, nheads_k = 3, 512, 3072, 16, 4  # a grid that fills the SMs: the prefill path
     lengths = [0, 1000, capacity - chunk - 37]
     torch.manual_seed(4)
     q = torch.randn(batch, chunk, nheads, 128, device="cuda", dtype=dtype)
