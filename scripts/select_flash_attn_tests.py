@@ -59,10 +59,14 @@ from fetch_flash_attn_tests import upstream_commit  # noqa: E402
 
 HOPPER_OUT = UPSTREAM_DIR / "selected_hopper_forward.txt"
 # The upstream functions whose bodies call the dense forward (flash_attn_func, its kvpacked and qkvpacked
-# forms): the only calls the Hopper forward can take (varlen and the KV cache never do).
+# forms) and the packed one (flash_attn_varlen_func and its forms) on ragged (total, heads, D) tensors. The
+# KV-cache test never reaches the Hopper forward: its chunks (at most 128 queries, batch 2, 6 heads) are too
+# few programs for the prefill path, so flash_attn_with_kvcache runs the decode kernel.
 DENSE_FORWARD = ("test_flash_attn_qkvpacked", "test_flash_attn_output", "test_flash_attn_causal",
                  "test_flash_attn_splitkv", "test_flash_attn_race_condition", "test_flash_attn_bwd_overflow",
                  "test_flash_attn_bwd_transpose", "test_flash_attn_deterministic")
+VARLEN_FORWARD = ("test_flash_attn_varlen_qkvpacked", "test_flash_attn_varlen_output",
+                  "test_flash_attn_varlen_causal", "test_flash_attn_varlen_deterministic")
 
 # Conditions under which the upstream test body calls pytest.skip() itself (read from the file):
 # such cases would only spend the budget.
@@ -207,19 +211,24 @@ def sample(name: str, cases: List[Case], budget: int, seed: int) -> List[Case]:
 
 def takes_hopper_forward(name: str, params: Mapping) -> bool:
     """Whether the dispatcher gives this case's forward to Hopper's warp-specialized kernel on an H100:
-    a dense call without dropout, judged by tritonattn.config.tables.prefill_fwd_sm90_config itself (head dim,
-    dtype, key count against the causal or full threshold). A window, softcap or ALiBi does not matter."""
+    a dense or packed call without dropout (packed over a paged K/V keeps the portable kernel), judged by
+    tritonattn.config.tables.prefill_fwd_sm90_config itself (head dim, dtype, key count against the causal or
+    full threshold). A window, softcap or ALiBi does not matter. A packed case is judged at its seqlen_k, the
+    longest its random lengths can be (upstream draws each from the 20 below it), so at the threshold its
+    forward may run the portable kernel instead."""
     from tritonattn.config.hardware import TARGETS
     from tritonattn.config.options import attn_options
     from tritonattn.config.tables import prefill_fwd_sm90_config
 
-    if name not in DENSE_FORWARD or params.get("dropout_p", 0.0) > 0:
+    if name not in DENSE_FORWARD + VARLEN_FORWARD or params.get("dropout_p", 0.0) > 0:
+        return False
+    if params.get("paged_kv_block_size") is not None:
         return False
     if "seqlen" in params:
         seqlen_k = params["seqlen"]
     else:  # these bodies swap the pair when swap_sq_sk is set
         seqlen_k = params["seqlen_q"] if params.get("swap_sq_sk") else params["seqlen_k"]
-    causal = params.get("causal", name == "test_flash_attn_causal")  # test_flash_attn_causal is always causal
+    causal = params.get("causal", name in ("test_flash_attn_causal", "test_flash_attn_varlen_causal"))  # always
     options = attn_options(params["d"], causal=causal)
     return prefill_fwd_sm90_config(options, params["dtype"], seqlen_k, TARGETS["H100"]) is not None
 
@@ -250,8 +259,8 @@ def write_hopper_forward(cases: Mapping[str, List[Case]], groups: Mapping[str, L
     total = sum(not line.startswith("#") for line in lines)
     shown = out.relative_to(REPO_ROOT) if out.is_relative_to(REPO_ROOT) else out
     write_selection(out, vendor, [
-        f"# all {total} cases whose forward takes Hopper's warp-specialized kernel (dense, no dropout, the",
-        "# dispatcher's rule for an H100) and that no skip entry applies to; made by",
+        f"# all {total} cases whose forward takes Hopper's warp-specialized kernel (dense or packed, no dropout,",
+        "# the dispatcher's rule for an H100) and that no skip entry applies to; made by",
         "# scripts/select_flash_attn_tests.py --hopper-forward (do not edit by hand). Run on an H100/H200:",
         f"# python -m pytest tests/upstream -n 8 -p no:cacheprovider -q --selected {shown}",
     ], lines)

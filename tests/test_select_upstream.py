@@ -40,7 +40,14 @@ def test_hopper_forward_cases_follow_the_dispatcher_rule(select):
     assert not takes("test_flash_attn_output", dict(base, d=64))
     assert not takes("test_flash_attn_output", dict(base, d=111))  # padded to 128, not 128 itself
     assert not takes("test_flash_attn_output", dict(base, dropout_p=0.17))
-    assert not takes("test_flash_attn_varlen_output", base)  # varlen never takes it
+    # packed sequences take it, not over a paged K/V; the KV-cache test's chunks stay on the decode kernel
+    assert takes("test_flash_attn_varlen_output", base)
+    assert not takes("test_flash_attn_varlen_output", dict(base, dropout_p=0.17))
+    assert not takes("test_flash_attn_varlen_causal", dict(base, paged_kv_block_size=256, seqlen_k=causal))
+    assert takes("test_flash_attn_varlen_causal", dict(d=128, dtype=torch.float16, seqlen_q=causal, seqlen_k=causal,
+                                                        swap_sq_sk=False, paged_kv_block_size=None))
+    assert not takes("test_flash_attn_varlen_causal", dict(d=128, dtype=torch.float16, seqlen_q=full, seqlen_k=full,
+                                                            swap_sq_sk=False, paged_kv_block_size=None))
     assert not takes("test_flash_attn_kvcache", base)
     # qkvpacked has one seqlen; test_flash_attn_causal has no causal parameter and is always causal
     assert takes("test_flash_attn_qkvpacked", dict(d=128, dtype=torch.float16, dropout_p=0.0, causal=False,
