@@ -1,5 +1,5 @@
-"""The dense prefill forward for Hopper (sm_90), written in Gluon (Triton's tile-level dialect), as
-FlashAttention-3 schedules it.
+"""The prefill forward for Hopper (sm_90), written in Gluon (Triton's tile-level dialect), as FlashAttention-3
+schedules it: dense, packed sequences, and a chunk over a dense or paged KV cache.
 
 Triton's block-level compiler waits for each warpgroup MMA right before the softmax that follows it, so in
 `jit.prefill_fwd.fwd_kernel` the tensor cores idle while a block's softmax runs, and Triton 3.6's automatic
