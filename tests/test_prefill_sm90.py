@@ -368,3 +368,76 @@ def test_dense_and_packed_calls_without_dropout_reach_the_hopper_kernel():
     assert "fwd_kernel" in packed_dropout and "fwd_kernel_sm90_ws" not in packed_dropout
     lens = torch.full((1,), 2048, dtype=torch.int32, device=dev)
     assert "fwd_kernel_sm90_ws" not in kernels_of(lambda: flash_attn_with_kvcache(q, k, k, cache_seqlens=lens))
+
+
+# --------------------------------------------------------------------------------------------
+# The fused backward (jit/sm90_bwd.py): launched directly, not yet chosen by the dispatcher
+# --------------------------------------------------------------------------------------------
+def _run_sm90_backward(q, k, v, dout, causal):
+    """The fused backward on (q, k, v) and dout, the forward's out and lse from the public function: (dq, dk, dv)
+    in q's dtype, dq cast from the float32 accumulation."""
+    import tritonattn.launch.sm90 as sm90
+    from tritonattn.config.tables import SM90_WS_BWD
+
+    out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    options = attn_options(q.shape[-1], None, causal)
+    delta = (out.float() * dout.float()).sum(-1).transpose(1, 2).contiguous()  # rowsum(dO * O): (B, H, M)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    ensure_tma_allocator()
+    dq = sm90.backward(dout, q, k, v, lse, delta, dk, dv, options, SM90_WS_BWD)
+    return dq.to(q.dtype), dk, dv
+
+
+BWD_SHAPES = [  # batch, seqlen_q, seqlen_k, nheads, nheads_k
+    (2, 1000, 1000, 4, 2),  # ragged tails of both
+    (1, 300, 1000, 4, 4),  # fewer queries than keys
+    (1, 1000, 300, 4, 1),  # more queries than keys: causal rows that see no key; MQA
+    (1, 2048, 2048, 8, 2),  # many blocks
+]
+
+
+@needs_hopper
+@pytest.mark.parametrize("shape", BWD_SHAPES, ids=[f"{s[1]}x{s[2]}h{s[3]}k{s[4]}" for s in BWD_SHAPES])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_sm90_backward_matches_reference(dtype, causal, shape):
+    """dQ, dK and dV of the fused backward against the fp32 reference's gradients, within the suite's rule
+    (a multiple of the same-dtype reference's own error plus its floor)."""
+    batch, seqlen_q, seqlen_k, nheads, nheads_k = shape
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, 128, dtype, seed=5)
+    dout = torch.randn_like(q)
+    grads = _run_sm90_backward(q, k, v, dout, causal)
+    refs = []
+    for upcast in (True, False):
+        leaves = [t.detach().float().requires_grad_() if upcast else t.detach().clone().requires_grad_()
+                  for t in (q, k, v)]
+        out, _ = attention_ref(*leaves, causal=causal, upcast=upcast)
+        out.backward(dout.float() if upcast else dout)
+        refs.append([t.grad for t in leaves])
+    for name, got, ref, same in zip(("dq", "dk", "dv"), grads, refs[0], refs[1]):
+        assert torch.isfinite(got).all(), name
+        assert_close_to_ref(got, ref.float(), same, msg=name)
+
+
+@pytest.mark.skipif(not gluon_sm90_available(), reason="this Triton's Gluon lacks the Hopper API the kernel uses")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sm90_backward_compiles_for_hopper(causal):
+    """Without a GPU: the fused backward's launch, planned for an H100, compiles for sm_90 within its shared
+    memory."""
+    import tritonattn.launch.sm90 as sm90
+    from tritonattn.config.tables import SM90_WS_BWD
+
+    dev = "cuda" if ON_GPU else "cpu"
+    q = torch.empty(2, 1000, 8, 128, dtype=torch.bfloat16, device=dev)
+    k = torch.empty(2, 1000, 2, 128, dtype=torch.bfloat16, device=dev)
+    lse = torch.empty(2, 8, 1000, dtype=torch.float32, device=dev)
+    with recording(TARGETS["H100"]) as launched:
+        sm90.backward(q, q, k, k, lse, lse, torch.empty_like(k), torch.empty_like(k), attn_options(128, None, causal),
+                      SM90_WS_BWD)
+    (record,) = launched
+    assert record.grid == (1000 // 128 + 1, 2 * 2, 1)
+    spec = cross_compile.spec_of(record, 90)
+    assert spec["name"] == "bwd_kernel_sm90_ws"
+    (result,) = cross_compile.shared_bytes([spec])
+    assert "error" not in result, result["error"][:3000]
+    assert result["shared"] <= TARGETS["H100"].smem_per_block

@@ -69,6 +69,9 @@ HOPPER_FWD = {
 # dtypes, dense, no dropout, at least 1024 keys (2048 causal).
 SM90_WS_FWD = AttnConfig(128, 128, 4, 2, True)
 SM90_WS_MIN_KEYS = {False: 1024, True: 2048}
+# The fused Hopper backward (jit/sm90_bwd.py): 64 query rows per step, 128 keys per program (64 per consumer
+# warpgroup), Q / dO rings of 2 slots: K, V 64 KB, the rings 64 KB, dS 32 KB at D = 128. Not yet dispatched.
+SM90_WS_BWD = AttnConfig(64, 128, 4, 2, True)
 # The FP8 forward takes the same schedule and thresholds with e4m3 tiles (V as a transposed copy,
 # jit/layout.py): on an H100 1.13-1.37x faster than the bf16 forward at 4096-16384 tokens, where
 # fwd_kernel's FP8 path ran at 0.47-0.52x (docs/perf-notes.md, "The FP8 forward on Hopper"); shorter key

@@ -1,4 +1,5 @@
-"""The launch of Hopper's warp-specialized Gluon forward (jit/sm90.py), imported only where it runs."""
+"""The launches of Hopper's warp-specialized Gluon kernels (jit/sm90.py's forward, jit/sm90_bwd.py's fused
+backward), imported only where they run."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ from ..config.options import KV_FP8_DTYPES, AttnOptions
 from ..config.tables import FP8_VALUES_BLOCK, SM90_MAXNREG, AttnConfig
 from ..jit.layout import fp8_values_kernel
 from ..jit.sm90 import fwd_kernel_sm90_ws
+from ..jit.sm90_bwd import bwd_kernel_sm90_ws
 from .fast import LaunchCache
 
 _ws_launcher = LaunchCache(fwd_kernel_sm90_ws)
+_bwd_launcher = LaunchCache(bwd_kernel_sm90_ws)
 _fp8_values_launcher = LaunchCache(fp8_values_kernel)
 
 
@@ -83,3 +86,22 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
     kwargs = dict(**options.runtime, **options.constexprs, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                   NUM_STAGES=config.num_stages, **extra, **(tensors or {}))
     _ws_launcher(None, grid, args, config.num_warps, 1, kwargs, q.device.index or 0, maxnreg=SM90_MAXNREG)
+
+
+def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
+             delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, options: AttnOptions,
+             config: AttnConfig) -> torch.Tensor:
+    """Launch the fused backward (jit/sm90_bwd.py) on dense (batch, seqlen, heads, 128) fp16 / bf16 tensors whose
+    rows TMA can address, without variants: lse and delta (batch, nheads, seqlen_q) float32 (delta from the
+    portable preprocessing); writes dk and dv (k's and v's shapes) and returns dQ as float32 (q's shape, softmax
+    scale applied; the caller casts it). Its atomic adds make dQ's last bits vary run to run."""
+    batch, seqlen_q, nheads, _ = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    grid = (triton.cdiv(seqlen_k, config.block_n), batch * nheads_k, 1)
+    strides = [stride for t in (q, k, v, dout, dq_accum, dk, dv) for stride in t.stride()[:3]]
+    args = (q, k, v, dout, lse, delta, dq_accum, dk, dv, *strides, nheads, seqlen_q, seqlen_k, nheads // nheads_k)
+    kwargs = dict(**options.runtime, **options.constexprs, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                  NUM_STAGES=config.num_stages)
+    _bwd_launcher(None, grid, args, config.num_warps, 1, kwargs, q.device.index or 0, maxnreg=SM90_MAXNREG)
+    return dq_accum
