@@ -405,18 +405,16 @@ def test_sm90_backward_matches_reference(dtype, causal, shape):
     (a multiple of the same-dtype reference's own error plus its floor)."""
     batch, seqlen_q, seqlen_k, nheads, nheads_k = shape
     q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, 128, dtype, seed=5)
-    dout = torch.randn_like(q)
+    dout = torch.randn(q.shape, device=q.device, dtype=torch.float32).to(dtype)
     grads = _run_sm90_backward(q, k, v, dout, causal)
     refs = []
-    for upcast in (True, False):
-        leaves = [t.detach().float().requires_grad_() if upcast else t.detach().clone().requires_grad_()
-                  for t in (q, k, v)]
-        out, _ = attention_ref(*leaves, causal=causal, upcast=upcast)
-        out.backward(dout.float() if upcast else dout)
-        refs.append([t.grad for t in leaves])
-    for name, got, ref, same in zip(("dq", "dk", "dv"), grads, refs[0], refs[1]):
-        assert torch.isfinite(got).all(), name
-        assert_close_to_ref(got, ref.float(), same, msg=name)
+    for upcast in (True, False):  # autograd through the fp32 reference, and through the same-dtype one
+        leaves = [(t.float() if upcast else t).detach().clone().requires_grad_() for t in (q, k, v)]
+        out = attention_ref(*leaves, causal=causal, upcast=upcast)[0]
+        refs.append(torch.autograd.grad(out, leaves, dout.float() if upcast else dout))
+    for name, got, ref, same in zip(("dq", "dk", "dv"), grads, *refs):
+        assert got.shape == ref.shape and torch.isfinite(got).all(), name
+        assert_close_to_ref(got, ref, same, grad=True, msg=name)
 
 
 @pytest.mark.skipif(not gluon_sm90_available(), reason="this Triton's Gluon lacks the Hopper API the kernel uses")
