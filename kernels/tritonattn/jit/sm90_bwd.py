@@ -19,11 +19,12 @@ to run). A program runs three partitions:
       dS^T = P^T * (dP^T - delta_i)
       dK += dS^T Q_i                         (dS^T a register operand)
       dS^T -> shared memory (this consumer's half of the block's keys)
+      dQ_i[:, its half of D] = dS K[:, that half]   (once both halves of dS are in; two products)
 
-  and by turns (even query blocks the first consumer, odd the second) one consumer, once both halves are in
-  shared memory, computes dQ_i = dS K over all BLOCK_N keys (two products over the halves) and adds it, times
-  softmax_scale, into DQ_accum. dS has two slots, so a consumer writes block i + 1's half while block i's dQ
-  is still being computed.
+  and adds its half of dQ_i, times softmax_scale, into DQ_accum. Splitting dQ by columns keeps its accumulator
+  at [BLOCK_M, D / 2] beside dK and dV (a whole [BLOCK_M, D] one, each consumer taking every other block,
+  more than doubles ptxas's spills), and gives both consumers the same work. dS has two slots, so a consumer
+  writes block i + 1's half while the other may still read block i's.
 
 The call's other paths (variants, dropout, packed sequences, other head dims) are the portable kernels'; this
 one takes dense fp16 / bf16 calls at head dim 128, causal or not, MHA / GQA / MQA. Delta = rowsum(dO * O) comes
@@ -81,12 +82,14 @@ def _bwd_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, kv
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, HALF: gl.constexpr, NUM_STAGES: gl.constexpr,
                   IS_CAUSAL: gl.constexpr):
     """One warpgroup: keys [start_n + WG * HALF, + HALF) of the program; dK, dV of those keys in registers over
-    every step, and dQ of the steps whose dS slot is its own (t % 2 == WG). DQ_accum, DK and DV point at this
-    batch entry (DQ_accum at the group's first head, DK and DV at the KV head)."""
+    every step, and columns [WG * D / 2, + D / 2) of each step's dQ. DQ_accum, DK and DV point at this batch
+    entry (DQ_accum at the group's first head, DK and DV at the KV head)."""
     dtype: gl.constexpr = q_smem.dtype
     NUM_WARPS: gl.constexpr = gl.num_warps()
     s_layout: gl.constexpr = _mma_layout(NUM_WARPS, BLOCK_M, dtype)  # S^T, dP^T: [HALF keys, BLOCK_M queries]
-    o_layout: gl.constexpr = _mma_layout(NUM_WARPS, HEAD_DIM, dtype)  # dK, dV: [HALF, D]; dQ: [BLOCK_M, D]
+    o_layout: gl.constexpr = _mma_layout(NUM_WARPS, HEAD_DIM, dtype)  # dK, dV: [HALF, D]
+    DQ_COLS: gl.constexpr = HEAD_DIM // 2
+    q_layout: gl.constexpr = _mma_layout(NUM_WARPS, DQ_COLS, dtype)  # this consumer's half of dQ: [BLOCK_M, D / 2]
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     keys_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     queries_s: gl.constexpr = gl.SliceLayout(0, s_layout)
@@ -99,7 +102,6 @@ def _bwd_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, kv
     k_tile = k_smem.index(WG)
     v_tile = v_smem.index(WG)
     s_zero = gl.zeros([HALF, BLOCK_M], gl.float32, layout=s_layout)
-    o_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
     dk = gl.zeros([HALF, HEAD_DIM], gl.float32, layout=o_layout)
     dv = gl.zeros([HALF, HEAD_DIM], gl.float32, layout=o_layout)
     tail = k_first + HALF > N  # keys past N (zeros from the descriptor) must get P = 0
@@ -135,7 +137,7 @@ def _bwd_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, kv
         dp_t = warpgroup_mma_wait(1, deps=(dp_t,))
         ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
         dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_tile, dk, is_async=True)
-        # this half of dS^T for the step's dQ (slot dslot is free once its owner's dQ of step t - 2 is done)
+        # this half of dS^T for the step's dQ (slot dslot is free once both consumers' dQ of step t - 2 is done)
         mbarrier.wait(ds_free.index(dslot), ((t // 2) & 1) ^ 1)
         ds_smem.index(2 * dslot + WG).store(ds_t)
         fence_async_shared()
@@ -143,18 +145,20 @@ def _bwd_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, kv
         dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
         mbarrier.arrive(q_empty.index(slot), count=1)
         mbarrier.arrive(do_empty.index(slot), count=1)
-        if dslot == WG:  # dQ_i = dS K over both halves of the keys, added into DQ_accum
-            mbarrier.wait(ds_ready.index(dslot), (t // 2) & 1)
-            dq = warpgroup_mma(ds_smem.index(2 * dslot).permute((1, 0)), k_smem.index(0), o_zero, use_acc=False,
-                               is_async=True)
-            dq = warpgroup_mma(ds_smem.index(2 * dslot + 1).permute((1, 0)), k_smem.index(1), dq, is_async=True)
-            dq = warpgroup_mma_wait(0, deps=(dq,))
-            mbarrier.arrive(ds_free.index(dslot), count=1)
-            rows_q = start_m + gl.arange(0, BLOCK_M, layout=rows_o)
-            cols = gl.arange(0, HEAD_DIM, layout=cols_o)
-            ptrs = (DQ_accum + g.to(gl.int64) * stride_dqh + gl.expand_dims(rows_q.to(gl.int64) * stride_dqm, 1)
-                    + gl.expand_dims(cols, 0))
-            gl.atomic_add(ptrs, dq * softmax_scale, mask=gl.expand_dims(rows_q < M, 1), sem="relaxed")
+        # dQ_i[:, this consumer's half of D] = dS K[:, half], over both halves of the keys
+        mbarrier.wait(ds_ready.index(dslot), (t // 2) & 1)
+        dq = warpgroup_mma(ds_smem.index(2 * dslot).permute((1, 0)),
+                           k_smem.index(0).slice(WG * DQ_COLS, DQ_COLS, dim=1),
+                           gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=q_layout), use_acc=False, is_async=True)
+        dq = warpgroup_mma(ds_smem.index(2 * dslot + 1).permute((1, 0)),
+                           k_smem.index(1).slice(WG * DQ_COLS, DQ_COLS, dim=1), dq, is_async=True)
+        dq = warpgroup_mma_wait(0, deps=(dq,))
+        mbarrier.arrive(ds_free.index(dslot), count=1)
+        rows_q = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_layout))
+        cols = WG * DQ_COLS + gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, q_layout))
+        ptrs = (DQ_accum + g.to(gl.int64) * stride_dqh + gl.expand_dims(rows_q.to(gl.int64) * stride_dqm, 1)
+                + gl.expand_dims(cols, 0))
+        gl.atomic_add(ptrs, dq * softmax_scale, mask=gl.expand_dims(rows_q < M, 1), sem="relaxed")
     rows_k = k_first + gl.arange(0, HALF, layout=rows_o)
     cols = gl.arange(0, HEAD_DIM, layout=cols_o)
     mask = gl.expand_dims(rows_k < N, 1)
@@ -238,8 +242,8 @@ def bwd_kernel_sm90_ws(
         mbarrier.init(q_empty.index(i), count=2)
         mbarrier.init(do_empty.index(i), count=2)
     for i in gl.static_range(2):
-        mbarrier.init(ds_ready.index(i), count=2)  # both halves written
-        mbarrier.init(ds_free.index(i), count=1)  # its dQ's products done
+        mbarrier.init(ds_ready.index(i), count=2)  # both halves of dS written
+        mbarrier.init(ds_free.index(i), count=2)  # both dQ halves' products done
     fence_async_shared()
 
     DQ_accum += off_b * stride_dqb + first_h * stride_dqh
