@@ -64,7 +64,7 @@ LOADER_REGS = gl.constexpr(SM90_LOADER_REGS)
 
 
 @gluon.constexpr_function
-def _mma_layout(num_warps, n, dtype):
+def mma_layout(num_warps, n, dtype):
     """Accumulator layout of a [rows, n] warpgroup MMA on `dtype` operands: the warps stacked along rows (16
     rows per warp); an instruction reduces 32 bytes of each row (16 16-bit or 32 8-bit values)."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -72,7 +72,8 @@ def _mma_layout(num_warps, n, dtype):
 
 
 @gluon.constexpr_function
-def _smem_layout(rows, cols, dtype):
+def smem_layout(rows, cols, dtype):
+    """The swizzled shared-memory layout TMA and warpgroup MMAs take for a [rows, cols] `dtype` tile."""
     return gl.NVMMASharedLayout.get_default_for([rows, cols], dtype)
 
 
@@ -171,8 +172,8 @@ def _ws_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_bar, k_read
     dtype: gl.constexpr = q_smem.dtype
     FP8: gl.constexpr = dtype == gl.float8e4nv
     NUM_WARPS: gl.constexpr = gl.num_warps()
-    s_layout: gl.constexpr = _mma_layout(NUM_WARPS, BLOCK_N, dtype)
-    o_layout: gl.constexpr = _mma_layout(NUM_WARPS, HEAD_DIM, dtype)
+    s_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_N, dtype)
+    o_layout: gl.constexpr = mma_layout(NUM_WARPS, HEAD_DIM, dtype)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4 if FP8 else 2)
     rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -304,8 +305,8 @@ def fwd_kernel_sm90_ws(
     gl.static_assert(not IS_KVCACHE or not (IS_VARLEN or FP8 or HAS_WINDOW), "a cache: dense 16-bit, no window")
     gl.static_assert(IS_KVCACHE or not PAGED, "pages are a cache's")
     gl.static_assert(gl.num_warps() == 4, "the default partition is one consumer warpgroup")
-    q_smem_layout: gl.constexpr = _smem_layout(ROWS, HEAD_DIM, dtype)
-    kv_smem_layout: gl.constexpr = _smem_layout(BLOCK_N, HEAD_DIM, dtype)
+    q_smem_layout: gl.constexpr = smem_layout(ROWS, HEAD_DIM, dtype)
+    kv_smem_layout: gl.constexpr = smem_layout(BLOCK_N, HEAD_DIM, dtype)
     pid_m, pid_bh, off_b, off_h, off_hk = query_block(H, GROUP, IS_CAUSAL)
     k_scale, v_scale = kv_descales(K_descale, V_descale, off_b, off_hk, stride_kds, stride_kdh, stride_vds, stride_vdh,
                                    KV_FP8, Q_descale, stride_qds, stride_qdh, FP8)  # 1.0 and 1.0 unless FP8
@@ -351,7 +352,7 @@ def fwd_kernel_sm90_ws(
     if FP8:  # V as launch/sm90.py `fp8_values` lays it out: [HEAD_DIM, N rounded up to 16], tiles [HEAD_DIM, BLOCK_N]
         v_tile: gl.constexpr = [HEAD_DIM, BLOCK_N]
         v_desc = tma.make_tensor_descriptor(V + off_b * stride_vb + off_hk * stride_vh, [HEAD_DIM, gl.cdiv(N, 16) * 16],
-                                            [stride_vn, 1], v_tile, _smem_layout(HEAD_DIM, BLOCK_N, dtype))
+                                            [stride_vn, 1], v_tile, smem_layout(HEAD_DIM, BLOCK_N, dtype))
     elif PAGED:
         v_tile: gl.constexpr = [BLOCK_N, HEAD_DIM]
         v_desc = tma.make_tensor_descriptor(V + off_hk * stride_vh, [pool_rows, HEAD_DIM], [stride_vn, 1], v_tile,
@@ -363,7 +364,7 @@ def fwd_kernel_sm90_ws(
     if not PAGED:
         v_tail_desc = v_desc
     o_dtype: gl.constexpr = Out.dtype.element_ty
-    o_smem_layout: gl.constexpr = _smem_layout(ROWS, HEAD_DIM, o_dtype)
+    o_smem_layout: gl.constexpr = smem_layout(ROWS, HEAD_DIM, o_dtype)
     o_desc = tma.make_tensor_descriptor(Out + off_b * stride_ob + off_h.to(gl.int64) * stride_oh, [M, HEAD_DIM],
                                         [stride_om, 1], [ROWS, HEAD_DIM], o_smem_layout)
     diag = N - M

@@ -45,7 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..config.tables import SM90_CONSUMER_REGS, SM90_LOADER_REGS
 from .common import LOG2E, gqa_q_head
-from .sm90 import _mma_layout, _smem_layout, tma_load
+from .sm90 import mma_layout, smem_layout, tma_load
 
 CONSUMER_REGS = gl.constexpr(SM90_CONSUMER_REGS)
 LOADER_REGS = gl.constexpr(SM90_LOADER_REGS)
@@ -86,10 +86,10 @@ def _bwd_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, kv
     entry (DQ_accum at the group's first head, DK and DV at the KV head)."""
     dtype: gl.constexpr = q_smem.dtype
     NUM_WARPS: gl.constexpr = gl.num_warps()
-    s_layout: gl.constexpr = _mma_layout(NUM_WARPS, BLOCK_M, dtype)  # S^T, dP^T: [HALF keys, BLOCK_M queries]
-    o_layout: gl.constexpr = _mma_layout(NUM_WARPS, HEAD_DIM, dtype)  # dK, dV: [HALF, D]
+    s_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_M, dtype)  # S^T, dP^T: [HALF keys, BLOCK_M queries]
+    o_layout: gl.constexpr = mma_layout(NUM_WARPS, HEAD_DIM, dtype)  # dK, dV: [HALF, D]
     DQ_COLS: gl.constexpr = HEAD_DIM // 2
-    q_layout: gl.constexpr = _mma_layout(NUM_WARPS, DQ_COLS, dtype)  # this consumer's half of dQ: [BLOCK_M, D / 2]
+    q_layout: gl.constexpr = mma_layout(NUM_WARPS, DQ_COLS, dtype)  # this consumer's half of dQ: [BLOCK_M, D / 2]
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     keys_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     queries_s: gl.constexpr = gl.SliceLayout(0, s_layout)
@@ -210,9 +210,9 @@ def bwd_kernel_sm90_ws(
     n_m = gl.cdiv(M - m_lo, BLOCK_M)
     n_steps = GROUP * n_m
 
-    kv_layout: gl.constexpr = _smem_layout(HALF, HEAD_DIM, dtype)
+    kv_layout: gl.constexpr = smem_layout(HALF, HEAD_DIM, dtype)
     qd_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, HEAD_DIM], dtype)
-    ds_layout: gl.constexpr = _smem_layout(HALF, BLOCK_M, dtype)
+    ds_layout: gl.constexpr = smem_layout(HALF, BLOCK_M, dtype)
     k_desc = tma.make_tensor_descriptor(K + off_b * stride_kb + off_hk * stride_kh, [N, HEAD_DIM], [stride_kn, 1],
                                         [HALF, HEAD_DIM], kv_layout)
     v_desc = tma.make_tensor_descriptor(V + off_b * stride_vb + off_hk * stride_vh, [N, HEAD_DIM], [stride_vn, 1],
