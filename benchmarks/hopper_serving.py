@@ -78,7 +78,8 @@ def varlen_cases(dtype):
     yield "dense", dense, flops, reference
     yield "varlen", [packed], flops, packed()
     if _takes_hopper(q, max(RAGGED)):
-        yield "varlen portable", [_portable(packed)], flops, _portable(packed)()
+        portable = _portable(packed)
+        yield "varlen portable", [portable], flops, portable()
 
 
 def chunked_cases(dtype):
@@ -104,8 +105,8 @@ def chunked_cases(dtype):
     yield "kvcache", [kvcache], flops, kvcache()
     yield "kvcache paged", [paged], flops, paged()
     if _takes_hopper(q, capacity, cache=True):
-        yield "kvcache portable", [_portable(kvcache)], flops, _portable(kvcache)()
-        yield "kvcache paged portable", [_portable(paged)], flops, _portable(paged)()
+        for impl, call in (("kvcache portable", _portable(kvcache)), ("kvcache paged portable", _portable(paged))):
+            yield impl, [call], flops, call()
 
 
 def measure(*, rounds: int = 3, rep: int = 30, verbose: bool = True) -> list:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import cross_compile
-from helpers import ON_GPU, assert_close_to_ref, assert_lse_close, make_qkv
+from helpers import ON_GPU, assert_close_to_ref, assert_lse_close, make_qkv, paged_copy
 from tritonattn import flash_attn_func
 from tritonattn.api.args import attention_call
 from tritonattn.config.hardware import TARGETS
@@ -168,22 +168,6 @@ def test_sm90_varlen_launch_compiles_for_hopper(causal):
     assert launched == []
 
 
-def _stale_pool(k_dense, v_dense, page_size):
-    """Dense (B, capacity, H_KV, D) caches scattered into a shuffled pool of pages through a random block table,
-    the pool's other pages all NaN."""
-    batch, capacity = k_dense.shape[:2]
-    blocks = capacity // page_size
-    perm = torch.randperm(batch * blocks + 2, device="cuda")[: batch * blocks]
-    table = perm.view(batch, blocks).to(torch.int32)
-    pools = []
-    for dense in (k_dense, v_dense):
-        pool = torch.full((batch * blocks + 2, page_size, *dense.shape[2:]), float("nan"), dtype=dense.dtype,
-                          device="cuda")
-        pool[perm] = dense.reshape(batch * blocks, page_size, *dense.shape[2:])
-        pools.append(pool)
-    return pools[0], pools[1], table
-
-
 @needs_hopper
 @pytest.mark.parametrize("variant", ["plain", "softcap", "alibi", "sinks"])
 @pytest.mark.parametrize("page_size", [None, 256, 128], ids=["dense", "page256", "page128"])
@@ -193,9 +177,10 @@ def _stale_pool(k_dense, v_dense, page_size):
 def test_chunked_prefill_takes_the_hopper_kernel_past_stale_rows(dtype, causal, append, page_size, variant,
                                                                   monkeypatch):
     """flash_attn_with_kvcache's chunked prefill runs the Hopper kernel over a dense cache or a paged pool (page
-    size a multiple of its key block) and matches the reference per request, though every cache row past a
-    request's keys is NaN: a dense cache's descriptors stop at its keys, and a pool's last page (partly
-    filled here: lengths that are not multiples of 128) is read through a descriptor of its valid rows."""
+    size a multiple of its key block; `paged_copy`'s shuffled table) and matches the reference per request,
+    though every cache row past a request's keys is NaN: a dense cache's descriptors stop at its keys, and a
+    pool's last page (partly filled here: lengths that are not multiples of 128) is read through a descriptor
+    of its valid rows."""
     import tritonattn.launch.sm90 as sm90
     from tritonattn import flash_attn_with_kvcache
     from tritonattn.testing import per_request_references
@@ -217,7 +202,7 @@ def test_chunked_prefill_takes_the_hopper_kernel_past_stale_rows(dtype, causal, 
         v_cache[b, n + (chunk if append else 0):] = float("nan")
     table = None
     if page_size is not None:
-        k_cache, v_cache, table = _stale_pool(k_cache, v_cache, page_size)
+        k_cache, v_cache, table = paged_copy(k_cache, v_cache, page_size)
     calls = []
     monkeypatch.setattr(sm90, "forward", lambda *a, _f=sm90.forward: calls.append(1) or _f(*a))
     seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
