@@ -67,7 +67,8 @@ def test_compiled_dropout_draws_fresh_bits():
 def test_prefill_ops_pass_opcheck():
     q, k, v = randn(1, 33, 4, 32), randn(1, 33, 2, 32), randn(1, 33, 2, 32)
     sinks, slopes = torch.randn(4, device=DEVICE), torch.rand(4, device=DEVICE)
-    scalars = (None, 32**-0.5, True, 10, 0, 5.0, 0.0)  # rng_state, scale, causal, window sides, softcap, dropout
+    scalars = (None, 32**-0.5, True, 10, 0, 5.0, 0.0, False)  # rng_state, scale, causal, window sides, softcap,
+    # dropout, deterministic
     dense = (None, None, 33, 33)
     tail = (slopes, sinks, None, *scalars)  # no seqused_k: dense
     torch.library.opcheck(ops.prefill_fwd, (q, k, v, *dense, *tail))

@@ -424,3 +424,76 @@ def test_sm90_backward_compiles_for_hopper(causal):
     (result,) = cross_compile.shared_bytes([spec])
     assert "error" not in result, result["error"][:3000]
     assert result["shared"] <= TARGETS["H100"].smem_per_block
+
+
+def test_backward_rule_picks_the_fused_kernel_unless_deterministic():
+    """Planned for an H100: a dense 16-bit backward at head dim 128 without variants or dropout records the fused
+    kernel; `deterministic=True`, a variant, dropout, another head dim or card, and short keys record the
+    portable ones."""
+    from tritonattn.config.options import Dropout
+    from tritonattn.config.tables import SM90_WS_BWD_MIN_KEYS, prefill_bwd_sm90_config
+    from tritonattn.launch.backward import launch_backward
+
+    h100 = TARGETS["H100"]
+    full, causal = attn_options(128, None, False), attn_options(128, None, True)
+    expected = gluon_sm90_available()
+    for options in (full, causal):
+        keys = SM90_WS_BWD_MIN_KEYS[options.causal]
+        assert (prefill_bwd_sm90_config(options, torch.bfloat16, keys, h100) is not None) == expected
+        assert prefill_bwd_sm90_config(options, torch.bfloat16, keys - 1, h100) is None
+    for options in (attn_options(128, None, True, (256, 0)), attn_options(128, None, True, softcap=30.0),
+                    attn_options(128, None, True, alibi=True), attn_options(128, None, True, sinks=True),
+                    attn_options(64, None, True), attn_options(256, None, True)):
+        assert prefill_bwd_sm90_config(options, torch.bfloat16, 4096, h100) is None
+    assert prefill_bwd_sm90_config(causal, torch.float32, 4096, h100) is None
+    for card in ("A100", "L4", "T4"):
+        assert prefill_bwd_sm90_config(causal, torch.bfloat16, 4096, TARGETS[card]) is None
+    assert prefill_bwd_sm90_config(causal, torch.bfloat16, 4096, None) is None  # the interpreter
+
+    if not expected:
+        return
+    dev = "cuda" if ON_GPU else "cpu"
+    q = torch.zeros(1, 2048, 4, 128, dtype=torch.bfloat16, device=dev)
+    k = torch.zeros(1, 2048, 2, 128, dtype=torch.bfloat16, device=dev)
+    lse = torch.zeros(1, 4, 2048, dtype=torch.float32, device=dev)
+
+    def kernels_of(**kw):
+        with recording(h100) as records:
+            launch_backward(q, q, k, k, q, lse, causal, **kw)
+        return {getattr(r.fn, "fn", r.fn).__name__ for r in records}
+
+    assert kernels_of() == {"bwd_preprocess_kernel", "bwd_kernel_sm90_ws"}
+    portable = {"bwd_preprocess_kernel", "bwd_dkdv_kernel", "bwd_dq_kernel"}
+    assert kernels_of(deterministic=True) == portable
+    seed = torch.zeros(2, dtype=torch.int64, device=dev)
+    assert kernels_of(drop=Dropout(0.1, seed)) == portable
+
+
+@needs_hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_public_backward_takes_the_fused_kernel_unless_deterministic(causal, monkeypatch):
+    """flash_attn_func's backward runs the fused kernel by default and agrees with the reference by the suite's
+    rule; with deterministic=True it runs the portable kernels, and two runs give bit-identical gradients."""
+    import tritonattn.launch.sm90 as sm90
+
+    q, k, v = make_qkv(1, 2048, 2048, 8, 2, 128, torch.bfloat16, seed=3)
+    dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16)
+    calls = []
+    monkeypatch.setattr(sm90, "backward", lambda *a, _f=sm90.backward: calls.append(1) or _f(*a))
+
+    def grads(**kw):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        return torch.autograd.grad(flash_attn_func(*leaves, causal=causal, **kw), leaves, dout)
+
+    fused = grads()
+    assert calls == [1]
+    first, second = grads(deterministic=True), grads(deterministic=True)
+    assert calls == [1]
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    refs = []
+    for upcast in (True, False):
+        leaves = [(t.float() if upcast else t).detach().clone().requires_grad_() for t in (q, k, v)]
+        out = attention_ref(*leaves, causal=causal, upcast=upcast)[0]
+        refs.append(torch.autograd.grad(out, leaves, dout.float() if upcast else dout))
+    for name, got, ref, same in zip(("dq", "dk", "dv"), fused, *refs):
+        assert_close_to_ref(got, ref, same, grad=True, msg=name)

@@ -37,10 +37,10 @@ TRACED: dict = {}
 
 class _FlashAttnFunc(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sinks, call: AttnCall):
+    def forward(ctx, q, k, v, sinks, call: AttnCall, deterministic: bool):
         out, lse = launch_prefill(q, k, v, call.options, drop=call.drop, tensors=call.tensors)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.call = call
+        ctx.call, ctx.deterministic = call, deterministic
         ctx.sinks_dtype = sinks.dtype if sinks is not None else None
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -50,8 +50,8 @@ class _FlashAttnFunc(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         call = ctx.call
         dq, dk, dv, _, dsinks = launch_backward(dout, q, k, v, out, lse, call.options, drop=call.drop,
-                                                tensors=call.tensors)
-        return dq, dk, dv, _sinks_grad(ctx, dsinks), None
+                                                tensors=call.tensors, deterministic=ctx.deterministic)
+        return dq, dk, dv, _sinks_grad(ctx, dsinks), None, None
 
 
 class _FlashAttnVarlenFunc(torch.autograd.Function):
@@ -136,9 +136,11 @@ def flash_attn_func(
         softcap: > 0 caps the scaled scores: s -> softcap * tanh(s / softcap); <= 0 for none.
         alibi_slopes: None, or float32 (nheads,) or (batch, nheads): adds -slope * |d - j| to the
             scaled scores (ALiBi).
-        deterministic: flash-attn's flag. Both values take the same path: neither the forward nor the
-            backward uses atomics (dK/dV of a KV head are summed over its q-head group in
-            registers, dQ has its own kernel), so gradients are bit-identical run to run.
+        deterministic: flash-attn's flag, for the backward. False (the default): on Hopper, at head
+            dim 128 without variants or dropout, the fused backward sums dQ by atomic adds, so dq's
+            last bits vary run to run (dk and dv do not). True: the atomic-free kernels (dK/dV of a
+            KV head summed over its q-head group in registers, dQ in its own kernel), bit-identical
+            run to run. Elsewhere both values take the atomic-free kernels.
         return_attn_probs: flash-attn's testing aid: also return softmax_lse and S_dmask, None
             without dropout; with dropout (batch, nheads, seqlen_q, seqlen_k) in q's dtype, S_dmask[b,
             h, i, j] = exp(score_ij - max_j' score_ij') (scores scaled), negated where the pair was
@@ -170,14 +172,15 @@ def flash_attn_func(
     if torch.compiler.is_compiling():  # one graph node, see compile/ops.py
         refuse_fp8_compiled(q, q_descale, k_descale, v_descale)
         return TRACED["flash_attn_func"](q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                                         alibi_slopes, return_attn_probs, return_softmax_lse, sinks)
+                                         alibi_slopes, return_attn_probs, return_softmax_lse, sinks,
+                                         deterministic)
     fp8 = validate_qkv(q, k, v, fp8_ok=True)
     call = attention_call(q.shape[3], softmax_scale, causal, window_size, softcap, alibi_slopes, sinks, None,
                           fp8_dropout(fp8, dropout_p), seqlen_k=k.shape[1], batch=q.shape[0], nheads=q.shape[2],
                           device=q.device, kv_fp8=fp8, q_fp8=fp8, nheads_k=k.shape[2], q_descale=q_descale,
                           k_descale=k_descale, v_descale=v_descale)
     if _wants_grad(q, k, v, sinks):
-        out, lse = _FlashAttnFunc.apply(q, k, v, sinks, call)
+        out, lse = _FlashAttnFunc.apply(q, k, v, sinks, call, bool(deterministic))
     else:
         out, lse = launch_prefill(q, k, v, call.options, drop=call.drop, tensors=call.tensors)
     probs = None
@@ -262,8 +265,8 @@ def flash_attn_varlen_func(
             A row that sees no key (seqlen_q[b] > seqlen_k[b], or seqlen_k[b] == 0) outputs zeros.
         window_size, softcap, alibi_slopes: as in flash_attn_func (a window side reaching past
             max_seqlen_k is unbounded, as in flash-attn).
-        deterministic: flash-attn's flag. As in flash_attn_func, both values take the same
-            atomic-free path: gradients are bit-identical run to run.
+        deterministic: flash-attn's flag. Packed sequences' backward is atomic-free whatever its
+            value: gradients are bit-identical run to run.
         return_attn_probs: as in flash_attn_func; S_dmask is (batch, nheads, max_seqlen_q,
             max_seqlen_k), sequence b's pairs at [b, :, :seqlen_q[b], :seqlen_k[b]], zeros elsewhere.
         block_table: optional int32 (batch, max_blocks_per_seq) on q's device: k and v are then

@@ -7,7 +7,7 @@ tracing without running a kernel) and the prefill op its registered autograd.
 
     tritonattn::prefill_fwd(q, k, v, cu_seqlens_q?, cu_seqlens_k?, max_seqlen_q, max_seqlen_k,
                             alibi_slopes?, sinks?, seqused_k?, rng_state?, softmax_scale?, causal,
-                            window_left, window_right, softcap, dropout_p) -> (out, lse)
+                            window_left, window_right, softcap, dropout_p, deterministic) -> (out, lse)
     tritonattn::prefill_bwd(dout, q, k, v, out, lse, <the same inputs after v>) -> (dq, dk, dv, dsinks)
 
 flash_attn_func and flash_attn_varlen_func share the prefill ops: with cu_seqlens, q, k, v are packed
@@ -101,14 +101,14 @@ def prefill_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                      max_seqlen_k: int, alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
                      seqused_k: Optional[Tensor], rng_state: Optional[Tensor], softmax_scale: Optional[float],
                      causal: bool, window_left: int, window_right: int, softcap: float, dropout_p: float,
-                     grads: Optional[Tuple[Tensor, Tensor, Tensor]] = None):
+                     deterministic: bool, grads: Optional[Tuple[Tensor, Tensor, Tensor]] = None):
     """The prefill backward of `prefill_forward`'s call: (dq, dk, dv, dsinks or None), written into
-    `grads` when given (q's, k's and v's shapes, contiguous last dims)."""
+    `grads` when given (q's, k's and v's shapes, contiguous last dims); `deterministic` as flash_attn_func's."""
     call = _call(q, k, cu_seqlens_q, max_seqlen_k, alibi_slopes, sinks, seqused_k, softmax_scale, causal, window_left,
                  window_right, softcap, dropout_p, rng_state)
     if cu_seqlens_q is None:
         dq, dk, dv, _, dsinks = launch_backward(dout, q, k, v, out, lse, call.options, grads=grads, drop=call.drop,
-                                                tensors=call.tensors)
+                                                tensors=call.tensors, deterministic=deterministic)
     else:
         dq, dk, dv, _, dsinks = launch_varlen_backward(
             dout, q, k, v, out, lse, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k,
@@ -120,7 +120,8 @@ def prefill_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
 def prefill_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
                 max_seqlen_q: int, max_seqlen_k: int, alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
                 seqused_k: Optional[Tensor], rng_state: Optional[Tensor], softmax_scale: Optional[float], causal: bool,
-                window_left: int, window_right: int, softcap: float, dropout_p: float) -> Tuple[Tensor, Tensor]:
+                window_left: int, window_right: int, softcap: float, dropout_p: float,
+                deterministic: bool) -> Tuple[Tensor, Tensor]:
     out, lse = prefill_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, sinks,
                                seqused_k, rng_state, softmax_scale, causal, window_left, window_right, softcap,
                                dropout_p)
@@ -129,7 +130,7 @@ def prefill_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
 
 @prefill_fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, sinks, seqused_k, rng_state,
-      softmax_scale, causal, window_left, window_right, softcap, dropout_p):
+      softmax_scale, causal, window_left, window_right, softcap, dropout_p, deterministic):
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(
         _lse_shape(q, cu_seqlens_q is not None), dtype=torch.float32)
 
@@ -139,16 +140,17 @@ def prefill_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse:
                 cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
                 alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], seqused_k: Optional[Tensor],
                 rng_state: Optional[Tensor], softmax_scale: Optional[float], causal: bool, window_left: int,
-                window_right: int, softcap: float, dropout_p: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                window_right: int, softcap: float, dropout_p: float,
+                deterministic: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     dq, dk, dv, dsinks = prefill_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                           max_seqlen_k, alibi_slopes, sinks, seqused_k, rng_state, softmax_scale,
-                                          causal, window_left, window_right, softcap, dropout_p)
+                                          causal, window_left, window_right, softcap, dropout_p, deterministic)
     return dq, dk, dv, dsinks if dsinks is not None else q.new_empty((0,), dtype=torch.float32)
 
 
 @prefill_bwd.register_fake
 def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, sinks, seqused_k,
-      rng_state, softmax_scale, causal, window_left, window_right, softcap, dropout_p):
+      rng_state, softmax_scale, causal, window_left, window_right, softcap, dropout_p, deterministic):
     nheads = q.shape[-2] if sinks is not None else 0
     return (torch.empty_like(q, memory_format=torch.contiguous_format), k.new_empty(k.shape), v.new_empty(v.shape),
             q.new_empty((nheads,), dtype=torch.float32))
@@ -169,7 +171,7 @@ def _backward(ctx, dout, dlse):
     dq, dk, dv, dsinks = prefill_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.lengths, alibi_slopes,
                                      sinks, seqused_k, rng_state, *ctx.scalars)
     dsinks = dsinks.to(sinks.dtype) if sinks is not None and ctx.needs_input_grad[8] else None
-    return dq, dk, dv, None, None, None, None, None, dsinks, None, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, dsinks, None, None, None, None, None, None, None, None, None
 
 
 prefill_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -189,7 +191,7 @@ def rng_input(dropout_p, device) -> Optional[Tensor]:
 
 
 def flash_attn_func_traced(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                           return_attn_probs, return_softmax_lse, sinks):
+                           return_attn_probs, return_softmax_lse, sinks, deterministic=False):
     """flash_attn_func under torch.compile: one `tritonattn::prefill_fwd` node (flash-attn's scalars checked
     here, where dynamo traces; the tensors when it runs, before any launch)."""
     dropout_p = validate_dropout(dropout_p)
@@ -197,7 +199,8 @@ def flash_attn_func_traced(q, k, v, dropout_p, softmax_scale, causal, window_siz
         raise NotImplementedError("return_attn_probs with dropout (S_dmask, a testing aid) is eager only.")
     scale, left, right, cap = _scalars(window_size, softcap, softmax_scale)
     out, lse = prefill_fwd(q, k, v, None, None, q.shape[1], k.shape[1], alibi_slopes, sinks, None,
-                           rng_input(dropout_p, q.device), scale, bool(causal), left, right, cap, dropout_p)
+                           rng_input(dropout_p, q.device), scale, bool(causal), left, right, cap, dropout_p,
+                           bool(deterministic))
     return results(out, lse, None, return_attn_probs, return_softmax_lse)
 
 
@@ -220,7 +223,7 @@ def flash_attn_varlen_func_traced(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
         return results(out, lse, None, return_attn_probs, return_softmax_lse)
     out, lse = prefill_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), alibi_slopes,
                            sinks, seqused_k, rng_input(dropout_p, q.device), scale, bool(causal), left, right, cap,
-                           dropout_p)
+                           dropout_p, True)  # packed sequences' backward is atomic-free either way
     return results(out, lse, None, return_attn_probs, return_softmax_lse)
 
 

@@ -82,7 +82,8 @@ def _flash_attention_backward(grad_out: Tensor, query: Tensor, key: Tensor, valu
     grads = tuple(torch.empty_like(t) for t in (query, key, value))
     prefill_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, None, None, None,
                      _forward_rng(dropout_p, rng_state), scale, is_causal, _window(window_size_left),
-                     _window(window_size_right), 0.0, dropout_p, grads=grads)
+                     _window(window_size_right), 0.0, dropout_p, torch.are_deterministic_algorithms_enabled(),
+                     grads=grads)
     return grads
 
 
@@ -112,7 +113,7 @@ def _sdpa_flash_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Te
     q, k, v, o, do = _bshd(query, key, value, out, grad_out)
     prefill_backward(do, q, k, v, o, logsumexp, None, None, q.shape[1], k.shape[1], None, None, None,
                      _forward_rng(dropout_p, philox_seed), scale, is_causal, -1, -1, 0.0, dropout_p,
-                     grads=_bshd(*grads))
+                     torch.are_deterministic_algorithms_enabled(), grads=_bshd(*grads))
     return grads
 
 

@@ -70,8 +70,10 @@ HOPPER_FWD = {
 SM90_WS_FWD = AttnConfig(128, 128, 4, 2, True)
 SM90_WS_MIN_KEYS = {False: 1024, True: 2048}
 # The fused Hopper backward (jit/sm90_bwd.py): 64 query rows per step, 128 keys per program (64 per consumer
-# warpgroup), Q / dO rings of 2 slots: K, V 64 KB, the rings 64 KB, dS 32 KB at D = 128. Not yet dispatched.
+# warpgroup), Q / dO rings of 2 slots: K, V 64 KB, the rings 64 KB, dS 32 KB at D = 128. Its dQ is summed by
+# atomic adds, so `deterministic=True` keeps the portable kernels.
 SM90_WS_BWD = AttnConfig(64, 128, 4, 2, True)
+SM90_WS_BWD_MIN_KEYS = {False: 1024, True: 1024}
 # The FP8 forward takes the same schedule and thresholds with e4m3 tiles (V as a transposed copy,
 # jit/layout.py): on an H100 1.13-1.37x faster than the bf16 forward at 4096-16384 tokens, where
 # fwd_kernel's FP8 path ran at 0.47-0.52x (docs/perf-notes.md, "The FP8 forward on Hopper"); shorter key
@@ -86,7 +88,7 @@ FP8_VALUES_BLOCK = 128  # keys per program of the FP8 forward's V copy (jit/layo
 GLUON_SM90_API = {
     "triton.experimental.gluon.language": ("warp_specialize", "num_warps", "NVMMADistributedLayout",
                                            "NVMMASharedLayout", "DotOperandLayout", "SliceLayout",
-                                           "allocate_shared_memory", "static_range", "convert_layout"),
+                                           "allocate_shared_memory", "static_range", "convert_layout", "atomic_add"),
     "triton.experimental.gluon.language.nvidia.hopper": ("warpgroup_mma", "warpgroup_mma_wait",
                                                          "fence_async_shared"),
     "triton.experimental.gluon.language.nvidia.hopper.tma": ("make_tensor_descriptor", "store_wait",
@@ -126,6 +128,22 @@ def prefill_fwd_sm90_config(options: AttnOptions, dtype: torch.dtype, seqlen_k: 
     if seqlen_k < SM90_WS_MIN_KEYS[options.causal] or not sm90_switch():
         return None
     return SM90_WS_FWD if gluon_sm90_available() else None
+
+
+def prefill_bwd_sm90_config(options: AttnOptions, dtype: torch.dtype, seqlen_k: int,
+                            target: Optional[Target]) -> Optional[AttnConfig]:
+    """The fused Hopper backward's config for a dense call without dropout and not `deterministic` whose
+    tensors descriptors can address, or None where the portable kernels run (see SM90_WS_BWD)."""
+    if target is None or target.capability[0] != 9 or target.smem_per_block < HOPPER_SMEM:
+        return None
+    if options.head_dim != 128 or options.head_dim_pad != 128 or dtype not in (torch.float16, torch.bfloat16):
+        return None
+    if (options.has_window or options.softcap > 0.0 or options.alibi or options.sinks or options.seqused_k
+            or options.kv_fp8 or options.tree):
+        return None
+    if seqlen_k < SM90_WS_BWD_MIN_KEYS[options.causal] or not sm90_switch():
+        return None
+    return SM90_WS_BWD if gluon_sm90_available() else None
 
 
 # Ampere/Ada with 99 KB or more smem per block (A10, Colab's L4, A100): tiles that fit.

@@ -10,7 +10,13 @@ import triton
 
 from ..config.hardware import Target, device_target
 from ..config.options import AttnOptions, Dropout
-from ..config.tables import BWD_PREPROCESS_BLOCK_M, AttnConfig, prefill_bwd_config, prefill_bwd_unsupported
+from ..config.tables import (
+    BWD_PREPROCESS_BLOCK_M,
+    AttnConfig,
+    prefill_bwd_config,
+    prefill_bwd_sm90_config,
+    prefill_bwd_unsupported,
+)
 from ..jit.prefill_bwd import bwd_dkdv_kernel, bwd_dq_kernel, bwd_preprocess_kernel
 from .fast import LaunchCache
 from .operands import aligned_operands, ensure_tma_allocator, on_device, row_strides, tma_planned, tma_usable
@@ -53,18 +59,9 @@ def _launch_backward_kernels(dout, q, k, v, out, lse, dq, dk, dv, delta, batch, 
     tensors = tensors or {}
     attention = dict(**options.runtime, **options.constexprs, USE_TMA=use_tma, **varlen, **dropout_args(drop),
                      **tensors)
-    pre_grid = (triton.cdiv(seqlen_q, BWD_PREPROCESS_BLOCK_M), batch * nheads, 1)
-    dsinks_part, sinks_args = None, {}
-    if options.sinks:  # one share of dsinks per preprocessing program, zero where a program exits early
-        dsinks_part = torch.zeros(pre_grid[:2], dtype=torch.float32, device=q.device)
-        sinks_args = dict(Lse=lse, Sinks=tensors["Sinks"], Dsinks_part=dsinks_part, HAS_SINKS=True)
     device_index = q.device.index if q.device.index is not None else 0
     with on_device(q):
-        _preprocess_launcher(  # Triton's default 4 warps and 3 stages
-            None, pre_grid,
-            (out, dout, delta, *row_strides(out, packed), *do_s, nheads, seqlen_q), 4, 3,
-            dict(**options.tile, BLOCK_M=BWD_PREPROCESS_BLOCK_M, **varlen_pre, **sinks_args), device_index,
-        )
+        dsinks_part = _preprocess(out, dout, delta, lse, batch, seqlen_q, options, packed, varlen_pre, tensors)
         _dkdv_launcher(
             None, (triton.cdiv(seqlen_k, cfg_kv.block_n), batch * nheads_k, 1),
             (q, k, v, dout, lse, delta, dk, dv,
@@ -83,6 +80,37 @@ def _launch_backward_kernels(dout, q, k, v, out, lse, dq, dk, dv, delta, batch, 
     return None if dsinks_part is None else dsinks_part.view(-1, batch, nheads).sum((0, 1))
 
 
+def _preprocess(out, dout, delta, lse, batch, seqlen_q, options: AttnOptions, packed: bool, varlen: dict,
+                tensors: dict) -> Optional[torch.Tensor]:
+    """Launch the preprocessing kernel: delta = rowsum(dout * out); with sinks also each program's share of
+    dsinks, returned as a (programs, batch * nheads) float32 tensor (else None)."""
+    nheads = out.shape[-2]
+    pre_grid = (triton.cdiv(seqlen_q, BWD_PREPROCESS_BLOCK_M), batch * nheads, 1)
+    dsinks_part, sinks_args = None, {}
+    if options.sinks:  # one share of dsinks per preprocessing program, zero where a program exits early
+        dsinks_part = torch.zeros(pre_grid[:2], dtype=torch.float32, device=out.device)
+        sinks_args = dict(Lse=lse, Sinks=tensors["Sinks"], Dsinks_part=dsinks_part, HAS_SINKS=True)
+    _preprocess_launcher(  # Triton's default 4 warps and 3 stages
+        None, pre_grid,
+        (out, dout, delta, *row_strides(out, packed), *row_strides(dout, packed), nheads, seqlen_q), 4, 3,
+        dict(**options.tile, BLOCK_M=BWD_PREPROCESS_BLOCK_M, **varlen, **sinks_args),
+        out.device.index if out.device.index is not None else 0,
+    )
+    return dsinks_part
+
+
+def _launch_sm90_backward(dout, q, k, v, out, lse, dq, dk, dv, delta, options: AttnOptions,
+                          config: AttnConfig) -> None:
+    """The fused Hopper backward (launch/sm90.py `backward`) after the preprocessing; dQ is accumulated in
+    float32 by atomic adds and cast into dq."""
+    from .sm90 import backward as sm90_backward  # Gluon, imported only where it runs
+
+    ensure_tma_allocator()
+    with on_device(q):
+        _preprocess(out, dout, delta, lse, q.shape[0], q.shape[1], options, False, {}, {})
+        dq.copy_(sm90_backward(dout, q, k, v, lse, delta, dk, dv, options, config))
+
+
 def launch_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -95,18 +123,29 @@ def launch_backward(
     grads: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
     drop: Optional[Dropout] = None,
     tensors: Optional[dict] = None,
+    deterministic: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Launch the backward kernels (of a forward that ran with dropout `drop` and the tensors'
     tensors `tensors`); returns (dq, dk, dv) shaped like (q, k, v), written into `grads` when given
     (validated buffers with a contiguous last dim), delta = rowsum(dout * out) (batch, nheads,
-    seqlen_q) float32, and dsinks (nheads,) float32 with sinks (else None)."""
+    seqlen_q) float32, and dsinks (nheads,) float32 with sinks (else None).
+
+    On Hopper, where `prefill_bwd_sm90_config` admits the call and `configs` is not given, the fused
+    backward runs: its dQ is summed by atomic adds, so its last bits vary run to run. `deterministic=True`
+    keeps the portable kernels, whose gradients are bit-identical run to run."""
     batch, seqlen_q, nheads, _ = q.shape
     seqlen_k = k.shape[1]
     target = device_target(q.device)
+    fused = None
+    if configs is None and drop is None and not deterministic:
+        fused = prefill_bwd_sm90_config(options, q.dtype, seqlen_k, target)
     configs = _backward_configs(options, q.dtype, target, configs)
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    dout, q, k, v, out = aligned_operands(tma_planned(configs[0].use_tma, target, q.dtype), dout, q, k, v, out)
+    planned = fused is not None or tma_planned(configs[0].use_tma, target, q.dtype)
+    dout, q, k, v, out = aligned_operands(planned, dout, q, k, v, out)
+    if fused is not None and not tma_usable(True, target, q, k, v, dout):
+        fused = None
 
     dq, dk, dv = grads if grads is not None else _empty_grads(q, k, v)
     delta = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
@@ -117,6 +156,9 @@ def launch_backward(
         dq.zero_()
         delta.zero_()
         return dq, dk, dv, delta, _no_dsinks(options, nheads, q.device)
+    if fused is not None:
+        _launch_sm90_backward(dout, q, k, v, out, lse, dq, dk, dv, delta, options, fused)
+        return dq, dk, dv, delta, None
     dsinks = _launch_backward_kernels(dout, q, k, v, out, lse, dq, dk, dv, delta, batch, seqlen_q, seqlen_k, options,
                                       configs, {}, drop, tensors)
     return dq, dk, dv, delta, dsinks

@@ -94,9 +94,10 @@ def ring_forward(q, k, v, call: AttnCall, layout: str, ring: Ring) -> Tuple[torc
     return out, lse
 
 
-def ring_backward(dout, q, k, v, out, lse, call: AttnCall, layout: str,
-                  ring: Ring) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) float32 of this rank's shard; out, lse: `ring_forward`'s."""
+def ring_backward(dout, q, k, v, out, lse, call: AttnCall, layout: str, ring: Ring,
+                  deterministic: bool = False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) float32 of this rank's shard; out, lse: `ring_forward`'s; `deterministic` as
+    flash_attn_func's (each block's backward)."""
     chunk = q.shape[1] // len(layout_chunks(layout, ring.rank, ring.world))
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kv, travelling = [k, v], None
@@ -108,7 +109,8 @@ def ring_backward(dout, q, k, v, out, lse, call: AttnCall, layout: str,
             grads = tuple(torch.empty(t.shape, dtype=torch.float32, device=t.device)
                           for t in (q[:, rows], kv[0][:, keys], kv[1][:, keys]))
             launch_backward(dout[:, rows], q[:, rows], kv[0][:, keys], kv[1][:, keys], out[:, rows],
-                            lse[:, :, rows].contiguous(), block, grads=grads, tensors=tensors)
+                            lse[:, :, rows].contiguous(), block, grads=grads, tensors=tensors,
+                            deterministic=deterministic)
             dq[:, rows] += grads[0]
             dkv[0][:, keys] += grads[1]
             dkv[1][:, keys] += grads[2]
@@ -123,19 +125,19 @@ def ring_backward(dout, q, k, v, out, lse, call: AttnCall, layout: str,
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, call, layout, group):
+    def forward(ctx, q, k, v, call, layout, group, deterministic):
         ring = Ring(group)
         out, lse = ring_forward(q, k, v, call, layout, ring)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.call, ctx.layout, ctx.group = call, layout, group
+        ctx.call, ctx.layout, ctx.group, ctx.deterministic = call, layout, group, deterministic
         ctx.mark_non_differentiable(lse)
         return out.to(q.dtype), lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.call, ctx.layout, Ring(ctx.group))
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.call, ctx.layout, Ring(ctx.group), ctx.deterministic)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 def context_parallel_attention(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -166,7 +168,7 @@ def context_parallel_attention(q, k, v, dropout_p=0.0, softmax_scale=None, causa
 
     checked_call(group, (q, k, v), (LAYOUTS.index(layout) if layout in LAYOUTS else -1, int(bool(causal)), *window,
                                     int(alibi_slopes is not None)), local_checks)
-    out, lse = _RingAttention.apply(q, k, v, built["call"], layout, group)
+    out, lse = _RingAttention.apply(q, k, v, built["call"], layout, group, bool(deterministic))
     return (out, lse, None) if return_attn_probs else out
 
 
