@@ -52,9 +52,9 @@ LOADER_REGS = gl.constexpr(SM90_LOADER_REGS)
 
 
 @gluon.jit
-def _bwd_loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready, do_ready,
-                q_empty, do_empty, start_n, m_lo, n_m, n_steps, HALF: gl.constexpr, BLOCK_M: gl.constexpr,
-                NUM_STAGES: gl.constexpr):
+def _bwd_loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
+                delta_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, start_n, m_lo, n_m, n_steps,
+                HALF: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr):
     """One warp: the program's K and V halves once, then Q_i and dO_i for each (query head g of the group, query
     block i), step t = g * n_m + i, as ring slots free up. q_desc / do_desc are [GROUP, M, HEAD_DIM] views
     (the group's heads), so one descriptor serves every head."""
@@ -68,17 +68,19 @@ def _bwd_loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem
         slot = t % NUM_STAGES
         phase = (t // NUM_STAGES) & 1
         mbarrier.wait(q_empty.index(slot), phase ^ 1)  # a fresh barrier counts as released (phase 1)
-        mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes)
+        mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
         tma_load(q_desc, [g, start_m, 0], q_ready.index(slot), q_smem.index(slot))
+        tma_load(lse_desc, [g, start_m], q_ready.index(slot), lse_smem.index(slot))
         mbarrier.wait(do_empty.index(slot), phase ^ 1)
-        mbarrier.expect(do_ready.index(slot), do_desc.block_type.nbytes)
+        mbarrier.expect(do_ready.index(slot), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
         tma_load(do_desc, [g, start_m, 0], do_ready.index(slot), do_smem.index(slot))
+        tma_load(delta_desc, [g, start_m], do_ready.index(slot), delta_smem.index(slot))
 
 
 @gluon.jit
-def _bwd_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, q_ready, do_ready, q_empty,
-                  do_empty, ds_ready, ds_free, Lse, Delta, DQ_accum, DK, DV, stride_dqm, stride_dqh, stride_dkn,
-                  stride_dvn, off_b, off_hk, H, M, N, GROUP, start_n, m_lo, n_m, n_steps, diag, softmax_scale,
+def _bwd_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, kv_bar, q_ready,
+                  do_ready, q_empty, do_empty, ds_ready, ds_free, DQ_accum, DK, DV, stride_dqm, stride_dqh, stride_dkn,
+                  stride_dvn, M, N, start_n, m_lo, n_m, n_steps, diag, softmax_scale,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, HALF: gl.constexpr, NUM_STAGES: gl.constexpr,
                   IS_CAUSAL: gl.constexpr):
     """One warpgroup: keys [start_n + WG * HALF, + HALF) of the program; dK, dV of those keys in registers over
@@ -109,14 +111,10 @@ def _bwd_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, kv
     for t in range(n_steps):
         g = t // n_m
         start_m = m_lo + (t - g * n_m) * BLOCK_M
-        off_h = gqa_q_head(off_hk, GROUP, g).to(gl.int64)
         slot = t % NUM_STAGES
         phase = (t // NUM_STAGES) & 1
         dslot = t % 2
-        rows = (off_b * H + off_h) * M  # Lse and Delta are (batch, nheads, M)
         offs_m = start_m + offs_q
-        lse2 = gl.load(Lse + rows + offs_m, mask=offs_m < M, other=float("inf")) * LOG2E
-        delta = gl.load(Delta + rows + offs_m, mask=offs_m < M, other=0.0)
         q_tile = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
         do_tile = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
         mbarrier.wait(q_ready.index(slot), phase)
@@ -124,6 +122,7 @@ def _bwd_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, kv
         mbarrier.wait(do_ready.index(slot), phase)
         dp_t = warpgroup_mma(v_tile, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s_t = warpgroup_mma_wait(1, deps=(s_t,))
+        lse2 = lse_smem.index(slot).reshape([BLOCK_M]).load(queries_s)  # lse * log2(e); +inf past M
         p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
         masked = tail  # a key past N, or (causal) past some row's diagonal
         if IS_CAUSAL:
@@ -135,6 +134,7 @@ def _bwd_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, kv
             p_t = gl.where(seen, p_t, 0.0)
         dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do_tile, dv, is_async=True)
         dp_t = warpgroup_mma_wait(1, deps=(dp_t,))
+        delta = delta_smem.index(slot).reshape([BLOCK_M]).load(queries_s)
         ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
         dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_tile, dk, is_async=True)
         # this half of dS^T for the step's dQ (slot dslot is free once both consumers' dQ of step t - 2 is done)
@@ -170,7 +170,7 @@ def _bwd_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, kv
 
 @gluon.jit
 def bwd_kernel_sm90_ws(
-    Q, K, V, DO, Lse, Delta, DQ_accum, DK, DV,
+    Q, K, V, DO, Lse2, Delta, DQ_accum, DK, DV,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -188,8 +188,9 @@ def bwd_kernel_sm90_ws(
 ):
     """One program per (key block of BLOCK_N, batch entry, KV head): dK and dV of those keys over every query
     block of every query head in the KV head's group, and their share of dQ added into DQ_accum (float32, q's
-    shape, zero on entry). Dense (batch, seqlen, heads, D) tensors; Lse and Delta (batch, nheads, M) float32;
-    bottom-right causal as the forward (row i sees key j iff j <= i + N - M)."""
+    shape, zero on entry). Dense (batch, seqlen, heads, D) tensors; Lse2 (lse * log2(e), +inf past M) and
+    Delta (0 past M) (batch, nheads, M_PAD) float32, M_PAD = M rounded up to BLOCK_M; bottom-right causal as the
+    forward (row i sees key j iff j <= i + N - M)."""
     HALF: gl.constexpr = BLOCK_N // 2
     dtype: gl.constexpr = Q.dtype.element_ty
     gl.static_assert(gl.num_warps() == 4, "the default partition is one consumer warpgroup")
@@ -222,12 +223,19 @@ def bwd_kernel_sm90_ws(
                                         [stride_qh, stride_qm, 1], [1, BLOCK_M, HEAD_DIM], qd_layout)
     do_desc = tma.make_tensor_descriptor(DO + off_b * stride_dob + first_h * stride_doh, [GROUP, M, HEAD_DIM],
                                          [stride_doh, stride_dom, 1], [1, BLOCK_M, HEAD_DIM], qd_layout)
+    M_PAD = gl.cdiv(M, BLOCK_M) * BLOCK_M
+    stat_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    stats = (off_b * H + first_h) * M_PAD
+    lse_desc = tma.make_tensor_descriptor(Lse2 + stats, [GROUP, M_PAD], [M_PAD, 1], [1, BLOCK_M], stat_layout)
+    delta_desc = tma.make_tensor_descriptor(Delta + stats, [GROUP, M_PAD], [M_PAD, 1], [1, BLOCK_M], stat_layout)
 
     k_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], kv_layout)
     q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, BLOCK_M, HEAD_DIM], qd_layout)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, BLOCK_M, HEAD_DIM], qd_layout)
     ds_smem = gl.allocate_shared_memory(dtype, [4, HALF, BLOCK_M], ds_layout)  # (slot, half)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, BLOCK_M], stat_layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, BLOCK_M], stat_layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -250,14 +258,15 @@ def bwd_kernel_sm90_ws(
     DK += off_b * stride_dkb + off_hk * stride_dkh
     DV += off_b * stride_dvb + off_hk * stride_dvh
     gl.warp_specialize([
-        (_bwd_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, q_ready, do_ready, q_empty, do_empty,
-                         ds_ready, ds_free, Lse, Delta, DQ_accum, DK, DV, stride_dqm, stride_dqh, stride_dkn,
-                         stride_dvn, off_b, off_hk, H, M, N, GROUP, start_n, m_lo, n_m, n_steps, diag, softmax_scale,
+        (_bwd_consumer, (0, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, kv_bar, q_ready,
+                         do_ready, q_empty, do_empty, ds_ready, ds_free, DQ_accum, DK, DV, stride_dqm, stride_dqh,
+                         stride_dkn, stride_dvn, M, N, start_n, m_lo, n_m, n_steps, diag, softmax_scale,
                          HEAD_DIM, BLOCK_M, HALF, NUM_STAGES, IS_CAUSAL)),
-        (_bwd_consumer, (1, q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, q_ready, do_ready, q_empty, do_empty,
-                         ds_ready, ds_free, Lse, Delta, DQ_accum, DK, DV, stride_dqm, stride_dqh, stride_dkn,
-                         stride_dvn, off_b, off_hk, H, M, N, GROUP, start_n, m_lo, n_m, n_steps, diag, softmax_scale,
+        (_bwd_consumer, (1, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, kv_bar, q_ready,
+                         do_ready, q_empty, do_empty, ds_ready, ds_free, DQ_accum, DK, DV, stride_dqm, stride_dqh,
+                         stride_dkn, stride_dvn, M, N, start_n, m_lo, n_m, n_steps, diag, softmax_scale,
                          HEAD_DIM, BLOCK_M, HALF, NUM_STAGES, IS_CAUSAL)),
-        (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready, do_ready,
-                       q_empty, do_empty, start_n, m_lo, n_m, n_steps, HALF, BLOCK_M, NUM_STAGES)),
+        (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
+                       lse_smem, delta_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, start_n, m_lo, n_m, n_steps,
+                       HALF, BLOCK_M, NUM_STAGES)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

@@ -3,6 +3,7 @@ backward), imported only where they run."""
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -98,9 +99,16 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     batch, seqlen_q, nheads, _ = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    # the loader brings each query block's LSE (times log2(e)) and delta by TMA: rows padded to whole blocks
+    rows = triton.cdiv(seqlen_q, config.block_m) * config.block_m
+    lse2 = torch.full((batch, nheads, rows), float("inf"), dtype=torch.float32, device=q.device)
+    torch.mul(lse, math.log2(math.e), out=lse2[..., :seqlen_q])
+    delta_rows = torch.zeros((batch, nheads, rows), dtype=torch.float32, device=q.device)
+    delta_rows[..., :seqlen_q] = delta
     grid = (triton.cdiv(seqlen_k, config.block_n), batch * nheads_k, 1)
     strides = [stride for t in (q, k, v, dout, dq_accum, dk, dv) for stride in t.stride()[:3]]
-    args = (q, k, v, dout, lse, delta, dq_accum, dk, dv, *strides, nheads, seqlen_q, seqlen_k, nheads // nheads_k)
+    args = (q, k, v, dout, lse2, delta_rows, dq_accum, dk, dv, *strides, nheads, seqlen_q, seqlen_k,
+            nheads // nheads_k)
     kwargs = dict(**options.runtime, **options.constexprs, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                   NUM_STAGES=config.num_stages)
     _bwd_launcher(None, grid, args, config.num_warps, 1, kwargs, q.device.index or 0, maxnreg=SM90_MAXNREG)
