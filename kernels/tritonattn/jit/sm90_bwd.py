@@ -99,8 +99,6 @@ def _bwd_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, lse_smem, d
     cols_o: gl.constexpr = gl.SliceLayout(0, o_layout)
     qk_scale = softmax_scale * LOG2E
     k_first = start_n + WG * HALF
-    offs_k = k_first + gl.arange(0, HALF, layout=keys_s)
-    offs_q = gl.arange(0, BLOCK_M, layout=queries_s)
     k_tile = k_smem.index(WG)
     v_tile = v_smem.index(WG)
     s_zero = gl.zeros([HALF, BLOCK_M], gl.float32, layout=s_layout)
@@ -114,7 +112,6 @@ def _bwd_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, lse_smem, d
         slot = t % NUM_STAGES
         phase = (t // NUM_STAGES) & 1
         dslot = t % 2
-        offs_m = start_m + offs_q
         q_tile = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
         do_tile = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
         mbarrier.wait(q_ready.index(slot), phase)
@@ -128,6 +125,9 @@ def _bwd_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, lse_smem, d
         if IS_CAUSAL:
             masked = masked | (k_first + HALF - 1 > start_m + diag)
         if masked:
+            # the indices are made here, where they are used, so that they hold no registers across the step
+            offs_k = k_first + gl.arange(0, HALF, layout=keys_s)
+            offs_m = start_m + gl.arange(0, BLOCK_M, layout=queries_s)
             seen = gl.expand_dims(offs_k < N, 1)
             if IS_CAUSAL:
                 seen = seen & (gl.expand_dims(offs_k, 1) <= gl.expand_dims(offs_m, 0) + diag)
