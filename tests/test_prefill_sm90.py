@@ -356,9 +356,9 @@ def test_dense_and_packed_calls_without_dropout_reach_the_hopper_kernel():
 
 
 # --------------------------------------------------------------------------------------------
-# The fused backward (jit/sm90_bwd.py): launched directly, not yet chosen by the dispatcher
+# The fused backward (jit/sm90_bwd.py): launched directly, then through the dispatcher
 # --------------------------------------------------------------------------------------------
-def _run_sm90_backward(q, k, v, dout, causal):
+def _run_sm90_backward(q, k, v, dout, causal, deterministic=False):
     """The fused backward on (q, k, v) and dout, the forward's out and lse from the public function: (dq, dk, dv)
     in q's dtype, dq cast from the float32 accumulation."""
     import tritonattn.launch.sm90 as sm90
@@ -369,7 +369,7 @@ def _run_sm90_backward(q, k, v, dout, causal):
     delta = (out.float() * dout.float()).sum(-1).transpose(1, 2).contiguous()  # rowsum(dO * O): (B, H, M)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     ensure_tma_allocator()
-    dq = sm90.backward(dout, q, k, v, lse, delta, dk, dv, options, SM90_WS_BWD)
+    dq = sm90.backward(dout, q, k, v, lse, delta, dk, dv, options, SM90_WS_BWD, deterministic)
     return dq.to(q.dtype), dk, dv
 
 
@@ -385,13 +385,16 @@ BWD_SHAPES = [  # batch, seqlen_q, seqlen_k, nheads, nheads_k
 @pytest.mark.parametrize("shape", BWD_SHAPES, ids=[f"{s[1]}x{s[2]}h{s[3]}k{s[4]}" for s in BWD_SHAPES])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_sm90_backward_matches_reference(dtype, causal, shape):
+@pytest.mark.parametrize("deterministic", [False, True], ids=["any-order", "ordered"])
+def test_sm90_backward_matches_reference(deterministic, dtype, causal, shape):
     """dQ, dK and dV of the fused backward against the fp32 reference's gradients, within the suite's rule
-    (a multiple of the same-dtype reference's own error plus its floor)."""
+    (a multiple of the same-dtype reference's own error plus its floor); ordered, dQ twice bit for bit."""
     batch, seqlen_q, seqlen_k, nheads, nheads_k = shape
     q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, 128, dtype, seed=5)
     dout = torch.randn(q.shape, device=q.device, dtype=torch.float32).to(dtype)
-    grads = _run_sm90_backward(q, k, v, dout, causal)
+    grads = _run_sm90_backward(q, k, v, dout, causal, deterministic)
+    if deterministic:
+        assert torch.equal(grads[0], _run_sm90_backward(q, k, v, dout, causal, True)[0])
     refs = []
     for upcast in (True, False):  # autograd through the fp32 reference, and through the same-dtype one
         leaves = [(t.float() if upcast else t).detach().clone().requires_grad_() for t in (q, k, v)]
@@ -404,7 +407,8 @@ def test_sm90_backward_matches_reference(dtype, causal, shape):
 
 @pytest.mark.skipif(not gluon_sm90_available(), reason="this Triton's Gluon lacks the Hopper API the kernel uses")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_sm90_backward_compiles_for_hopper(causal):
+@pytest.mark.parametrize("deterministic", [False, True], ids=["any-order", "ordered"])
+def test_sm90_backward_compiles_for_hopper(causal, deterministic):
     """Without a GPU: the fused backward's launch, planned for an H100, compiles for sm_90 within its shared
     memory."""
     import tritonattn.launch.sm90 as sm90
@@ -416,7 +420,7 @@ def test_sm90_backward_compiles_for_hopper(causal):
     lse = torch.empty(2, 8, 1000, dtype=torch.float32, device=dev)
     with recording(TARGETS["H100"]) as launched:
         sm90.backward(q, q, k, k, lse, lse, torch.empty_like(k), torch.empty_like(k), attn_options(128, None, causal),
-                      SM90_WS_BWD)
+                      SM90_WS_BWD, deterministic)
     (record,) = launched
     assert record.grid == (1000 // 128 + 1, 2 * 2, 1)
     spec = cross_compile.spec_of(record, 90)
@@ -426,10 +430,10 @@ def test_sm90_backward_compiles_for_hopper(causal):
     assert result["shared"] <= TARGETS["H100"].smem_per_block
 
 
-def test_backward_rule_picks_the_fused_kernel_unless_deterministic():
+def test_backward_rule_picks_the_fused_kernel():
     """Planned for an H100: a dense 16-bit backward at head dim 128 without variants or dropout records the fused
-    kernel; `deterministic=True`, a variant, dropout, another head dim or card, and short keys record the
-    portable ones."""
+    kernel, `deterministic=True` too (its ordered form); a variant, dropout, another head dim or card, and short
+    keys record the portable ones."""
     from tritonattn.config.options import Dropout
     from tritonattn.config.tables import SM90_WS_BWD_MIN_KEYS, prefill_bwd_sm90_config
     from tritonattn.launch.backward import launch_backward
@@ -462,21 +466,22 @@ def test_backward_rule_picks_the_fused_kernel_unless_deterministic():
             launch_backward(q, q, k, k, q, lse, causal, **kw)
         return {getattr(r.fn, "fn", r.fn).__name__ for r in records}
 
-    assert kernels_of() == {"bwd_preprocess_kernel", "bwd_kernel_sm90_ws"}
-    portable = {"bwd_preprocess_kernel", "bwd_dkdv_kernel", "bwd_dq_kernel"}
-    assert kernels_of(deterministic=True) == portable
+    fused = {"bwd_preprocess_kernel", "bwd_kernel_sm90_ws"}
+    assert kernels_of() == fused and kernels_of(deterministic=True) == fused
     seed = torch.zeros(2, dtype=torch.int64, device=dev)
-    assert kernels_of(drop=Dropout(0.1, seed)) == portable
+    assert kernels_of(drop=Dropout(0.1, seed)) == {"bwd_preprocess_kernel", "bwd_dkdv_kernel", "bwd_dq_kernel"}
 
 
 @needs_hopper
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_public_backward_takes_the_fused_kernel_unless_deterministic(causal, monkeypatch):
-    """flash_attn_func's backward runs the fused kernel by default and agrees with the reference by the suite's
-    rule; with deterministic=True it runs the portable kernels, and two runs give bit-identical gradients."""
+@pytest.mark.parametrize("heads", [(8, 2), (4, 4)], ids=["gqa", "mha"])
+def test_public_backward_takes_the_fused_kernel(causal, heads, monkeypatch):
+    """flash_attn_func's backward runs the fused kernel, by default and with deterministic=True, and both agree
+    with the reference by the suite's rule; with deterministic=True two runs give bit-identical gradients (the
+    default's dq may differ in its last bits; its dk and dv may not)."""
     import tritonattn.launch.sm90 as sm90
 
-    q, k, v = make_qkv(1, 2048, 2048, 8, 2, 128, torch.bfloat16, seed=3)
+    q, k, v = make_qkv(2, 2000, 2000, *heads, 128, torch.bfloat16, seed=3)
     dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16)
     calls = []
     monkeypatch.setattr(sm90, "backward", lambda *a, _f=sm90.backward: calls.append(1) or _f(*a))
@@ -485,15 +490,16 @@ def test_public_backward_takes_the_fused_kernel_unless_deterministic(causal, mon
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
         return torch.autograd.grad(flash_attn_func(*leaves, causal=causal, **kw), leaves, dout)
 
-    fused = grads()
-    assert calls == [1]
+    fused, again = grads(), grads()
     first, second = grads(deterministic=True), grads(deterministic=True)
-    assert calls == [1]
+    assert calls == [1] * 4
+    assert torch.equal(fused[1], again[1]) and torch.equal(fused[2], again[2])
     assert all(torch.equal(a, b) for a, b in zip(first, second))
     refs = []
     for upcast in (True, False):
         leaves = [(t.float() if upcast else t).detach().clone().requires_grad_() for t in (q, k, v)]
         out = attention_ref(*leaves, causal=causal, upcast=upcast)[0]
         refs.append(torch.autograd.grad(out, leaves, dout.float() if upcast else dout))
-    for name, got, ref, same in zip(("dq", "dk", "dv"), fused, *refs):
+    for name, got, ordered, ref, same in zip(("dq", "dk", "dv"), fused, first, *refs):
         assert_close_to_ref(got, ref, same, grad=True, msg=name)
+        assert_close_to_ref(ordered, ref, same, grad=True, msg=f"{name}, deterministic")

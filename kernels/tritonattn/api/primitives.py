@@ -102,7 +102,7 @@ def _flash_attn_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     `out` and `softmax_lse` may be those of a larger attention this block is part of (a ring's merged
     result): the block's probabilities are exp(scores - softmax_lse), which is what makes the
     per-block gradients sum to the whole's. `deterministic` as in flash_attn_func: False lets Hopper's
-    fused backward sum dq by atomic adds. With dropout_p > 0, rng_state must be the forward's.
+    fused backward sum dq by atomic adds in any order. With dropout_p > 0, rng_state must be the forward's.
     """
     validate_qkv(q, k, v)
     call = _call(q, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes, dropout_p,

@@ -71,7 +71,7 @@ SM90_WS_FWD = AttnConfig(128, 128, 4, 2, True)
 SM90_WS_MIN_KEYS = {False: 1024, True: 2048}
 # The fused Hopper backward (jit/sm90_bwd.py): 64 query rows per step, 128 keys per program (64 per consumer
 # warpgroup), Q / dO rings of 2 slots: K, V 64 KB, the rings 64 KB, dS 32 KB at D = 128. Its dQ is summed by
-# atomic adds, so `deterministic=True` keeps the portable kernels.
+# atomic adds, ordered by key block under `deterministic=True`.
 SM90_WS_BWD = AttnConfig(64, 128, 4, 2, True)
 SM90_WS_BWD_MIN_KEYS = {False: 1024, True: 1024}
 # The FP8 forward takes the same schedule and thresholds with e4m3 tiles (V as a transposed copy,
@@ -132,8 +132,8 @@ def prefill_fwd_sm90_config(options: AttnOptions, dtype: torch.dtype, seqlen_k: 
 
 def prefill_bwd_sm90_config(options: AttnOptions, dtype: torch.dtype, seqlen_k: int,
                             target: Optional[Target]) -> Optional[AttnConfig]:
-    """The fused Hopper backward's config for a dense call without dropout and not `deterministic` whose
-    tensors descriptors can address, or None where the portable kernels run (see SM90_WS_BWD)."""
+    """The fused Hopper backward's config for a dense call without dropout whose tensors descriptors can
+    address, or None where the portable kernels run (see SM90_WS_BWD)."""
     if target is None or target.capability[0] != 9 or target.smem_per_block < HOPPER_SMEM:
         return None
     if options.head_dim != 128 or options.head_dim_pad != 128 or dtype not in (torch.float16, torch.bfloat16):

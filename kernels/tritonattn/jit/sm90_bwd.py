@@ -29,7 +29,14 @@ to run). A program runs three partitions:
 The call's other paths (variants, dropout, packed sequences, other head dims) are the portable kernels'; this
 one takes dense fp16 / bf16 calls at head dim 128, causal or not, MHA / GQA / MQA. Delta = rowsum(dO * O) comes
 from the portable preprocessing kernel; DQ_accum must be zero on entry (launch/sm90.py `backward`).
-"""
+
+[Note] Deterministic dQ: with DETERMINISTIC, the adds into each (consumer half, head, query block) of
+DQ_accum come in key-block order. Turns holds one int32 counter per (consumer, batch * head, query block),
+zero on entry: a consumer waits (acquire) until its counter reaches the program's key-block index, adds its
+tile, and after a barrier of its warpgroup (every thread's adds issued before it) increments the counter
+(release). The key blocks that touch a query block are 0..n_max (causal: those whose m_lo is at or below it),
+each adds once, and programs start in index order, so program n waits only on programs that started before
+it; the float sums then follow one order run to run."""
 
 from __future__ import annotations
 
@@ -80,12 +87,13 @@ def _bwd_loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, d
 @gluon.jit
 def _bwd_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, kv_bar, q_ready,
                   do_ready, q_empty, do_empty, ds_ready, ds_free, DQ_accum, DK, DV, stride_dqm, stride_dqh, stride_dkn,
-                  stride_dvn, M, N, start_n, m_lo, n_m, n_steps, diag, softmax_scale,
+                  stride_dvn, M, N, start_n, m_lo, n_m, n_steps, diag, softmax_scale, Turns, pid_n,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, HALF: gl.constexpr, NUM_STAGES: gl.constexpr,
-                  IS_CAUSAL: gl.constexpr):
+                  IS_CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr):
     """One warpgroup: keys [start_n + WG * HALF, + HALF) of the program; dK, dV of those keys in registers over
     every step, and columns [WG * D / 2, + D / 2) of each step's dQ. DQ_accum, DK and DV point at this batch
-    entry (DQ_accum at the group's first head, DK and DV at the KV head)."""
+    entry (DQ_accum at the group's first head, DK and DV at the KV head); Turns at this consumer's counters of
+    the group's first head (DETERMINISTIC)."""
     dtype: gl.constexpr = q_smem.dtype
     NUM_WARPS: gl.constexpr = gl.num_warps()
     s_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_M, dtype)  # S^T, dP^T: [HALF keys, BLOCK_M queries]
@@ -158,7 +166,14 @@ def _bwd_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, lse_smem, d
         cols = WG * DQ_COLS + gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, q_layout))
         ptrs = (DQ_accum + g.to(gl.int64) * stride_dqh + gl.expand_dims(rows_q.to(gl.int64) * stride_dqm, 1)
                 + gl.expand_dims(cols, 0))
+        if DETERMINISTIC:  # [Note] Deterministic dQ: wait for the programs of the keys before these
+            turn = Turns + g * gl.cdiv(M, BLOCK_M) + start_m // BLOCK_M
+            while gl.atomic_add(turn, 0, sem="acquire") < pid_n:
+                pass
         gl.atomic_add(ptrs, dq * softmax_scale, mask=gl.expand_dims(rows_q < M, 1), sem="relaxed")
+        if DETERMINISTIC:  # every thread's adds are done before the next program's turn
+            gl.thread_barrier()
+            gl.atomic_add(turn, 1, sem="release")
     rows_k = k_first + gl.arange(0, HALF, layout=rows_o)
     cols = gl.arange(0, HEAD_DIM, layout=cols_o)
     mask = gl.expand_dims(rows_k < N, 1)
@@ -170,7 +185,7 @@ def _bwd_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, lse_smem, d
 
 @gluon.jit
 def bwd_kernel_sm90_ws(
-    Q, K, V, DO, Lse2, Delta, DQ_accum, DK, DV,
+    Q, K, V, DO, Lse2, Delta, DQ_accum, DK, DV, Turns,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -184,7 +199,7 @@ def bwd_kernel_sm90_ws(
     IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
     HAS_SINKS: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, KV_FP8: gl.constexpr = False,
     HAS_TREE: gl.constexpr = False,
-    NUM_STAGES: gl.constexpr = 2,
+    NUM_STAGES: gl.constexpr = 2, DETERMINISTIC: gl.constexpr = False,
 ):
     """One program per (key block of BLOCK_N, batch entry, KV head): dK and dV of those keys over every query
     block of every query head in the KV head's group, and their share of dQ added into DQ_accum (float32, q's
@@ -255,17 +270,20 @@ def bwd_kernel_sm90_ws(
     fence_async_shared()
 
     DQ_accum += off_b * stride_dqb + first_h * stride_dqh
+    Turns += (off_b * H + first_h) * gl.cdiv(M, BLOCK_M)
     DK += off_b * stride_dkb + off_hk * stride_dkh
     DV += off_b * stride_dvb + off_hk * stride_dvh
     gl.warp_specialize([
         (_bwd_consumer, (0, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, kv_bar, q_ready,
                          do_ready, q_empty, do_empty, ds_ready, ds_free, DQ_accum, DK, DV, stride_dqm, stride_dqh,
                          stride_dkn, stride_dvn, M, N, start_n, m_lo, n_m, n_steps, diag, softmax_scale,
-                         HEAD_DIM, BLOCK_M, HALF, NUM_STAGES, IS_CAUSAL)),
+                         Turns + 0 * (gl.num_programs(1) * GROUP) * gl.cdiv(M, BLOCK_M), pid_n,
+                         HEAD_DIM, BLOCK_M, HALF, NUM_STAGES, IS_CAUSAL, DETERMINISTIC)),
         (_bwd_consumer, (1, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, kv_bar, q_ready,
                          do_ready, q_empty, do_empty, ds_ready, ds_free, DQ_accum, DK, DV, stride_dqm, stride_dqh,
                          stride_dkn, stride_dvn, M, N, start_n, m_lo, n_m, n_steps, diag, softmax_scale,
-                         HEAD_DIM, BLOCK_M, HALF, NUM_STAGES, IS_CAUSAL)),
+                         Turns + 1 * (gl.num_programs(1) * GROUP) * gl.cdiv(M, BLOCK_M), pid_n,
+                         HEAD_DIM, BLOCK_M, HALF, NUM_STAGES, IS_CAUSAL, DETERMINISTIC)),
         (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
                        lse_smem, delta_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, start_n, m_lo, n_m, n_steps,
                        HALF, BLOCK_M, NUM_STAGES)),

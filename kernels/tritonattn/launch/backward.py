@@ -99,16 +99,16 @@ def _preprocess(out, dout, delta, lse, batch, seqlen_q, options: AttnOptions, pa
     return dsinks_part
 
 
-def _launch_sm90_backward(dout, q, k, v, out, lse, dq, dk, dv, delta, options: AttnOptions,
-                          config: AttnConfig) -> None:
+def _launch_sm90_backward(dout, q, k, v, out, lse, dq, dk, dv, delta, options: AttnOptions, config: AttnConfig,
+                          deterministic: bool) -> None:
     """The fused Hopper backward (launch/sm90.py `backward`) after the preprocessing; dQ is accumulated in
-    float32 by atomic adds and cast into dq."""
+    float32 by atomic adds (in key-block order if `deterministic`) and cast into dq."""
     from .sm90 import backward as sm90_backward  # Gluon, imported only where it runs
 
     ensure_tma_allocator()
     with on_device(q):
         _preprocess(out, dout, delta, lse, q.shape[0], q.shape[1], options, False, {}, {})
-        dq.copy_(sm90_backward(dout, q, k, v, lse, delta, dk, dv, options, config))
+        dq.copy_(sm90_backward(dout, q, k, v, lse, delta, dk, dv, options, config, deterministic))
 
 
 def launch_backward(
@@ -131,13 +131,14 @@ def launch_backward(
     seqlen_q) float32, and dsinks (nheads,) float32 with sinks (else None).
 
     On Hopper, where `prefill_bwd_sm90_config` admits the call and `configs` is not given, the fused
-    backward runs: its dQ is summed by atomic adds, so its last bits vary run to run. `deterministic=True`
-    keeps the portable kernels, whose gradients are bit-identical run to run."""
+    backward runs: its dQ is summed by atomic adds, so its last bits vary run to run, unless `deterministic`
+    orders the adds ([Note] Deterministic dQ in jit/sm90_bwd.py). The portable kernels use no atomics:
+    bit-identical run to run either way."""
     batch, seqlen_q, nheads, _ = q.shape
     seqlen_k = k.shape[1]
     target = device_target(q.device)
     fused = None
-    if configs is None and drop is None and not deterministic:
+    if configs is None and drop is None:
         fused = prefill_bwd_sm90_config(options, q.dtype, seqlen_k, target)
     configs = _backward_configs(options, q.dtype, target, configs)
     if dout.stride(-1) != 1:
@@ -157,7 +158,7 @@ def launch_backward(
         delta.zero_()
         return dq, dk, dv, delta, _no_dsinks(options, nheads, q.device)
     if fused is not None:
-        _launch_sm90_backward(dout, q, k, v, out, lse, dq, dk, dv, delta, options, fused)
+        _launch_sm90_backward(dout, q, k, v, out, lse, dq, dk, dv, delta, options, fused, deterministic)
         return dq, dk, dv, delta, None
     dsinks = _launch_backward_kernels(dout, q, k, v, out, lse, dq, dk, dv, delta, batch, seqlen_q, seqlen_k, options,
                                       configs, {}, drop, tensors)

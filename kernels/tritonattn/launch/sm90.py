@@ -91,11 +91,12 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
 
 def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
              delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, options: AttnOptions,
-             config: AttnConfig) -> torch.Tensor:
+             config: AttnConfig, deterministic: bool = False) -> torch.Tensor:
     """Launch the fused backward (jit/sm90_bwd.py) on dense (batch, seqlen, heads, 128) fp16 / bf16 tensors whose
     rows TMA can address, without variants: lse and delta (batch, nheads, seqlen_q) float32 (delta from the
     portable preprocessing); writes dk and dv (k's and v's shapes) and returns dQ as float32 (q's shape, softmax
-    scale applied; the caller casts it). Its atomic adds make dQ's last bits vary run to run."""
+    scale applied; the caller casts it). Its atomic adds make dQ's last bits vary run to run, unless
+    `deterministic`: then they come in key-block order ([Note] Deterministic dQ in jit/sm90_bwd.py)."""
     batch, seqlen_q, nheads, _ = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -107,9 +108,11 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     delta_rows[..., :seqlen_q] = delta
     grid = (triton.cdiv(seqlen_k, config.block_n), batch * nheads_k, 1)
     strides = [stride for t in (q, k, v, dout, dq_accum, dk, dv) for stride in t.stride()[:3]]
-    args = (q, k, v, dout, lse2, delta_rows, dq_accum, dk, dv, *strides, nheads, seqlen_q, seqlen_k,
+    turns = torch.zeros((2 * batch * nheads * rows // config.block_m) if deterministic else 1, dtype=torch.int32,
+                        device=q.device)  # [Note] Deterministic dQ: (consumer, batch * head, query block)
+    args = (q, k, v, dout, lse2, delta_rows, dq_accum, dk, dv, turns, *strides, nheads, seqlen_q, seqlen_k,
             nheads // nheads_k)
     kwargs = dict(**options.runtime, **options.constexprs, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-                  NUM_STAGES=config.num_stages)
+                  NUM_STAGES=config.num_stages, DETERMINISTIC=deterministic)
     _bwd_launcher(None, grid, args, config.num_warps, 1, kwargs, q.device.index or 0, maxnreg=SM90_MAXNREG)
     return dq_accum
