@@ -82,13 +82,15 @@ SM90_WS_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
 FP8_VALUES_BLOCK = 128  # keys per program of the FP8 forward's V copy (jit/layout.py)
 
 
-# What jit/sm90.py uses of Gluon, by module; "a|b": either name (the TMA copies were renamed in Triton 3.8,
-# and 3.9 keeps the old names only as stubs that raise, so the new name is looked for first). Detected rather
-# than read off the version number: Triton 3.5's Gluon lacks gl.num_warps and tma.make_tensor_descriptor.
+# What jit/sm90.py and jit/sm90_bwd.py use of Gluon, by module; "a|b": either name (the TMA copies were renamed
+# in Triton 3.8, and 3.9 keeps the old names only as stubs that raise, so the new name is looked for first).
+# Detected rather than read off the version number: Triton 3.5's Gluon lacks gl.num_warps and
+# tma.make_tensor_descriptor.
 GLUON_SM90_API = {
     "triton.experimental.gluon.language": ("warp_specialize", "num_warps", "NVMMADistributedLayout",
                                            "NVMMASharedLayout", "DotOperandLayout", "SliceLayout",
-                                           "allocate_shared_memory", "static_range", "convert_layout", "atomic_add"),
+                                           "allocate_shared_memory", "static_range", "convert_layout", "atomic_add",
+                                           "barrier|thread_barrier"),
     "triton.experimental.gluon.language.nvidia.hopper": ("warpgroup_mma", "warpgroup_mma_wait",
                                                          "fence_async_shared"),
     "triton.experimental.gluon.language.nvidia.hopper.tma": ("make_tensor_descriptor", "store_wait",

@@ -54,6 +54,8 @@ from ..config.tables import SM90_CONSUMER_REGS, SM90_LOADER_REGS
 from .common import LOG2E, gqa_q_head
 from .sm90 import mma_layout, smem_layout, tma_load
 
+# a barrier of the calling partition's threads: `barrier` from Triton 3.7, `thread_barrier` before
+cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 CONSUMER_REGS = gl.constexpr(SM90_CONSUMER_REGS)
 LOADER_REGS = gl.constexpr(SM90_LOADER_REGS)
 
@@ -172,7 +174,7 @@ def _bwd_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, lse_smem, d
                 pass
         gl.atomic_add(ptrs, dq * softmax_scale, mask=gl.expand_dims(rows_q < M, 1), sem="relaxed")
         if DETERMINISTIC:  # every thread's adds are done before the next program's turn
-            gl.thread_barrier()
+            cta_barrier()
             gl.atomic_add(turn, 1, sem="release")
     rows_k = k_first + gl.arange(0, HALF, layout=rows_o)
     cols = gl.arange(0, HEAD_DIM, layout=cols_o)
