@@ -430,16 +430,23 @@ def test_sm90_backward_compiles_for_hopper(causal, deterministic):
     assert result["shared"] <= TARGETS["H100"].smem_per_block
 
 
-def test_backward_rule_picks_the_fused_kernel():
-    """Planned for an H100: a dense 16-bit backward at head dim 128 without variants or dropout records the fused
-    kernel, `deterministic=True` too (its ordered form); a variant, dropout, another head dim or card, and short
-    keys record the portable ones."""
+def test_backward_rule_picks_the_fused_kernel(monkeypatch):
+    """Planned for an H100 with TRITONATTN_SM90_BWD=1: a dense 16-bit backward at head dim 128 without variants or
+    dropout records the fused kernel, `deterministic=True` too (its ordered form); a variant, dropout, another head
+    dim or card, and short keys record the portable ones. Without the opt-in, or with TRITONATTN_SM90=0, none
+    does."""
     from tritonattn.config.options import Dropout
     from tritonattn.config.tables import SM90_WS_BWD_MIN_KEYS, prefill_bwd_sm90_config
     from tritonattn.launch.backward import launch_backward
 
     h100 = TARGETS["H100"]
     full, causal = attn_options(128, None, False), attn_options(128, None, True)
+    monkeypatch.delenv("TRITONATTN_SM90_BWD", raising=False)
+    assert prefill_bwd_sm90_config(causal, torch.bfloat16, 4096, h100) is None
+    monkeypatch.setenv("TRITONATTN_SM90_BWD", "1")
+    monkeypatch.setenv("TRITONATTN_SM90", "0")
+    assert prefill_bwd_sm90_config(causal, torch.bfloat16, 4096, h100) is None
+    monkeypatch.delenv("TRITONATTN_SM90")
     expected = gluon_sm90_available()
     for options in (full, causal):
         keys = SM90_WS_BWD_MIN_KEYS[options.causal]
@@ -476,10 +483,12 @@ def test_backward_rule_picks_the_fused_kernel():
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("heads", [(8, 2), (4, 4)], ids=["gqa", "mha"])
 def test_public_backward_takes_the_fused_kernel(causal, heads, monkeypatch):
-    """flash_attn_func's backward runs the fused kernel, by default and with deterministic=True, and both agree
+    """Opted in, flash_attn_func's backward runs the fused kernel, by default and with deterministic=True; both agree
     with the reference by the suite's rule; with deterministic=True two runs give bit-identical gradients (the
     default's dq may differ in its last bits; its dk and dv may not)."""
     import tritonattn.launch.sm90 as sm90
+
+    monkeypatch.setenv("TRITONATTN_SM90_BWD", "1")
 
     q, k, v = make_qkv(2, 2000, 2000, *heads, 128, torch.bfloat16, seed=3)
     dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16)

@@ -136,11 +136,11 @@ def flash_attn_func(
         softcap: > 0 caps the scaled scores: s -> softcap * tanh(s / softcap); <= 0 for none.
         alibi_slopes: None, or float32 (nheads,) or (batch, nheads): adds -slope * |d - j| to the
             scaled scores (ALiBi).
-        deterministic: flash-attn's flag, for the backward. On Hopper, at head dim 128 without
-            variants or dropout, the fused backward sums dQ by atomic adds: in any order by default,
-            so dq's last bits vary run to run (dk and dv do not); in key-block order with True,
-            bit-identical run to run. Elsewhere the backward uses no atomics (dK/dV of a KV head
-            summed over its q-head group in registers, dQ in its own kernel): bit-identical either way.
+        deterministic: flash-attn's flag, for the backward. The backward uses no atomics (dK/dV of a
+            KV head summed over its q-head group in registers, dQ in its own kernel): bit-identical run
+            to run either way. Opted in on Hopper (TRITONATTN_SM90_BWD=1; head dim 128, no variants
+            or dropout), the fused backward sums dQ by atomic adds: in any order by default, so dq's
+            last bits vary run to run (dk and dv do not); in key-block order with True, bit-identical.
         return_attn_probs: flash-attn's testing aid: also return softmax_lse and S_dmask, None
             without dropout; with dropout (batch, nheads, seqlen_q, seqlen_k) in q's dtype, S_dmask[b,
             h, i, j] = exp(score_ij - max_j' score_ij') (scores scaled), negated where the pair was

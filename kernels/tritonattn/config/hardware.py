@@ -41,6 +41,12 @@ def sm90_switch() -> bool:
     return os.environ.get("TRITONATTN_SM90", "1") != "0"
 
 
+def sm90_backward_switch() -> bool:
+    """TRITONATTN_SM90_BWD (read per call): "1" opts the dense backward in to Hopper's fused kernel (experimental:
+    off by default; TRITONATTN_SM90=0 keeps it off too)."""
+    return os.environ.get("TRITONATTN_SM90_BWD", "0") == "1" and sm90_switch()
+
+
 def has_gpu() -> bool:
     """True when a CUDA device is usable by PyTorch."""
     return torch.cuda.is_available()

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from .hardware import PDL, Target, has_tma, sm90_switch
+from .hardware import PDL, Target, has_tma, sm90_backward_switch, sm90_switch
 from .options import KV_FP8_DTYPES, AttnOptions
 
 HOPPER_SMEM = 200 * 1024  # a device with at least this much smem per block gets the big-tile table
@@ -71,7 +71,8 @@ SM90_WS_FWD = AttnConfig(128, 128, 4, 2, True)
 SM90_WS_MIN_KEYS = {False: 1024, True: 2048}
 # The fused Hopper backward (jit/sm90_bwd.py): 64 query rows per step, 128 keys per program (64 per consumer
 # warpgroup), Q / dO rings of 2 slots: K, V 64 KB, the rings 64 KB, dS 32 KB at D = 128. Its dQ is summed by
-# atomic adds, ordered by key block under `deterministic=True`.
+# atomic adds, ordered by key block under `deterministic=True`. Opt-in (TRITONATTN_SM90_BWD=1) until its
+# speed and its errors are measured on a GPU; the key threshold is provisional.
 SM90_WS_BWD = AttnConfig(64, 128, 4, 2, True)
 SM90_WS_BWD_MIN_KEYS = {False: 1024, True: 1024}
 # The FP8 forward takes the same schedule and thresholds with e4m3 tiles (V as a transposed copy,
@@ -135,7 +136,7 @@ def prefill_fwd_sm90_config(options: AttnOptions, dtype: torch.dtype, seqlen_k: 
 def prefill_bwd_sm90_config(options: AttnOptions, dtype: torch.dtype, seqlen_k: int,
                             target: Optional[Target]) -> Optional[AttnConfig]:
     """The fused Hopper backward's config for a dense call without dropout whose tensors descriptors can
-    address, or None where the portable kernels run (see SM90_WS_BWD)."""
+    address, where TRITONATTN_SM90_BWD=1 opts in, or None where the portable kernels run (see SM90_WS_BWD)."""
     if target is None or target.capability[0] != 9 or target.smem_per_block < HOPPER_SMEM:
         return None
     if options.head_dim != 128 or options.head_dim_pad != 128 or dtype not in (torch.float16, torch.bfloat16):
@@ -143,7 +144,7 @@ def prefill_bwd_sm90_config(options: AttnOptions, dtype: torch.dtype, seqlen_k: 
     if (options.has_window or options.softcap > 0.0 or options.alibi or options.sinks or options.seqused_k
             or options.kv_fp8 or options.tree):
         return None
-    if seqlen_k < SM90_WS_BWD_MIN_KEYS[options.causal] or not sm90_switch():
+    if seqlen_k < SM90_WS_BWD_MIN_KEYS[options.causal] or not sm90_backward_switch():
         return None
     return SM90_WS_BWD if gluon_sm90_available() else None
 

@@ -130,10 +130,10 @@ def launch_backward(
     (validated buffers with a contiguous last dim), delta = rowsum(dout * out) (batch, nheads,
     seqlen_q) float32, and dsinks (nheads,) float32 with sinks (else None).
 
-    On Hopper, where `prefill_bwd_sm90_config` admits the call and `configs` is not given, the fused
-    backward runs: its dQ is summed by atomic adds, so its last bits vary run to run, unless `deterministic`
-    orders the adds ([Note] Deterministic dQ in jit/sm90_bwd.py). The portable kernels use no atomics:
-    bit-identical run to run either way."""
+    On Hopper, where `prefill_bwd_sm90_config` admits the call (TRITONATTN_SM90_BWD=1) and `configs` is not
+    given, the fused backward runs: its dQ is summed by atomic adds, so its last bits vary run to run, unless
+    `deterministic` orders the adds ([Note] Deterministic dQ in jit/sm90_bwd.py). The portable kernels use no
+    atomics: bit-identical run to run either way."""
     batch, seqlen_q, nheads, _ = q.shape
     seqlen_k = k.shape[1]
     target = device_target(q.device)
