@@ -72,7 +72,7 @@ SM90_WS_MIN_KEYS = {False: 1024, True: 2048}
 # The fused Hopper backward (jit/sm90_bwd.py): 64 query rows per step, 128 keys per program (64 per consumer
 # warpgroup), Q / dO rings of 2 slots: K, V 64 KB, the rings 64 KB, dS 32 KB at D = 128. Its dQ is summed by
 # atomic adds, ordered by key block under `deterministic=True`. Opt-in (TRITONATTN_SM90_BWD=1): correct on an
-# H100, but slower there than the portable backward (0.70-0.85x its speed at 16 x 1024 to 1 x 16384 tokens,
+# H100, but slower there than the portable backward (0.70-0.89x its speed at 16 x 1024 to 1 x 16384 tokens,
 # bf16; docs/perf-notes.md, "Prefill at cuDNN's speed on Hopper"), so the default stays portable.
 SM90_WS_BWD = AttnConfig(64, 128, 4, 2, True)
 SM90_WS_BWD_MIN_KEYS = {False: 1024, True: 1024}
